@@ -1,0 +1,1 @@
+"""dsa-jax public API."""

@@ -1,0 +1,121 @@
+"""AOT Mosaic compiles for real TPU generations on a CPU-only machine, and the chip facts
+(VMEM, HBM bandwidth, peak rates) that size blocks and give roofline denominators.
+
+How (see ``shared/SPEC.md``): libtpu (the ``jax[tpu]`` extra) provides TPU topologies without a
+TPU. ``jax.jit(f).trace(*specs).lower().compile()`` inside ``jax.default_device(topology
+device)`` runs the real Mosaic compiler, which enforces the tiling rules that interpret mode
+does not check. Works under ``JAX_PLATFORMS=cpu``.
+
+Each kernel module exposes ``compile_cases(quick: bool) -> list[CompileCase]``; the compile
+gate tests and ``scripts/tpu_compile_report.py`` iterate over them (one implementation).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import jax
+from jax.experimental import topologies
+from jax.experimental.pallas import tpu as pltpu
+
+# chip name -> (topology name for get_topology_desc, ChipVersion for get_tpu_info_for_chip)
+CHIPS: dict[str, tuple[str, pltpu.ChipVersion]] = {
+    "v5e": ("v5e:2x2", pltpu.ChipVersion.TPU_V5E),
+    "v6e": ("v6e:2x2", pltpu.ChipVersion.TPU_V6E),
+    "tpu7x": ("tpu7x:2x2x1", pltpu.ChipVersion.TPU_7X),
+}
+
+
+class CompileError(RuntimeError):
+    """An AOT compile failed; names the chip, the case and Mosaic's message."""
+
+    def __init__(self, chip: str, case: str, message: str):
+        self.chip, self.case, self.message = chip, case, message
+        super().__init__(f"[{chip}] {case}: {message}")
+
+
+def check_chip(chip: str) -> str:
+    if chip not in CHIPS:
+        raise ValueError(f"unknown chip {chip!r}; expected one of {sorted(CHIPS)}")
+    return chip
+
+
+@functools.cache
+def topology_device(chip: str):
+    """First device of a small topology of ``chip`` (no TPU needed; needs libtpu)."""
+    name, _ = CHIPS[check_chip(chip)]
+    return topologies.get_topology_desc(platform="tpu", topology_name=name).devices[0]
+
+
+@functools.cache
+def chip_info(chip: str):
+    """``pltpu.get_tpu_info_for_chip`` for ``chip`` (VMEM bytes, HBM B/s, peak ops/s)."""
+    return pltpu.get_tpu_info_for_chip(CHIPS[check_chip(chip)][1], 1)
+
+
+def detect_chip() -> str | None:
+    """The chip of the default backend when it is a TPU we know, else None."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return None
+    if dev.platform != "tpu":
+        return None
+    kind = dev.device_kind.lower()
+    for chip, tag in (("v5e", "v5 lite"), ("v6e", "v6 lite"), ("tpu7x", "7x")):
+        if tag in kind:
+            return chip
+    return None
+
+
+def aot_compile(fn: Callable, specs: list[jax.ShapeDtypeStruct], chip: str, case: str = ""):
+    """Compile ``fn(*specs)`` for ``chip``; return the compiled object or raise CompileError."""
+    dev = topology_device(chip)
+    sharding = jax.sharding.SingleDeviceSharding(dev)
+    placed = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in specs]
+    try:
+        with jax.default_device(dev):
+            return jax.jit(fn).trace(*placed).lower().compile()
+    except Exception as e:  # Mosaic raises several types; keep its message whole
+        raise CompileError(chip, case, f"{type(e).__name__}: {e}") from e
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """A kernel's modelled cost: HBM bytes it moves, the minimum (each input read once, each
+    output written once), flops, and the VMEM it allocates."""
+
+    bytes_moved: int
+    bytes_min: int
+    flops: int
+    vmem_bytes: int
+
+    @property
+    def ratio(self) -> float:
+        return self.bytes_moved / max(self.bytes_min, 1)
+
+    def roofline_seconds(self, chip: str) -> float:
+        """``max(bytes / HBM bandwidth, flops / peak bf16)`` for ``chip`` (a model)."""
+        info = chip_info(chip)
+        return max(self.bytes_moved / info.mem_bw_bytes_per_second,
+                   self.flops / info.bf16_ops_per_second)
+
+
+@dataclass(frozen=True)
+class CompileCase:
+    """One kernel x shape for the compile gate: ``fn(*specs)`` and its traffic model per chip.
+
+    ``traffic(chip)`` returns the model for the blocks the kernel picks on that chip."""
+
+    kernel: str
+    shape: str
+    fn_for_chip: Callable[[str], Callable]
+    specs: list[jax.ShapeDtypeStruct]
+    traffic: Callable[[str], Traffic]
+    tags: tuple[str, ...] = field(default=())
+
+    def compile(self, chip: str):
+        return aot_compile(self.fn_for_chip(chip), self.specs, chip,
+                           f"{self.kernel} {self.shape}")

@@ -1,0 +1,21 @@
+"""Pure-jnp DeepSeek Sparse Attention: the oracles for the Pallas kernels and the flag-off
+serving path. Every op is jittable with static shapes."""
+
+from reference.index_share import build_index_share_map, glm_index_share_pattern
+from reference.indexer_topk import streamindex_topk_ref
+from reference.page_sparse_mla import page_sparse_mla_ref
+from reference.page_topk import streamindex_page_topk_ref
+from reference.selection import DEFAULT_RECALL_TARGET, finish_selection, select_topk
+from reference.sparse_mla import sparse_mla_ref
+
+__all__ = [
+    "DEFAULT_RECALL_TARGET",
+    "build_index_share_map",
+    "finish_selection",
+    "glm_index_share_pattern",
+    "page_sparse_mla_ref",
+    "select_topk",
+    "sparse_mla_ref",
+    "streamindex_page_topk_ref",
+    "streamindex_topk_ref",
+]

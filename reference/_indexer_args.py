@@ -1,0 +1,28 @@
+"""Static checks of the indexer top-k arguments (token and page top-k share them)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from reference import _checks
+
+
+def check_indexer_args(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
+                       distribution, *, pages_per_seq: int, one_token_per_seq: bool) -> None:
+    """Refuse inconsistent shapes/dtypes/statics, naming the argument and the numbers."""
+    _checks.rank("q", q, 3)
+    _checks.floating("q", q)
+    num_rows, heads, dim = np.shape(q)
+    _checks.rank("weights", weights, 2)
+    _checks.floating("weights", weights)
+    _checks.dim("weights", weights, 0, num_rows, "q.shape[0] (T)")
+    _checks.dim("weights", weights, 1, heads, "q.shape[1] (H)")
+    _checks.paged_cache("cache_kv", cache_kv, dim, "q.shape[2] (D)")
+    num_seqs = _checks.ragged_metadata(seq_lens, page_indices, cu_q_lens, cu_kv_lens,
+                                       distribution)
+    _checks.positive_int("pages_per_seq", pages_per_seq)
+    if not isinstance(one_token_per_seq, bool):
+        raise TypeError(f"one_token_per_seq must be a bool, got {one_token_per_seq!r}")
+    if one_token_per_seq and num_rows != num_seqs:
+        raise ValueError(f"one_token_per_seq=True needs one row per sequence: q.shape[0] (T) = "
+                         f"{num_rows} != len(seq_lens) (S) = {num_seqs}")

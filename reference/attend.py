@@ -1,0 +1,92 @@
+"""Attention of each query row over an explicit list of its sequence's tokens.
+
+The core of both sparse MLA references. Per query row ``t`` with selected tokens ``K(t)``:
+
+    logits[t, h, j] = sm_scale * q[t, h, :] . c[j, :]          j in K(t)
+    out[t, h, :]    = softmax_j(logits) @ c[j, :v_dim]
+    lse[t, h]       = log(sum_j exp(logits))                     natural log
+
+Gather rule: an entry is *valid* only if its row belongs to a sequence, ``0 <= idx <
+min(kv_len, capacity_tokens)``, its page slot and page id are in range, and (``causal=True``)
+``idx <= abs_pos``. Invalid entries are never gathered (``mode="fill"`` reads nothing) and
+contribute exactly zero, so NaN in any slot that is not selected cannot reach the output.
+A row with no valid entry gives zeros and ``lse = -inf``. Duplicate entries count once per
+occurrence (a token listed twice gets twice the weight), matching a plain softmax over slots.
+
+Cost: each row gathers its own ``n`` rows (no per-sequence copy of the cache). Rows are processed
+in chunks sized so one chunk's gathered rows and logits stay within ``GATHER_BLOCK_BYTES``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from reference import batch
+
+GATHER_BLOCK_BYTES = 64 * 1024 * 1024
+
+
+def token_slots(idx, rows: batch.RowFacts, kv_lens, page_indices, cu_kv_lens, *,
+                page_size: int, pages_per_seq: int, num_pages: int, causal: bool):
+    """Flat cache slots (``page_id * page_size + offset``) of ``idx i32[R, n]``.
+
+    Returns (slots i32[R, n], valid bool[R, n]); invalid slots are ``num_pages * page_size``
+    (one past the end, so a fill-mode gather reads nothing).
+    """
+    cap = batch.capacity_tokens(page_size, pages_per_seq)
+    kv_len = jnp.clip(kv_lens[rows.seq], 0, cap)[:, None]
+    valid = rows.in_seq[:, None] & (idx >= 0) & (idx < kv_len)
+    if causal:
+        valid &= idx <= rows.abs_pos[:, None]
+    safe_idx = jnp.where(valid, idx, 0)
+    slot = (cu_kv_lens[rows.seq] // page_size)[:, None] + safe_idx // page_size
+    valid &= (slot >= 0) & (slot < page_indices.shape[0])
+    pid = jnp.take(page_indices, jnp.where(valid, slot, 0), axis=0)
+    valid &= (pid >= 0) & (pid < num_pages)
+    flat = pid * page_size + safe_idx % page_size
+    return jnp.where(valid, flat, num_pages * page_size).astype(jnp.int32), valid
+
+
+def _attend_rows(q, rows_kv, valid, *, sm_scale: float, v_dim: int):
+    """q f[R, H, D], rows_kv f32[R, n, D] (zeros where invalid), valid bool[R, n]."""
+    prec = jax.lax.Precision.HIGHEST
+    logits = jnp.einsum("rhd,rnd->rhn", q.astype(jnp.float32), rows_kv, precision=prec)
+    logits = jnp.where(valid[:, None, :], logits * sm_scale, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(logits - m_safe)  # exp(-inf) = 0 for invalid entries
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("rhn,rnd->rhd", p, rows_kv[..., :v_dim], precision=prec)
+    out = out / jnp.where(denom > 0, denom, 1.0)
+    lse = jnp.where(denom[..., 0] > 0, m_safe[..., 0] + jnp.log(denom[..., 0]), -jnp.inf)
+    return out, lse
+
+
+def attend_selected(q, cache, slots, valid, *, sm_scale: float, v_dim: int):
+    """Attend every row of ``q: f[T, H, D]`` over its ``slots i32[T, n]`` of the flattened
+    ``cache: f[num_pages, page_size, D]``. Returns (out f32[T, H, v_dim], lse f32[T, H])."""
+    num_rows, heads, _ = q.shape
+    n = slots.shape[1]
+    feat = cache.shape[-1]
+    flat_cache = cache.reshape(-1, feat)
+    per_row = 4 * (n * feat + 2 * heads * n + heads * v_dim)
+    chunk = max(1, min(num_rows, GATHER_BLOCK_BYTES // per_row))
+    n_chunks = -(-num_rows // chunk)
+
+    def chunk_body(c, carry):
+        out, lse = carry
+        s0 = jnp.minimum(c * chunk, num_rows - chunk)  # clamp: the last chunk may overlap
+        sl = jax.lax.dynamic_slice_in_dim(slots, s0, chunk, 0)
+        ok = jax.lax.dynamic_slice_in_dim(valid, s0, chunk, 0)
+        kv = jnp.take(flat_cache, sl, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
+        o, l_ = _attend_rows(jax.lax.dynamic_slice_in_dim(q, s0, chunk, 0), kv, ok,
+                             sm_scale=sm_scale, v_dim=v_dim)
+        return (jax.lax.dynamic_update_slice_in_dim(out, o, s0, 0),
+                jax.lax.dynamic_update_slice_in_dim(lse, l_, s0, 0))
+
+    init = (jnp.zeros((num_rows, heads, v_dim), jnp.float32),
+            jnp.full((num_rows, heads), -jnp.inf, jnp.float32))
+    if n_chunks == 1:
+        return chunk_body(0, init)
+    return jax.lax.fori_loop(0, n_chunks, chunk_body, init)

@@ -1,0 +1,131 @@
+"""Lightning-indexer scores and the row-window driver shared by token and page top-k.
+
+    score[t, s] = sum_h w[t, h] * relu(q[t, h, :] . k[s, :])        (f32 accumulate)
+
+Cost model of the general (ragged) path. For each active sequence the driver gathers the
+sequence's own keys once (``[capacity_tokens, D]``) and scores that sequence's rows in windows of
+``w`` rows, ``w`` drawn greedily (largest first) from a static ladder ``w_max, w_max/4, ..., 1``.
+Each row is therefore scored against its own sequence only: O(T * capacity_tokens) work, not the
+seed's O(S * T * capacity_tokens). Decode rows take the ``w = 1`` window, so a decode batch through
+the general path costs what the ``one_token_per_seq`` fast path costs.
+
+Memory bound (documented, static): one window's scores are ``f32[w_max, capacity_tokens]``,
+with ``w_max`` the largest power of two such that this is ``<= SCORE_BLOCK_BYTES`` (64 MiB),
+capped at ``MAX_WINDOW_ROWS`` and at ``T``. When the ``[w, H, capacity_tokens]`` head
+intermediate would exceed the same budget, heads are accumulated one at a time instead.
+Peak temporaries are therefore a small multiple of 64 MiB whatever T is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from reference import batch
+
+SCORE_BLOCK_BYTES = 64 * 1024 * 1024
+MAX_WINDOW_ROWS = 256
+
+
+def index_scores(q: jax.Array, w: jax.Array, keys: jax.Array) -> jax.Array:
+    """Indexer scores of ``q: f[R, H, D]`` (weights ``w: f[R, H]``) against ``keys: f[N, D]``.
+
+    Returns f32[R, N]. Inputs may be bf16 or f32; products accumulate in f32.
+    """
+    rows, heads, _ = q.shape
+    n = keys.shape[0]
+    w = w.astype(jnp.float32)
+    prec = jax.lax.Precision.HIGHEST
+    if rows * heads * n * 4 <= SCORE_BLOCK_BYTES:
+        s = jnp.einsum("rhd,nd->rhn", q, keys, preferred_element_type=jnp.float32,
+                       precision=prec)
+        return jnp.einsum("rh,rhn->rn", w, jax.nn.relu(s), precision=prec)
+
+    def head_step(h, acc):
+        q_h = jax.lax.dynamic_index_in_dim(q, h, axis=1, keepdims=False)
+        w_h = jax.lax.dynamic_index_in_dim(w, h, axis=1, keepdims=True)
+        s_h = jnp.einsum("rd,nd->rn", q_h, keys, preferred_element_type=jnp.float32,
+                         precision=prec)
+        return acc + jax.nn.relu(s_h) * w_h
+
+    return jax.lax.fori_loop(0, heads, head_step, jnp.zeros((rows, n), jnp.float32))
+
+
+def window_ladder(num_rows: int, capacity: int) -> tuple[int, ...]:
+    """Static window sizes (descending, ending in 1) for ``num_rows`` rows at ``capacity``."""
+    w_max = max(1, min(MAX_WINDOW_ROWS, num_rows, SCORE_BLOCK_BYTES // (4 * capacity)))
+    w_max = 1 << (w_max.bit_length() - 1)
+    ladder = []
+    w = w_max
+    while w > 1:
+        ladder.append(w)
+        w //= 4
+    return tuple(ladder) + (1,)
+
+
+# finish(scores f32[w, cap], token_ok bool[w, cap], abs_pos i32[w], kv_len i32) -> i32[w, width]
+# (kv_len is the effective length min(kv_len, capacity_tokens))
+Finish = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def _score_window(width_rows, q, w, keys, pages, start, q_start, q_end, kv_len, out,
+                  finish: Finish):
+    """Score rows ``[start, start + width_rows)`` (clamped into ``[0, T)``) of one sequence and
+    write the rows that lie in ``[start, q_end)`` into ``out``."""
+    num_rows = q.shape[0]
+    s0 = jnp.clip(start, 0, num_rows - width_rows)
+    rows = s0 + jnp.arange(width_rows, dtype=jnp.int32)
+    q_w = jax.lax.dynamic_slice_in_dim(q, s0, width_rows, axis=0)
+    w_w = jax.lax.dynamic_slice_in_dim(w, s0, width_rows, axis=0)
+    abs_pos = kv_len - (q_end - q_start) + (rows - q_start)
+    cap = pages.token_ok.shape[0]
+    causal = jnp.arange(cap, dtype=jnp.int32)[None, :] <= abs_pos[:, None]
+    token_ok = pages.token_ok[None, :] & causal
+    sel = finish(index_scores(q_w, w_w, keys), token_ok, abs_pos, pages.kv_len)
+    mine = (rows >= start) & (rows < q_end)
+    old = jax.lax.dynamic_slice_in_dim(out, s0, width_rows, axis=0)
+    return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine[:, None], sel, old), s0, 0)
+
+
+def score_and_select(q, weights, cache, kv_lens, page_indices, cu_q_lens, cu_kv_lens,
+                     distribution, *, pages_per_seq: int, out_width: int,
+                     one_token_per_seq: bool, finish: Finish) -> jax.Array:
+    """Drive ``finish`` over every active sequence's rows; rows outside stay ``-1``.
+
+    Returns i32[T, out_width].
+    """
+    num_rows = q.shape[0]
+    num_pages, page_size, _ = cache.shape
+    num_seqs = kv_lens.shape[0]
+    n_active = batch.num_active_seqs(distribution, num_seqs)
+    out = jnp.full((num_rows, out_width), -1, dtype=jnp.int32)
+    ladder = (1,) if one_token_per_seq else window_ladder(num_rows, page_size * pages_per_seq)
+    ladder_arr = jnp.asarray(ladder, dtype=jnp.int32)
+
+    def seq_body(seq_id, out):
+        pages = batch.seq_pages(seq_id, kv_lens, page_indices, cu_kv_lens, page_size=page_size,
+                                pages_per_seq=pages_per_seq, num_pages=num_pages)
+        keys = batch.gather_pages(cache, pages.page_ids)
+        if one_token_per_seq:  # row seq_id is the sequence's last token
+            q_start, q_end = seq_id, seq_id + 1
+        else:
+            q_start = jnp.clip(cu_q_lens[seq_id], 0, num_rows)
+            q_end = jnp.clip(cu_q_lens[seq_id + 1], q_start, num_rows)
+        q_end = jnp.where(seq_id < n_active, q_end, q_start)
+        branches = [
+            lambda start, out, wr=wr: _score_window(wr, q, weights, keys, pages, start, q_start,
+                                                    q_end, kv_lens[seq_id], out, finish)
+            for wr in ladder
+        ]
+
+        def body(carry):
+            start, out = carry
+            pick = jnp.sum(ladder_arr > q_end - start)  # largest window that fits
+            out = jax.lax.switch(pick, branches, start, out)
+            return start + ladder_arr[pick], out
+
+        return jax.lax.while_loop(lambda c: c[0] < q_end, body, (q_start, out))[1]
+
+    return jax.lax.fori_loop(0, num_seqs, seq_body, out)

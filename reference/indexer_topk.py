@@ -1,0 +1,65 @@
+"""Token top-k of the lightning indexer (reference; also the flag-off serving path)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from reference import index_scores, selection
+from reference._indexer_args import check_indexer_args
+
+_STATICS = ("k", "pages_per_seq", "one_token_per_seq", "num_segments", "recall_target", "exact")
+
+
+@functools.partial(jax.jit, static_argnames=_STATICS)
+def streamindex_topk_ref(
+    q: jax.Array,  # f32|bf16[T, H, D] indexer query heads
+    weights: jax.Array,  # f32|bf16[T, H] per-head mixing weights
+    cache_kv: jax.Array,  # f32|bf16[num_pages, page_size, D] paged indexer keys
+    seq_lens: jax.Array,  # i32[S] kv length per sequence (this step's tokens included)
+    page_indices: jax.Array,  # i32[N] packed page table
+    cu_q_lens: jax.Array,  # i32[S+1]
+    cu_kv_lens: jax.Array,  # i32[S+1] cumsum of page-aligned capacities (tokens)
+    distribution: jax.Array,  # i32[3] (decode_end, prefill_end, num_seqs)
+    *,
+    k: int,
+    pages_per_seq: int,
+    one_token_per_seq: bool = False,
+    num_segments: int = 0,
+    recall_target: float = selection.DEFAULT_RECALL_TARGET,
+    exact: bool = False,
+) -> jax.Array:
+    """Lightning-indexer token top-k over a ragged paged batch.
+
+    ``score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s])`` for every causal, existing token ``s``
+    of row ``t``'s sequence, then the selection stage (``reference.selection``).
+
+    Args:
+      k: static budget; may exceed a row's candidates (the tail is ``-1``).
+      pages_per_seq: static page-table stride; capacity is ``pages_per_seq * page_size``.
+      one_token_per_seq: decode batches (T == S, row i is sequence i's last token).
+      num_segments: segment witnesses per row (0 = off), merged after the guard with the row's
+        causal context length ``abs_pos + 1`` (capped at the sequence's length).
+      recall_target, exact: selection mode (see ``reference.selection``).
+
+    Returns:
+      i32[T, k]: sequence-local token offsets by descending score, ``-1`` padding in the tail;
+      rows outside every sequence are all ``-1``.
+    """
+    check_indexer_args(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
+                       distribution, pages_per_seq=pages_per_seq,
+                       one_token_per_seq=one_token_per_seq)
+    selection.check_selection_args(k, recall_target, exact, num_segments)
+
+    def finish(scores, token_ok, abs_pos, kv_len):
+        scores = jnp.where(token_ok, scores, selection.NEG_INF)
+        idx = selection.select_topk(scores, k, recall_target=recall_target, exact=exact)
+        context = jnp.clip(jnp.minimum(abs_pos + 1, kv_len), 0, None)
+        return selection.finish_selection(idx, context, num_segments)
+
+    return index_scores.score_and_select(
+        q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,
+        pages_per_seq=pages_per_seq, out_width=k, one_token_per_seq=one_token_per_seq,
+        finish=finish)

@@ -1,0 +1,59 @@
+"""Page-sparse absorbed MLA (reference; also the flag-off serving path)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from reference import attend, batch
+from reference._mla_args import check_mla_args
+
+
+def pages_to_tokens(topk_pages: jax.Array, page_size: int, pages_per_seq: int) -> jax.Array:
+    """Expand ``i32[T, k_pages]`` sequence-local page numbers to ``i32[T, k_pages*page_size]``
+    sequence-local token offsets; a page number outside ``[0, pages_per_seq)`` gives ``-1``."""
+    ok = (topk_pages >= 0) & (topk_pages < pages_per_seq)
+    tok = topk_pages[:, :, None] * page_size + jnp.arange(page_size, dtype=jnp.int32)
+    tok = jnp.where(ok[:, :, None], tok, -1)
+    return tok.reshape(topk_pages.shape[0], -1)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "pages_per_seq", "v_dim", "return_lse"))
+def page_sparse_mla_ref(
+    q: jax.Array,  # f32|bf16[T, H, D]
+    cache_kv: jax.Array,  # f32|bf16[num_pages, page_size, D]
+    kv_lens: jax.Array,  # i32[S]
+    topk_pages: jax.Array,  # i32[T, k_pages] sequence-local page numbers, -1 = ignore
+    page_indices: jax.Array,  # i32[N]
+    cu_q_lens: jax.Array,  # i32[S+1]
+    cu_kv_lens: jax.Array,  # i32[S+1]
+    distribution: jax.Array,  # i32[3]
+    *,
+    sm_scale: float,
+    pages_per_seq: int,
+    v_dim: int,
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Sparse absorbed MLA over per-row page top-k.
+
+    Each row attends every valid, causal token (``token < kv_len`` and ``token <= abs_pos``) of
+    its selected pages. Page numbers ``< 0`` or ``>= pages_per_seq`` are ignored; a page listed
+    twice counts twice (as a duplicated token does in ``sparse_mla_ref``).
+
+    Returns:
+      ``q.dtype[T, H, v_dim]`` (and ``f32[T, H]`` LSE with ``return_lse=True``).
+    """
+    check_mla_args(q, cache_kv, kv_lens, topk_pages, page_indices, cu_q_lens, cu_kv_lens,
+                   distribution, sm_scale=sm_scale, pages_per_seq=pages_per_seq, v_dim=v_dim,
+                   selected_name="topk_pages")
+    num_pages, page_size, _ = cache_kv.shape
+    rows = batch.row_facts(q.shape[0], kv_lens, cu_q_lens, distribution)
+    tokens = pages_to_tokens(topk_pages, page_size, pages_per_seq)
+    slots, valid = attend.token_slots(tokens, rows, kv_lens, page_indices, cu_kv_lens,
+                                      page_size=page_size, pages_per_seq=pages_per_seq,
+                                      num_pages=num_pages, causal=True)
+    out, lse = attend.attend_selected(q, cache_kv, slots, valid, sm_scale=sm_scale, v_dim=v_dim)
+    out = out.astype(q.dtype)
+    return (out, lse) if return_lse else out

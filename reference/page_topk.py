@@ -1,0 +1,75 @@
+"""Page top-k of the lightning indexer (reference; also the flag-off serving path)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from reference import index_scores, selection
+from reference._indexer_args import check_indexer_args
+
+_STATICS = ("k_pages", "pages_per_seq", "one_token_per_seq", "num_segments", "recall_target",
+            "exact")
+
+
+def page_max(scores: jax.Array, token_ok: jax.Array, page_size: int) -> jax.Array:
+    """Max-pool ``scores f32[R, P*page_size]`` over each page's valid tokens -> f32[R, P];
+    a page with no valid token scores ``-inf``."""
+    masked = jnp.where(token_ok, scores, selection.NEG_INF)
+    rows, n = masked.shape
+    return masked.reshape(rows, n // page_size, page_size).max(axis=-1)
+
+
+def causal_page_count(abs_pos: jax.Array, kv_len: jax.Array, page_size: int) -> jax.Array:
+    """Pages holding at least one causal, existing token of each row (i32[R])."""
+    tokens = jnp.clip(jnp.minimum(abs_pos + 1, kv_len), 0, None)
+    return (tokens + page_size - 1) // page_size
+
+
+@functools.partial(jax.jit, static_argnames=_STATICS)
+def streamindex_page_topk_ref(
+    q: jax.Array,  # f32|bf16[T, H, D]
+    weights: jax.Array,  # f32|bf16[T, H]
+    cache_kv: jax.Array,  # f32|bf16[num_pages, page_size, D]
+    seq_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[N]
+    cu_q_lens: jax.Array,  # i32[S+1]
+    cu_kv_lens: jax.Array,  # i32[S+1]
+    distribution: jax.Array,  # i32[3]
+    *,
+    k_pages: int,
+    pages_per_seq: int,
+    one_token_per_seq: bool = False,
+    num_segments: int = 0,
+    recall_target: float = selection.DEFAULT_RECALL_TARGET,
+    exact: bool = False,
+) -> jax.Array:
+    """Page-level lightning-indexer top-k over a ragged paged batch.
+
+    Token scores as in ``streamindex_topk_ref``, max-pooled over each page's causal, existing
+    tokens; then the selection stage over the sequence's ``pages_per_seq`` pages. Witnesses
+    (``num_segments > 0``) use the row's causal page count as its context length.
+
+    Returns:
+      i32[T, k_pages]: sequence-local page numbers by descending page score, ``-1`` padding;
+      rows outside every sequence all ``-1``.
+    """
+    check_indexer_args(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
+                       distribution, pages_per_seq=pages_per_seq,
+                       one_token_per_seq=one_token_per_seq)
+    selection.check_selection_args(k_pages, recall_target, exact, num_segments,
+                                   k_name="k_pages")
+    page_size = cache_kv.shape[1]
+
+    def finish(scores, token_ok, abs_pos, kv_len):
+        pages = page_max(scores, token_ok, page_size)
+        idx = selection.select_topk(pages, k_pages, recall_target=recall_target, exact=exact)
+        context = causal_page_count(abs_pos, kv_len, page_size)
+        return selection.finish_selection(idx, context, num_segments)
+
+    return index_scores.score_and_select(
+        q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,
+        pages_per_seq=pages_per_seq, out_width=k_pages, one_token_per_seq=one_token_per_seq,
+        finish=finish)

@@ -1,0 +1,86 @@
+"""The selection stage shared by every top-k path (reference and Pallas score kernels alike).
+
+    scores -> approx_max_k -> top_k -> guard (-1) -> segment-witness merge (num_segments > 0)
+
+Scores use ``-inf`` to mark a non-candidate; a NaN score is treated as a non-candidate too
+(a NaN key in a valid slot is bad data, and NaN must never be selected ahead of real scores).
+
+Modes:
+
+- default (``exact=False``): ``jax.lax.approx_max_k(recall_target=..., aggregate_to_topk=False)``
+  then an exact ``top_k`` over its candidates, as the seed does. On CPU/GPU ``approx_max_k`` is
+  exact; on TPU it is not, so results can differ by platform: compare by score, not by index.
+- ``exact=True``: one ``jax.lax.top_k``. Deterministic tie rule: among equal scores the lower
+  index (earlier token / page) comes first, on every platform.
+
+Guard: slot ``j`` of a row keeps its index only if ``j < n_valid`` (the row's candidate count)
+and its score is ``> -inf``; everything else is ``-1``. ``-1`` therefore appears only in the
+tail, and a row with ``n <= k`` candidates selects all ``n``. ``k`` larger than the number of
+columns is allowed: the extra slots are ``-1``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from reference import _checks
+
+NEG_INF = float("-inf")
+DEFAULT_RECALL_TARGET = 0.70
+
+
+def check_selection_args(k: int, recall_target: float, exact: bool, num_segments: int,
+                         *, k_name: str = "k") -> None:
+    """Trace-time checks of the selection statics."""
+    _checks.positive_int(k_name, k)
+    if not isinstance(exact, bool):
+        raise TypeError(f"exact must be a bool, got {type(exact).__name__}")
+    if not isinstance(recall_target, (int, float)) or not 0.0 < recall_target <= 1.0:
+        raise ValueError(f"recall_target must be in (0, 1], got recall_target={recall_target!r}")
+    _checks.nonneg_int("num_segments", num_segments)
+
+
+def select_topk(scores: jax.Array, k: int, *, recall_target: float = DEFAULT_RECALL_TARGET,
+                exact: bool = False) -> jax.Array:
+    """Top-k column indices of each row of ``scores``, descending by score, ``-1`` padded.
+
+    Args:
+      scores: f32[R, N]; ``-inf`` (or NaN) marks a column that is not a candidate.
+      k: static budget, may exceed N.
+      recall_target: passed to ``approx_max_k`` (ignored when ``exact``).
+      exact: exact ``top_k`` with the documented tie rule.
+
+    Returns:
+      i32[R, k] column indices, ``-1`` in the tail.
+    """
+    scores = scores.astype(jnp.float32)
+    scores = jnp.where(jnp.isnan(scores), NEG_INF, scores)
+    num_cols = scores.shape[-1]
+    kk = min(k, num_cols)
+    if exact:
+        vals, idx = jax.lax.top_k(scores, kk)
+    else:
+        cand_v, cand_i = jax.lax.approx_max_k(scores, kk, recall_target=recall_target,
+                                              aggregate_to_topk=False)
+        vals, sel = jax.lax.top_k(cand_v, kk)
+        idx = jnp.take_along_axis(cand_i, sel, axis=-1)
+    n_valid = jnp.sum(scores > NEG_INF, axis=-1, keepdims=True)
+    keep = (jnp.arange(kk)[None, :] < n_valid) & (vals > NEG_INF)
+    idx = jnp.where(keep, idx, -1).astype(jnp.int32)
+    if kk < k:
+        idx = jnp.pad(idx, ((0, 0), (0, k - kk)), constant_values=-1)
+    return idx
+
+
+def finish_selection(idx: jax.Array, context_lens: jax.Array, num_segments: int) -> jax.Array:
+    """Apply the segment-witness merge (serving entry) after the guard; identity when 0.
+
+    idx: i32[R, k]; context_lens: i32[R] (the row's causal candidate count: tokens, or pages
+    for page top-k; ``<= 0`` for rows outside every sequence, which then get no witnesses).
+    """
+    if num_segments == 0:
+        return idx
+    from reference.witnesses import scatter_topology_witnesses
+
+    return scatter_topology_witnesses(idx, context_lens.astype(jnp.int32), num_segments)

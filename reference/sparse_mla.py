@@ -1,0 +1,50 @@
+"""Token-sparse absorbed MLA (reference; also the flag-off serving path)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from reference import attend, batch
+from reference._mla_args import check_mla_args
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "pages_per_seq", "v_dim", "return_lse"))
+def sparse_mla_ref(
+    q: jax.Array,  # f32|bf16[T, H, D] packed [nope|rope] query in latent space
+    cache_kv: jax.Array,  # f32|bf16[num_pages, page_size, D] packed [c_kv|k_rope] latent cache
+    kv_lens: jax.Array,  # i32[S]
+    topk_indices: jax.Array,  # i32[T, k] sequence-local token offsets, -1 = ignore
+    page_indices: jax.Array,  # i32[N]
+    cu_q_lens: jax.Array,  # i32[S+1]
+    cu_kv_lens: jax.Array,  # i32[S+1]
+    distribution: jax.Array,  # i32[3]
+    *,
+    sm_scale: float,
+    pages_per_seq: int,
+    v_dim: int,
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Sparse absorbed MLA over per-row token top-k.
+
+    ``out[t, h] = softmax_j(sm_scale * q[t, h] . c[j]) @ c[j, :v_dim]`` over ``j`` in
+    ``topk_indices[t]``. Entries ``< 0`` or ``>= kv_len`` (and rows outside every sequence) are
+    never gathered and never change the output; a row with no valid entry gives zeros. See
+    ``reference.attend`` for the full gather rule.
+
+    Returns:
+      ``q.dtype[T, H, v_dim]``, and with ``return_lse=True`` also ``f32[T, H]`` natural-log LSE
+      (``-inf`` for an empty row).
+    """
+    check_mla_args(q, cache_kv, kv_lens, topk_indices, page_indices, cu_q_lens, cu_kv_lens,
+                   distribution, sm_scale=sm_scale, pages_per_seq=pages_per_seq, v_dim=v_dim,
+                   selected_name="topk_indices")
+    num_pages, page_size, _ = cache_kv.shape
+    rows = batch.row_facts(q.shape[0], kv_lens, cu_q_lens, distribution)
+    slots, valid = attend.token_slots(topk_indices, rows, kv_lens, page_indices, cu_kv_lens,
+                                      page_size=page_size, pages_per_seq=pages_per_seq,
+                                      num_pages=num_pages, causal=False)
+    out, lse = attend.attend_selected(q, cache_kv, slots, valid, sm_scale=sm_scale, v_dim=v_dim)
+    out = out.astype(q.dtype)
+    return (out, lse) if return_lse else out

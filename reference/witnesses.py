@@ -1,0 +1,551 @@
+"""Segment witnesses: a covering constraint merged into learned sparse top-k rows.
+
+A port of the candidate policy of vllm-project/vllm#47942 (``VLLM_SPARSE_MLA_TOPOLOGY_SEGMENTS``,
+off by default), after the Rust port in ``shared/seeds/000_*.txt``, as a static-shape jnp
+transform that runs after ``approx_max_k`` with no host sync.
+
+The learned top-k is a density rule and may leave whole stretches of a context unselected. For a
+row with context length ``L`` and ``S`` segments put ``S_eff = min(S, max(L, 1))`` and partition
+``[0, L)`` into ``S_eff`` intervals ``I_s = [e_s, e_{s+1})`` with edges rounded *up*,
+``e_s = ceil(s * L / S_eff)``. The segment of a token is
+``sigma(x) = min(floor(x * S_eff / L), S - 1)`` (``L`` read as ``max(L, 1)``), and
+``x in I_s  <=>  sigma(x) == s``, so ``sigma(e_s) == s``: an edge lies in its own segment. A
+learned row occupies ``{sigma(x) : x >= 0 in the row}``; its witnesses are the edges ``e_s`` of
+the segments ``s < S_eff`` it does not occupy (none when ``L <= 0``). Witnesses are therefore
+disjoint from the row, pairwise distinct, causal (``0 <= e_s < L``), and together with the row
+they meet every segment.
+
+The merge is positional: slots ``[0, keep)`` are kept bit-identical, and the witnesses in
+ascending segment order overwrite slots ``keep, keep + 1, ...`` up to
+``B = min(max_replacements, topk - keep)``; further witnesses are dropped. The serving entry
+uses ``keep = max(topk - S, 0)`` and ``max_replacements = S``; ``S = 0`` is the off switch.
+
+Two caveats are the source's behaviour, not defects of this port, and tests pin them so that
+neither is "fixed" by accident:
+
+* Coverage is not guaranteed after the merge. Occupancy is read from the *whole* learned row,
+  including tail slots the merge then overwrites, so a segment whose sole learned token sat in
+  an overwritten slot ends up uncovered (L=16, S=4: ``[0,1,2,3,4,8,-1,-1]``, coverage 0.75).
+  Every segment is covered when the reserved tail is padding.
+* The merge is positional: the witness set is a set function of the row, the output set is
+  invariant under permutations of the retained prefix but not of the whole row.
+
+int32 safety: JAX computes in int32, and ``x * S_eff`` or ``s * L`` overflow for large
+contexts. Edges are computed as ``s * (L // S_eff) + ceil(s * (L % S_eff) / S_eff)``; the
+segment of an in-range token is a float32 estimate corrected by one step against the exact
+edges; a token ``x >= L`` lands in ``min(x, S - 1)`` (the clamp of the definition).
+
+All work is O(rows * (topk + S)); occupancy is a scatter into ``bool[rows, S]`` and the witness
+compaction is a cumsum plus a scatter. The metric helpers and the nulls at the bottom of the
+file are host-side NumPy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "MAX_TOPOLOGY_SEGMENTS",
+    "WitnessError",
+    "RowsMismatch",
+    "SegmentsOutOfRange",
+    "LearnedKeepOutOfRange",
+    "segment_of",
+    "topology_witness_indices",
+    "merge_topology_witnesses",
+    "apply_topology_witnesses",
+    "scatter_topology_witnesses",
+    "random_selector",
+    "local_selector",
+    "random_null",
+    "locality_null",
+    "segment_coverage",
+    "attention_mass_recall",
+]
+
+# The fused upstream kernel carries segment occupancy as one 64-bit mask; both paths accept the
+# same inputs.
+MAX_TOPOLOGY_SEGMENTS = 64
+
+
+# --------------------------------------------------------------------------------------------
+# Refusals
+# --------------------------------------------------------------------------------------------
+
+
+class WitnessError(ValueError):
+    """A malformed witness call. Keyword arguments become attributes (the offending numbers)."""
+
+    def __init__(self, message: str, **attrs: Any) -> None:
+        super().__init__(message)
+        for key, value in attrs.items():
+            setattr(self, key, value)
+
+
+class RowsMismatch(WitnessError):
+    """``learned`` is not 2-D, or a per-row argument does not have one entry per learned row.
+
+    Attributes: ``argument`` (the offending argument's name), ``argument_shape``,
+    ``learned_shape`` and ``rows`` (``None`` when ``learned`` itself is not 2-D).
+    """
+
+    argument: str
+    argument_shape: tuple[int, ...]
+    learned_shape: tuple[int, ...]
+    rows: int | None
+
+
+class SegmentsOutOfRange(WitnessError):
+    """``num_segments`` outside ``[1, MAX_TOPOLOGY_SEGMENTS]``. Attribute: ``num_segments``."""
+
+    num_segments: int
+
+
+class LearnedKeepOutOfRange(WitnessError):
+    """``learned_keep`` outside ``[0, topk]``. Attributes: ``learned_keep``, ``topk``."""
+
+    learned_keep: int
+    topk: int
+
+
+def _static_int(name: str, value: Any) -> int:
+    """A static Python int (jit static argument), or TypeError naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a static Python int, got {type(value).__name__}")
+    return int(value)
+
+
+def _check_segments(num_segments: Any) -> int:
+    s = _static_int("num_segments", num_segments)
+    if not 1 <= s <= MAX_TOPOLOGY_SEGMENTS:
+        raise SegmentsOutOfRange(
+            f"{s=} (num_segments) must be in [1, {MAX_TOPOLOGY_SEGMENTS}]", num_segments=s
+        )
+    return s
+
+
+def _int_array(name: str, value: Any) -> jax.Array:
+    """``value`` as an int32 jnp array; TypeError naming ``name`` for a non-integer dtype."""
+    arr = jnp.asarray(value)
+    if not jnp.issubdtype(arr.dtype, jnp.integer):
+        raise TypeError(f"{name} must have an integer dtype, got {arr.dtype}")
+    return arr.astype(jnp.int32)
+
+
+def _check_learned(learned: Any) -> jax.Array:
+    arr = _int_array("learned", learned)
+    if arr.ndim != 2:
+        raise RowsMismatch(
+            f"learned must be 2-D [rows, topk], got shape {tuple(arr.shape)}",
+            argument="learned",
+            argument_shape=tuple(arr.shape),
+            learned_shape=tuple(arr.shape),
+            rows=None,
+        )
+    return arr
+
+
+def _check_per_row(name: str, value: Any, learned: jax.Array, ndim: int) -> jax.Array:
+    """A per-row argument: ``ndim``-D with leading dim equal to ``learned``'s row count."""
+    arr = _int_array(name, value)
+    rows = learned.shape[0]
+    if arr.ndim != ndim or arr.shape[0] != rows:
+        want = "[rows]" if ndim == 1 else "[rows, num_segments]"
+        raise RowsMismatch(
+            f"{name} must be {ndim}-D {want} with one entry per learned row: "
+            f"{name}.shape={tuple(arr.shape)}, learned.shape={tuple(learned.shape)} ({rows=})",
+            argument=name,
+            argument_shape=tuple(arr.shape),
+            learned_shape=tuple(learned.shape),
+            rows=rows,
+        )
+    return arr
+
+
+def _check_keep_and_budget(learned_keep: Any, max_replacements: Any, topk: int) -> int:
+    """Validates the merge statics; returns the replacement budget ``B``."""
+    keep = _static_int("learned_keep", learned_keep)
+    max_rep = _static_int("max_replacements", max_replacements)
+    if not 0 <= keep <= topk:
+        raise LearnedKeepOutOfRange(
+            f"learned_keep={keep} must be in [0, topk={topk}]", learned_keep=keep, topk=topk
+        )
+    if max_rep < 0:
+        raise WitnessError(
+            f"max_replacements={max_rep} must be >= 0", max_replacements=max_rep
+        )
+    return min(max_rep, topk - keep)
+
+
+# --------------------------------------------------------------------------------------------
+# Segment arithmetic (int32-safe)
+# --------------------------------------------------------------------------------------------
+
+
+def _edge(s: jax.Array, q: jax.Array, r: jax.Array, s_eff: jax.Array) -> jax.Array:
+    """``ceil(s * L / s_eff)`` for ``L = q * s_eff + r`` and ``0 <= s <= s_eff``, without
+    forming ``s * L`` (``s * r < 64 * 64``; the result is at most ``L``)."""
+    return s * q + (s * r + s_eff - 1) // s_eff
+
+
+def _row_geometry(context_len: jax.Array, num_segments: int):
+    """Per-row ``(L', S_eff, q, r)`` with ``L' = max(L, 1)`` and ``L' = q * S_eff + r``."""
+    lp = jnp.maximum(context_len, 1)
+    s_eff = jnp.minimum(lp, num_segments)
+    return lp, s_eff, lp // s_eff, lp % s_eff
+
+
+def _segment_array(token: jax.Array, context_len: jax.Array, num_segments: int) -> jax.Array:
+    """``min(floor(x * S_eff / L'), S - 1)`` elementwise in int32, ``-1`` for ``x < 0``."""
+    lp, s_eff, q, r = _row_geometry(context_len, num_segments)
+    inside = (token >= 0) & (token < lp)
+    x = jnp.where(inside, token, 0)
+    # float32 estimate: relative error a few 2**-24 on a value below 64, so it is off by at most
+    # one; one step against the exact edges (x in [e_s, e_{s+1}) iff segment s) corrects it.
+    est = jnp.floor(
+        x.astype(jnp.float32) * s_eff.astype(jnp.float32) / lp.astype(jnp.float32)
+    ).astype(jnp.int32)
+    est = jnp.clip(est, 0, s_eff - 1)
+    below = x < _edge(est, q, r, s_eff)
+    above = x >= _edge(est + 1, q, r, s_eff)
+    seg_inside = est - below.astype(jnp.int32) + above.astype(jnp.int32)
+    # x >= L': floor(x * S_eff / L') is x when S_eff == L', and >= S when S_eff == S; either
+    # way the clamp gives min(x, S - 1).
+    seg = jnp.where(inside, seg_inside, jnp.minimum(token, num_segments - 1))
+    return jnp.where(token < 0, -1, seg)
+
+
+def _segment_int(token: int, context_len: int, num_segments: int) -> int:
+    """Exact Python-int form of the segment map (``-1`` for a negative token)."""
+    if token < 0:
+        return -1
+    lp = max(context_len, 1)
+    s_eff = min(num_segments, lp)
+    return min(token * s_eff // lp, num_segments - 1)
+
+
+def segment_of(token: Any, context_len: Any, num_segments: int) -> Any:
+    """Segment of ``token`` in a context of ``context_len`` tokens split into ``num_segments``.
+
+    ``min(floor(token * S_eff / L), S - 1)`` with ``L = max(context_len, 1)`` and
+    ``S_eff = min(S, L)``. A token ``>= L`` is not refused: it lands in its clamped segment,
+    which lies outside the partition when ``S_eff < S``. A negative token (padding) has no
+    segment and maps to ``-1``.
+
+    Args:
+      token: a Python int, or an integer array (any shape).
+      context_len: a Python int, or an integer array broadcastable against ``token``.
+      num_segments: static Python int in ``[1, MAX_TOPOLOGY_SEGMENTS]``.
+
+    Returns:
+      A Python int when both ``token`` and ``context_len`` are Python ints (exact); otherwise
+      ``i32[broadcast shape]``, exact for all int32 inputs.
+    """
+    s = _check_segments(num_segments)
+    scalar = (int, np.integer)
+    if (
+        isinstance(token, scalar)
+        and isinstance(context_len, scalar)
+        and not isinstance(token, bool)
+        and not isinstance(context_len, bool)
+    ):
+        return _segment_int(int(token), int(context_len), s)
+    tok = _int_array("token", token)
+    ctx = _int_array("context_len", context_len)
+    return _segment_array(tok, ctx, s)
+
+
+# --------------------------------------------------------------------------------------------
+# The policy
+# --------------------------------------------------------------------------------------------
+
+
+def _witnesses(learned: jax.Array, context_lens: jax.Array, num_segments: int) -> jax.Array:
+    """Unchecked body of ``topology_witness_indices``."""
+    rows = learned.shape[0]
+    ctx = context_lens[:, None]
+    seg = _segment_array(learned, ctx, num_segments)  # i32[rows, topk], -1 for padding
+    # Padding goes to column num_segments, which mode="drop" discards.
+    seg = jnp.where(seg < 0, num_segments, seg)
+    row_ids = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None], seg.shape)
+    occupied = (
+        jnp.zeros((rows, num_segments), jnp.bool_).at[row_ids, seg].set(True, mode="drop")
+    )
+    _, s_eff, q, r = _row_geometry(ctx, num_segments)
+    s = jnp.arange(num_segments, dtype=jnp.int32)[None, :]
+    edges = _edge(s, q, r, s_eff)  # i32[rows, num_segments]
+    emit = (s < s_eff) & (ctx > 0) & ~occupied
+    return jnp.where(emit, edges, -1)
+
+
+def topology_witness_indices(
+    learned: Any, context_lens: Any, num_segments: int
+) -> jax.Array:
+    """Witnesses of the segments each learned row misses.
+
+    Args:
+      learned: ``i32[rows, topk]`` row-relative token offsets; negative entries are padding and
+        mark nothing; an entry ``x >= L`` marks its clamped segment. Occupancy is read from the
+        whole row.
+      context_lens: ``i32[rows]``, the context length ``L`` of each row.
+      num_segments: static Python int ``S`` in ``[1, MAX_TOPOLOGY_SEGMENTS]``.
+
+    Returns:
+      ``i32[rows, S]``: column ``s`` holds ``e_s = ceil(s * L / S_eff)`` when ``s < S_eff`` and
+      the row does not occupy segment ``s``, else ``-1``. A row with ``L <= 0`` is all ``-1``.
+
+    Raises:
+      RowsMismatch, SegmentsOutOfRange; TypeError for non-integer dtypes.
+    """
+    s = _check_segments(num_segments)
+    learned = _check_learned(learned)
+    context_lens = _check_per_row("context_lens", context_lens, learned, ndim=1)
+    return _witnesses(learned, context_lens, s)
+
+
+def _merge(learned: jax.Array, witnesses: jax.Array, keep: int, budget: int) -> jax.Array:
+    """Unchecked body of the merge for ``budget >= 1`` and at least one row."""
+    rows, topk = learned.shape
+    valid = witnesses >= 0
+    rank = jnp.cumsum(valid.astype(jnp.int32), axis=1) - 1  # position among valid witnesses
+    # Valid witnesses beyond the budget, and invalid columns, go to slot topk: dropped.
+    slot = jnp.where(valid & (rank < budget), keep + rank, topk)
+    row_ids = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None], slot.shape)
+    return learned.at[row_ids, slot].set(witnesses, mode="drop")
+
+
+def merge_topology_witnesses(
+    learned: Any, witnesses: Any, learned_keep: int, max_replacements: int
+) -> jax.Array:
+    """Positional merge of witnesses into the tail of learned rows.
+
+    Slots ``[0, learned_keep)`` are returned bit-identical. The valid (``>= 0``) witnesses of a
+    row, in column (ascending segment) order, overwrite slots ``learned_keep, learned_keep + 1,
+    ...`` up to ``B = min(max_replacements, topk - learned_keep)``; further witnesses are
+    dropped and every other slot is unchanged. ``B == 0`` or zero rows is the identity (after
+    validation).
+
+    Args:
+      learned: ``i32[rows, topk]``.
+      witnesses: ``i32[rows, S]`` with ``S`` in ``[1, MAX_TOPOLOGY_SEGMENTS]``, ``-1`` where a
+        segment has no witness (as returned by ``topology_witness_indices``).
+      learned_keep: static Python int in ``[0, topk]``.
+      max_replacements: static Python int ``>= 0``.
+
+    Returns:
+      ``i32[rows, topk]``.
+
+    Raises:
+      RowsMismatch, SegmentsOutOfRange (witness width), LearnedKeepOutOfRange, WitnessError
+      (negative ``max_replacements``); TypeError for non-integer dtypes or non-int statics.
+    """
+    learned = _check_learned(learned)
+    witnesses = _check_per_row("witnesses", witnesses, learned, ndim=2)
+    _check_segments(witnesses.shape[1])
+    budget = _check_keep_and_budget(learned_keep, max_replacements, learned.shape[1])
+    if budget == 0 or learned.shape[0] == 0:
+        return learned
+    return _merge(learned, witnesses, int(learned_keep), budget)
+
+
+def apply_topology_witnesses(
+    learned: Any,
+    context_lens: Any,
+    learned_keep: int,
+    num_segments: int,
+    max_replacements: int,
+) -> jax.Array:
+    """``merge_topology_witnesses(learned, topology_witness_indices(...), ...)``.
+
+    Args:
+      learned: ``i32[rows, topk]`` row-relative token offsets, ``-1`` padding.
+      context_lens: ``i32[rows]``.
+      learned_keep: static Python int in ``[0, topk]``.
+      num_segments: static Python int in ``[1, MAX_TOPOLOGY_SEGMENTS]``.
+      max_replacements: static Python int ``>= 0``.
+
+    Returns:
+      ``i32[rows, topk]``.
+
+    Raises:
+      RowsMismatch, SegmentsOutOfRange, LearnedKeepOutOfRange, WitnessError; TypeError. All
+      checks run before the ``B == 0`` / zero-rows identity.
+    """
+    s = _check_segments(num_segments)
+    learned = _check_learned(learned)
+    context_lens = _check_per_row("context_lens", context_lens, learned, ndim=1)
+    budget = _check_keep_and_budget(learned_keep, max_replacements, learned.shape[1])
+    if budget == 0 or learned.shape[0] == 0:
+        return learned
+    return _merge(learned, _witnesses(learned, context_lens, s), int(learned_keep), budget)
+
+
+def scatter_topology_witnesses(
+    topk_indices: Any, context_lens: Any, num_segments: int
+) -> jax.Array:
+    """Serving entry point: witnesses written into the last ``S`` slots of each top-k row.
+
+    ``learned_keep = max(topk - S, 0)`` and ``max_replacements = S``; ``S = 0`` is the off
+    switch and returns the buffer unchanged. JAX is functional, so the new buffer is returned;
+    under ``jax.jit(..., static_argnums=2, donate_argnums=0)`` XLA updates the donated buffer in
+    place. A refused call raises at trace time, before anything runs, so a donated buffer is
+    left untouched.
+
+    Args:
+      topk_indices: ``i32[rows, topk]`` row-relative token offsets, ``-1`` padding.
+      context_lens: ``i32[rows]``.
+      num_segments: static Python int in ``[0, MAX_TOPOLOGY_SEGMENTS]``.
+
+    Returns:
+      ``i32[rows, topk]``.
+    """
+    s = _static_int("num_segments", num_segments)
+    learned = _check_learned(topk_indices)
+    context_lens = _check_per_row("context_lens", context_lens, learned, ndim=1)
+    if s == 0:
+        return learned
+    topk = learned.shape[1]
+    return apply_topology_witnesses(learned, context_lens, max(topk - s, 0), s, s)
+
+
+# --------------------------------------------------------------------------------------------
+# Baseline selectors, nulls and metrics (host-side NumPy)
+# --------------------------------------------------------------------------------------------
+
+
+def _check_budget(budget: Any) -> int:
+    k = _static_int("budget", budget)
+    if k < 0:
+        raise WitnessError(f"budget={k} must be >= 0", budget=k)
+    return k
+
+
+def _random_row(query_pos: int, budget: int, seed: int) -> np.ndarray:
+    """Row ``query_pos`` of the random selector: ``min(budget, query_pos + 1)`` distinct tokens
+    drawn uniformly from ``[0, query_pos]``, ascending, ``-1`` padded to ``budget``. Each row
+    has its own stream keyed by ``(seed, query_pos)``, so one row costs no more than itself."""
+    out = np.full(budget, -1, np.int32)
+    n = min(budget, query_pos + 1)
+    if n > 0:
+        rng = np.random.default_rng([seed, query_pos])
+        out[:n] = np.sort(rng.choice(query_pos + 1, size=n, replace=False))
+    return out
+
+
+def _local_rows(query_pos: np.ndarray, budget: int) -> np.ndarray:
+    """Rows of the local selector: the ``budget`` most recent causal tokens, ascending."""
+    start = np.maximum(query_pos + 1 - budget, 0)[:, None]
+    rows = start + np.arange(budget, dtype=np.int64)[None, :]
+    return np.where(rows <= query_pos[:, None], rows, -1).astype(np.int32)
+
+
+def _check_seed(seed: Any) -> int:
+    value = _static_int("seed", seed)
+    if value < 0:
+        raise WitnessError(f"seed={value} must be >= 0", seed=value)
+    return value
+
+
+def random_selector(context_len: int, budget: int, seed: int) -> np.ndarray:
+    """Random attention selector: row ``t`` (query at ``t``) holds ``min(budget, t + 1)``
+    distinct tokens drawn uniformly from ``[0, t]``, ascending, ``-1`` padded.
+
+    Returns ``i32[max(context_len, 0), budget]`` (NumPy), deterministic in ``seed``.
+    """
+    length = _static_int("context_len", context_len)
+    k = _check_budget(budget)
+    sd = _check_seed(seed)
+    out = np.full((max(length, 0), k), -1, np.int32)
+    for t in range(max(length, 0)):
+        out[t] = _random_row(t, k, sd)
+    return out
+
+
+def local_selector(context_len: int, budget: int) -> np.ndarray:
+    """Local attention selector: row ``t`` holds ``[max(t + 1 - budget, 0), t]``, ascending,
+    ``-1`` padded. Returns ``i32[max(context_len, 0), budget]`` (NumPy)."""
+    length = _static_int("context_len", context_len)
+    k = _check_budget(budget)
+    return _local_rows(np.arange(max(length, 0), dtype=np.int64), k)
+
+
+def random_null(context_len: int, budget: int, seed: int) -> np.ndarray:
+    """The random null: row ``L - 1`` of ``random_selector(L, budget, seed)``.
+
+    ``min(budget, L)`` distinct tokens drawn uniformly from ``[0, L)``, ascending, ``-1``
+    padded to ``i32[budget]`` (NumPy). All ``-1`` when ``L <= 0``.
+    """
+    length = _static_int("context_len", context_len)
+    k = _check_budget(budget)
+    sd = _check_seed(seed)
+    if length <= 0:
+        return np.full(k, -1, np.int32)
+    return _random_row(length - 1, k, sd)
+
+
+def locality_null(context_len: int, budget: int) -> np.ndarray:
+    """The locality null: row ``L - 1`` of ``local_selector(L, budget)``.
+
+    Exactly ``[max(L - budget, 0), L)``, ascending, ``-1`` padded to ``i32[budget]`` (NumPy).
+    All ``-1`` when ``L <= 0``.
+    """
+    length = _static_int("context_len", context_len)
+    k = _check_budget(budget)
+    if length <= 0:
+        return np.full(k, -1, np.int32)
+    return _local_rows(np.array([length - 1], dtype=np.int64), k)[0]
+
+
+def _valid_candidates(candidates: Any, context_len: int) -> list[int]:
+    """Distinct candidates inside ``[0, context_len)``; padding, duplicates and out-of-range
+    entries count for nothing."""
+    arr = np.asarray(candidates).reshape(-1)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"candidates must have an integer dtype, got {arr.dtype}")
+    return [int(x) for x in np.unique(arr).tolist() if 0 <= int(x) < context_len]
+
+
+def segment_coverage(candidates: Any, context_len: int, num_segments: int) -> float:
+    """Fraction of the ``S_eff = min(S, L)`` segments met by ``candidates`` inside ``[0, L)``.
+
+    Args:
+      candidates: integer array-like (any shape; flattened). Padding, duplicates and entries
+        outside ``[0, L)`` count for nothing.
+      context_len: Python int ``L``.
+      num_segments: Python int ``S >= 0`` (no upper bound: this is a metric).
+
+    Returns:
+      ``|{sigma(x)}| / S_eff``; ``1.0`` when there are no segments (``S == 0`` or ``L <= 0``).
+    """
+    length = _static_int("context_len", context_len)
+    s = _static_int("num_segments", num_segments)
+    if s < 0:
+        raise SegmentsOutOfRange(f"num_segments={s} must be >= 0", num_segments=s)
+    s_eff = min(s, max(length, 0))
+    if s_eff == 0:
+        return 1.0
+    met = {x * s_eff // length for x in _valid_candidates(candidates, length)}
+    return len(met) / s_eff
+
+
+def attention_mass_recall(candidates: Any, attention_row: Any) -> float:
+    """Share of a dense attention row's mass that ``candidates`` select.
+
+    Args:
+      candidates: integer array-like; padding, duplicates and entries outside ``[0, L)`` count
+        for nothing.
+      attention_row: ``f[L]`` non-negative attention weights over ``[0, L)``.
+
+    Returns:
+      ``sum(a[C]) / sum(a)`` in float64; NaN for a row with no mass.
+    """
+    row = np.asarray(attention_row, dtype=np.float64).reshape(-1)
+    total = float(row.sum())
+    if total == 0.0:
+        return float("nan")
+    picked = _valid_candidates(candidates, row.shape[0])
+    return float(row[picked].sum()) / total
