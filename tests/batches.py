@@ -1,0 +1,27 @@
+"""Named ragged batch scenarios shared by the reference and kernel tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from reference.synthetic import make_ragged_batch
+
+# name -> (q_lens, kv_lens, pad_rows, pad_seqs); page_size 8, pages_per_seq 8 (capacity 64)
+SCENARIOS = {
+    "decode": ([1, 1, 1, 1, 1], [9, 64, 1, 30, 17], 0, 0),
+    "mtp": ([3, 2, 4], [12, 40, 64], 0, 0),
+    "prefill": ([20, 33], [20, 50], 0, 0),
+    "mixed_padding": ([1, 1, 4, 17], [33, 5, 20, 60], 3, 2),
+    "short_context": ([1, 2, 1], [1, 3, 6], 1, 0),
+}
+PAGE_SIZE = 8
+PAGES_PER_SEQ = 8
+
+
+def scenario(name: str, seed: int, *, num_heads: int = 4, dim: int = 16, **kw):
+    """Build scenario ``name`` with a fresh generator seeded from ``seed`` and the name."""
+    q_lens, kv_lens, pad_rows, pad_seqs = SCENARIOS[name]
+    rng = np.random.default_rng([seed, sum(map(ord, name))])
+    return make_ragged_batch(rng, q_lens=q_lens, kv_lens=kv_lens, page_size=PAGE_SIZE,
+                             pages_per_seq=PAGES_PER_SEQ, num_heads=num_heads, dim=dim,
+                             pad_rows=pad_rows, pad_seqs=pad_seqs, **kw)

@@ -1,0 +1,113 @@
+"""Token and page top-k references against the float64 oracle of the definition."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from batches import PAGE_SIZE, PAGES_PER_SEQ, SCENARIOS, scenario
+from oracle import check_page_topk, check_token_topk
+
+from reference import streamindex_page_topk_ref, streamindex_topk_ref
+
+
+def _bf16(b):
+    cast = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+    return dataclasses.replace(b, q=cast(b.q), weights=cast(b.weights), cache=cast(b.cache))
+
+
+def _args(b, dtype):
+    return (jnp.asarray(b.q, dtype), jnp.asarray(b.weights, dtype),
+            jnp.asarray(b.cache, dtype)) + b.meta()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+@pytest.mark.parametrize("k", [5, 24, 100])
+def test_token_topk_selects_the_highest_scoring_causal_tokens(name, k, dtype):
+    b = scenario(name, seed=k)
+    oracle_b = _bf16(b) if dtype == jnp.bfloat16 else b
+    idx = streamindex_topk_ref(*_args(b, dtype), k=k, pages_per_seq=PAGES_PER_SEQ)
+    check_token_topk(idx, oracle_b, k)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+@pytest.mark.parametrize("k_pages", [2, 12])
+def test_page_topk_selects_the_highest_scoring_pages(name, k_pages, dtype):
+    b = scenario(name, seed=k_pages)
+    oracle_b = _bf16(b) if dtype == jnp.bfloat16 else b
+    idx = streamindex_page_topk_ref(*_args(b, dtype), k_pages=k_pages,
+                                    pages_per_seq=PAGES_PER_SEQ)
+    check_page_topk(idx, oracle_b, k_pages)
+
+
+@pytest.mark.parametrize("op,kw", [(streamindex_topk_ref, {"k": 16}),
+                                   (streamindex_page_topk_ref, {"k_pages": 3})])
+def test_decode_fast_path_equals_general_path(op, kw):
+    b = scenario("decode", seed=3)
+    fast = op(*b.args(), pages_per_seq=PAGES_PER_SEQ, one_token_per_seq=True, exact=True, **kw)
+    general = op(*b.args(), pages_per_seq=PAGES_PER_SEQ, exact=True, **kw)
+    np.testing.assert_array_equal(fast, general)
+
+
+def test_long_prefill_uses_several_windows_and_stays_exact():
+    # 300 rows of one sequence: the window ladder (256, 64, 16, 4, 1) takes 256 + 4*... passes.
+    rng = np.random.default_rng(7)
+    from reference.synthetic import make_ragged_batch
+
+    b = make_ragged_batch(rng, q_lens=[3, 300], kv_lens=[9, 310], page_size=16,
+                          pages_per_seq=20, num_heads=2, dim=8)
+    idx = streamindex_topk_ref(*b.args(), k=32, pages_per_seq=20)
+    check_token_topk(idx, b, 32)
+
+
+def test_exact_mode_breaks_ties_by_lowest_offset():
+    b = scenario("prefill", seed=1)
+    cache = np.where(np.isnan(b.cache), np.nan, 1.0).astype(np.float32)  # every key equal
+    b = dataclasses.replace(b, cache=cache)
+    idx = np.asarray(streamindex_topk_ref(*b.args(), k=6, pages_per_seq=PAGES_PER_SEQ,
+                                          exact=True))
+    # row 25 is token 5 of sequence 1 (kv 50, q 33): abs position 50 - 33 + 5 = 22
+    np.testing.assert_array_equal(idx[25], np.arange(6))
+    np.testing.assert_array_equal(idx[0], [0, -1, -1, -1, -1, -1])  # first token: itself only
+
+
+def test_tail_padding_in_page_indices_changes_nothing():
+    a = scenario("mixed_padding", seed=2)
+    b = scenario("mixed_padding", seed=2, tail_pages=3)
+    assert len(b.page_indices) == len(a.page_indices) + 3
+    for bb in (a, b):
+        idx = streamindex_topk_ref(*bb.args(), k=8, pages_per_seq=PAGES_PER_SEQ, exact=True)
+        check_token_topk(idx, bb, 8)
+
+
+def test_out_of_range_page_ids_mask_their_tokens():
+    b = scenario("mtp", seed=4)
+    pages = b.page_indices.copy()
+    pages[1] = 10_000  # sequence 0's second page: its tokens no longer exist
+    pages[-1] = -3
+    idx = streamindex_topk_ref(*b.args()[:4], pages, *b.meta()[2:], k=20,
+                               pages_per_seq=PAGES_PER_SEQ)
+    check_token_topk(idx, b, 20, page_indices=pages)
+    assert not np.any((idx[:3] >= 8) & (idx[:3] < 12))
+
+
+def test_inactive_sequences_by_distribution_give_all_minus_one_rows():
+    b = scenario("mixed_padding", seed=5)
+    dist = b.distribution.copy()
+    dist[2] = 2  # only sequences 0 and 1 active
+    idx = np.asarray(streamindex_topk_ref(*b.args()[:7], dist, k=4,
+                                          pages_per_seq=PAGES_PER_SEQ))
+    assert np.all(idx[2:] == -1) and np.all(idx[:2, 0] >= 0)
+
+
+def test_kv_len_past_capacity_is_clipped_to_capacity():
+    b = scenario("decode", seed=6)
+    lens = b.seq_lens.copy()
+    lens[1] = 10_000  # capacity is 64
+    idx = np.asarray(streamindex_topk_ref(*b.args()[:3], lens, *b.meta()[1:], k=80,
+                                          pages_per_seq=PAGES_PER_SEQ))
+    assert idx[1].max() < PAGE_SIZE * PAGES_PER_SEQ and np.sum(idx[1] >= 0) == 64
