@@ -57,7 +57,9 @@ def _attend_rows(q, rows_kv, valid, *, sm_scale: float, v_dim: int):
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(logits - m_safe)  # exp(-inf) = 0 for invalid entries
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("rhn,rnd->rhd", p, rows_kv[..., :v_dim], precision=prec)
+    # Contract over the whole latent row and slice after: slicing rows_kv first costs a copy of
+    # the gathered rows (measured 6x slower on CPU than the extra v_dim..D columns).
+    out = jnp.einsum("rhn,rnd->rhd", p, rows_kv, precision=prec)[..., :v_dim]
     out = out / jnp.where(denom > 0, denom, 1.0)
     lse = jnp.where(denom[..., 0] > 0, m_safe[..., 0] + jnp.log(denom[..., 0]), -jnp.inf)
     return out, lse
@@ -71,15 +73,18 @@ def attend_selected(q, cache, slots, valid, *, sm_scale: float, v_dim: int):
     feat = cache.shape[-1]
     flat_cache = cache.reshape(-1, feat)
     per_row = 4 * (n * feat + 2 * heads * n + heads * v_dim)
-    chunk = max(1, min(num_rows, GATHER_BLOCK_BYTES // per_row))
-    n_chunks = -(-num_rows // chunk)
+    max_chunk = max(1, min(num_rows, GATHER_BLOCK_BYTES // per_row))
+    n_chunks = -(-num_rows // max_chunk)
+    chunk = -(-num_rows // n_chunks)  # balanced: no chunk recomputes more than n_chunks-1 rows
 
     def chunk_body(c, carry):
         out, lse = carry
         s0 = jnp.minimum(c * chunk, num_rows - chunk)  # clamp: the last chunk may overlap
         sl = jax.lax.dynamic_slice_in_dim(slots, s0, chunk, 0)
         ok = jax.lax.dynamic_slice_in_dim(valid, s0, chunk, 0)
-        kv = jnp.take(flat_cache, sl, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
+        # One flat gather (measured ~2x faster on CPU than a 2-D index gather).
+        kv = jnp.take(flat_cache, sl.reshape(-1), axis=0, mode="fill", fill_value=0)
+        kv = kv.reshape(chunk, n, feat).astype(jnp.float32)
         o, l_ = _attend_rows(jax.lax.dynamic_slice_in_dim(q, s0, chunk, 0), kv, ok,
                              sm_scale=sm_scale, v_dim=v_dim)
         return (jax.lax.dynamic_update_slice_in_dim(out, o, s0, 0),

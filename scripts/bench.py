@@ -1,0 +1,184 @@
+"""Side-by-side benchmarks of the jnp references against the seed algorithm (labelled baseline).
+
+What each number is:
+- CPU timings: median of N wall-clock runs of the jitted op on this machine, all rows measured in
+  one run (the machine is shared and noisy: compare ratios within a run, not across runs).
+- TPU temp memory: ``compiled.memory_analysis().temp_size_in_bytes`` of an AOT compile for a real
+  TPU generation through libtpu on CPU (a compile result, not a run).
+
+Usage: ``python scripts/bench.py [--quick] [--reps N] [--out DIR] [--skip-aot]``
+Writes ``DIR/bench.md`` and ``DIR/bench.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from seed_baseline import seed_sparse_mla, seed_topk  # noqa: E402
+
+from reference import (  # noqa: E402
+    sparse_mla_ref,
+    streamindex_page_topk_ref,
+    streamindex_topk_ref,
+)
+from reference.synthetic import make_ragged_batch  # noqa: E402
+
+SM_SCALE = 192**-0.5 * (0.1 * np.log(40) + 1.0) ** 2  # DeepSeek-V3.2 (about 0.1352)
+
+
+def median_ms(fn, reps: int) -> float:
+    jax.block_until_ready(fn())  # compile + warm
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def indexer_batch(q_lens, kv_len, *, heads=64, dim=128, page_size=64, seed=0):
+    cap_pages = -(-kv_len // page_size)
+    rng = np.random.default_rng(seed)
+    return make_ragged_batch(rng, q_lens=q_lens, kv_lens=[kv_len] * len(q_lens),
+                             page_size=page_size, pages_per_seq=cap_pages, num_heads=heads,
+                             dim=dim, fill=0.0, tail_pages=0)
+
+
+def cpu_rows(quick: bool, reps: int) -> list[dict]:
+    kv = 8192
+    shapes = {"decode 16x8K": [1] * 16, "MTP 4x4 @8K": [4] * 4,
+              "chunked prefill 256 @8K" if quick else "chunked prefill 1024 @8K":
+              [256] if quick else [1024]}
+    rows = []
+    for label, q_lens in shapes.items():
+        b = indexer_batch(q_lens, kv)
+        dev = [jnp.asarray(x) for x in b.args()]
+        kw = dict(k=2048, pages_per_seq=b.pages_per_seq)
+        decode = all(x == 1 for x in q_lens)
+        pkw = dict(k_pages=32, pages_per_seq=b.pages_per_seq)
+        ops = {"token top-k (ours, general)": functools.partial(streamindex_topk_ref, *dev, **kw),
+               "token top-k (seed, general) [baseline]": functools.partial(seed_topk, *dev, **kw),
+               "page top-k (ours, general)": functools.partial(streamindex_page_topk_ref, *dev,
+                                                               **pkw)}
+        if decode:
+            ops["token top-k (ours, decode fast path)"] = functools.partial(
+                streamindex_topk_ref, *dev, one_token_per_seq=True, **kw)
+            ops["token top-k (seed, decode fast path) [baseline]"] = functools.partial(
+                seed_topk, *dev, one_token_per_seq=True, **kw)
+        if quick and not decode:
+            ops.pop("token top-k (seed, general) [baseline]")  # O(S*T*max_kv): slow at prefill
+        for name, fn in ops.items():
+            rows.append({"shape": label, "op": name, "cpu_ms": median_ms(fn, reps)})
+        print(f"  {label}: done", flush=True)
+    rows += mla_rows(reps)
+    return rows
+
+
+def mla_rows(reps: int) -> list[dict]:
+    kv, k, heads, dim, v_dim = 8192, 2048, 16, 640, 512
+    rng = np.random.default_rng(1)
+    b = make_ragged_batch(rng, q_lens=[1] * 16, kv_lens=[kv] * 16, page_size=64,
+                          pages_per_seq=kv // 64, num_heads=heads, dim=dim, fill=0.0)
+    idx = np.stack([rng.permutation(kv)[:k] for _ in range(16)]).astype(np.int32)
+    args = [jnp.asarray(x) for x in (b.q, b.cache, b.seq_lens, idx) + b.meta()[1:]]
+    kw = dict(sm_scale=SM_SCALE, pages_per_seq=b.pages_per_seq, v_dim=v_dim)
+    label = "sparse MLA decode 16x8K k=2048 H=16"
+    rows = [{"shape": label, "op": "sparse_mla (ours)",
+             "cpu_ms": median_ms(lambda: sparse_mla_ref(*args, **kw), reps)},
+            {"shape": label, "op": "sparse_mla (seed) [baseline]",
+             "cpu_ms": median_ms(lambda: seed_sparse_mla(*args, **kw), max(1, reps // 2))}]
+    print(f"  {label}: done", flush=True)
+    return rows
+
+
+def aot_rows(quick: bool) -> list[dict]:
+    from pallas_kernels.aot import aot_compile
+
+    T, H, D, ps, cap = 4096, 64, 128, 64, 131072
+    pps = cap // ps
+    S = jax.ShapeDtypeStruct
+    specs = [S((T, H, D), jnp.bfloat16), S((T, H), jnp.bfloat16),
+             S((pps + 8, ps, D), jnp.bfloat16), S((1,), jnp.int32), S((pps,), jnp.int32),
+             S((2,), jnp.int32), S((2,), jnp.int32), S((3,), jnp.int32)]
+    ops = {"token top-k (ours)": functools.partial(streamindex_topk_ref, k=2048,
+                                                   pages_per_seq=pps),
+           "page top-k (ours)": functools.partial(streamindex_page_topk_ref, k_pages=32,
+                                                  pages_per_seq=pps),
+           "token top-k (seed) [baseline]": functools.partial(seed_topk, k=2048,
+                                                              pages_per_seq=pps)}
+    chips = ["v6e"] if quick else ["v5e", "v6e", "tpu7x"]
+    if quick:
+        ops.pop("token top-k (seed) [baseline]")
+    rows = []
+    for chip in chips:
+        for name, fn in ops.items():
+            t0 = time.perf_counter()
+            mem = aot_compile(fn, specs, chip, name).memory_analysis()
+            rows.append({"shape": "chunked prefill 4096 @128K", "op": name, "chip": chip,
+                         "temp_MiB": mem.temp_size_in_bytes / 2**20,
+                         "compile_s": time.perf_counter() - t0})
+            print(f"  {chip} {name}: {rows[-1]['temp_MiB']:.0f} MiB", flush=True)
+    return rows
+
+
+def markdown(cpu: list[dict], aot: list[dict]) -> str:
+    lines = ["| shape | op | CPU median ms |", "|---|---|---:|"]
+    lines += [f"| {r['shape']} | {r['op']} | {r['cpu_ms']:.1f} |" for r in cpu]
+    by = {(r["shape"], r["op"]): r["cpu_ms"] for r in cpu}
+    d = "decode 16x8K"
+    ratios = []
+    if (d, "token top-k (ours, general)") in by:
+        ratios.append(("general / decode fast path (ours), decode 16x8K",
+                       by[(d, "token top-k (ours, general)")]
+                       / by[(d, "token top-k (ours, decode fast path)")]))
+        ratios.append(("seed general / ours general, decode 16x8K",
+                       by[(d, "token top-k (seed, general) [baseline]")]
+                       / by[(d, "token top-k (ours, general)")]))
+    m = "sparse MLA decode 16x8K k=2048 H=16"
+    if (m, "sparse_mla (ours)") in by:
+        ratios.append(("seed sparse_mla / ours (speed-up)",
+                       by[(m, "sparse_mla (seed) [baseline]")] / by[(m, "sparse_mla (ours)")]))
+    lines += ["", "| ratio (same run) | value |", "|---|---:|"]
+    lines += [f"| {name} | {v:.2f}x |" for name, v in ratios]
+    if aot:
+        lines += ["", "| shape | op | chip | TPU temp MiB (AOT compile) |", "|---|---|---|---:|"]
+        lines += [f"| {r['shape']} | {r['op']} | {r['chip']} | {r['temp_MiB']:.0f} |"
+                  for r in aot]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="smaller prefill, v6e-only AOT")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions (median)")
+    p.add_argument("--out", default="out/bench", help="output folder for bench.md/bench.json")
+    p.add_argument("--skip-aot", action="store_true", help="skip the TPU AOT memory rows")
+    a = p.parse_args(argv)
+    reps = a.reps or (3 if a.quick else 7)
+    print(f"CPU timings (median of {reps}) ...", flush=True)
+    cpu = cpu_rows(a.quick, reps)
+    aot = [] if a.skip_aot else aot_rows(a.quick)
+    md = markdown(cpu, aot)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.md").write_text(md)
+    (out / "bench.json").write_text(json.dumps({"cpu": cpu, "aot": aot}, indent=1))
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
