@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from reference import _checks
+from reference.witnesses import scatter_topology_witnesses
 
 NEG_INF = float("-inf")
 DEFAULT_RECALL_TARGET = 0.70
@@ -81,6 +82,4 @@ def finish_selection(idx: jax.Array, context_lens: jax.Array, num_segments: int)
     """
     if num_segments == 0:
         return idx
-    from reference.witnesses import scatter_topology_witnesses
-
     return scatter_topology_witnesses(idx, context_lens.astype(jnp.int32), num_segments)

@@ -33,15 +33,17 @@ neither is "fixed" by accident:
 int32 safety: JAX computes in int32, and ``x * S_eff`` or ``s * L`` overflow for large
 contexts. Edges are computed as ``s * (L // S_eff) + ceil(s * (L % S_eff) / S_eff)``; the
 segment of an in-range token is a float32 estimate corrected by one step against the exact
-edges; a token ``x >= L`` lands in ``min(x, S - 1)`` (the clamp of the definition).
+edges, compared without division or overflow; a token ``x >= L`` lands in ``min(x, S - 1)``
+(the clamp of the definition).
 
-All work is O(rows * (topk + S)); occupancy is a scatter into ``bool[rows, S]`` and the witness
-compaction is a cumsum plus a scatter. The metric helpers and the nulls at the bottom of the
-file are host-side NumPy.
+All work is O(rows * (topk + S)): occupancy is a bit mask OR-reduced over the row (as in the
+fused upstream kernel), and the witness compaction is a cumsum plus a scatter of ``rows * S``
+values. The metric helpers and the nulls at the bottom of the file are host-side NumPy.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -175,9 +177,7 @@ def _check_keep_and_budget(learned_keep: Any, max_replacements: Any, topk: int) 
             f"learned_keep={keep} must be in [0, topk={topk}]", learned_keep=keep, topk=topk
         )
     if max_rep < 0:
-        raise WitnessError(
-            f"max_replacements={max_rep} must be >= 0", max_replacements=max_rep
-        )
+        raise WitnessError(f"max_replacements={max_rep} must be >= 0", max_replacements=max_rep)
     return min(max_rep, topk - keep)
 
 
@@ -192,26 +192,42 @@ def _edge(s: jax.Array, q: jax.Array, r: jax.Array, s_eff: jax.Array) -> jax.Arr
     return s * q + (s * r + s_eff - 1) // s_eff
 
 
-def _row_geometry(context_len: jax.Array, num_segments: int):
+def _before_edge(x: jax.Array, s: jax.Array, q: jax.Array, r: jax.Array, s_eff: jax.Array):
+    """``x < e_s`` for ``0 <= x``, ``0 <= s <= s_eff``, with no division and no overflow.
+
+    ``x < ceil(s * L / s_eff)  <=>  x * s_eff < s * L  <=>  (x - s * q) * s_eff < s * r``.
+    The right side lies in ``[0, 64 * s_eff)``, so ``d = x - s * q`` decides alone outside
+    ``[0, 64)``; clipping it to ``[-1, 64]`` keeps the product tiny and the answer unchanged.
+    """
+    d = jnp.clip(x - s * q, -1, MAX_TOPOLOGY_SEGMENTS)
+    return d * s_eff < s * r
+
+
+def _row_geometry(context_len: jax.Array, num_segments: Any):
     """Per-row ``(L', S_eff, q, r)`` with ``L' = max(L, 1)`` and ``L' = q * S_eff + r``."""
     lp = jnp.maximum(context_len, 1)
     s_eff = jnp.minimum(lp, num_segments)
     return lp, s_eff, lp // s_eff, lp % s_eff
 
 
-def _segment_array(token: jax.Array, context_len: jax.Array, num_segments: int) -> jax.Array:
-    """``min(floor(x * S_eff / L'), S - 1)`` elementwise in int32, ``-1`` for ``x < 0``."""
+@jax.jit
+def _segment_array(token: jax.Array, context_len: jax.Array, num_segments: Any) -> jax.Array:
+    """``min(floor(x * S_eff / L'), S - 1)`` elementwise in int32, ``-1`` for ``x < 0``.
+
+    ``num_segments`` may be traced: one compile serves every segment count. Per token this is
+    a float32 estimate and two exact edge comparisons: no integer division (which does not
+    vectorise on CPU) and no product that can overflow int32.
+    """
     lp, s_eff, q, r = _row_geometry(context_len, num_segments)
+    ratio = s_eff.astype(jnp.float32) / lp.astype(jnp.float32)  # per row, not per token
     inside = (token >= 0) & (token < lp)
     x = jnp.where(inside, token, 0)
-    # float32 estimate: relative error a few 2**-24 on a value below 64, so it is off by at most
-    # one; one step against the exact edges (x in [e_s, e_{s+1}) iff segment s) corrects it.
-    est = jnp.floor(
-        x.astype(jnp.float32) * s_eff.astype(jnp.float32) / lp.astype(jnp.float32)
-    ).astype(jnp.int32)
-    est = jnp.clip(est, 0, s_eff - 1)
-    below = x < _edge(est, q, r, s_eff)
-    above = x >= _edge(est + 1, q, r, s_eff)
+    # float32 estimate (x >= 0, so truncation is floor): relative error a few 2**-24 on a value
+    # below 64, so it is off by at most one; one step against the exact edges (x in
+    # [e_s, e_{s+1}) iff segment s) corrects it.
+    est = jnp.clip((x.astype(jnp.float32) * ratio).astype(jnp.int32), 0, s_eff - 1)
+    below = _before_edge(x, est, q, r, s_eff)
+    above = ~_before_edge(x, est + 1, q, r, s_eff)
     seg_inside = est - below.astype(jnp.int32) + above.astype(jnp.int32)
     # x >= L': floor(x * S_eff / L') is x when S_eff == L', and >= S when S_eff == S; either
     # way the clamp gives min(x, S - 1).
@@ -256,7 +272,7 @@ def segment_of(token: Any, context_len: Any, num_segments: int) -> Any:
         return _segment_int(int(token), int(context_len), s)
     tok = _int_array("token", token)
     ctx = _int_array("context_len", context_len)
-    return _segment_array(tok, ctx, s)
+    return _segment_array(tok, ctx, jnp.int32(s))
 
 
 # --------------------------------------------------------------------------------------------
@@ -264,17 +280,34 @@ def segment_of(token: Any, context_len: Any, num_segments: int) -> Any:
 # --------------------------------------------------------------------------------------------
 
 
+def _occupancy(seg: jax.Array, num_segments: int) -> jax.Array:
+    """``bool[rows, S]``: which segments a row meets, from ``seg: i32[rows, topk]`` (``-1``
+    marks nothing). Like the fused upstream kernel, occupancy is a bit mask (here 32-bit
+    words), built by an OR-reduction over the row: O(rows * topk), no scatter."""
+    words = []
+    for base in range(0, num_segments, 32):
+        shift = seg - base
+        bits = jnp.left_shift(jnp.uint32(1), jnp.clip(shift, 0, 31).astype(jnp.uint32))
+        words.append(jnp.where((shift >= 0) & (shift < 32), bits, jnp.uint32(0)))
+    # One variadic reduction: every word in a single pass over the row.
+    words = jax.lax.reduce(
+        tuple(words),
+        tuple(jnp.uint32(0) for _ in words),
+        lambda acc, new: tuple(a | b for a, b in zip(acc, new, strict=True)),
+        (1,),
+    )
+    mask = jnp.stack(words, axis=1)  # u32[rows, ceil(S / 32)]
+    s = np.arange(num_segments)
+    return (jnp.right_shift(mask[:, s // 32], (s % 32).astype(np.uint32)) & 1).astype(jnp.bool_)
+
+
+# The bodies are jitted so that an eager call compiles one fused program per shape rather than
+# dispatching op by op; under an outer jit or vmap they are inlined.
+@functools.partial(jax.jit, static_argnums=2)
 def _witnesses(learned: jax.Array, context_lens: jax.Array, num_segments: int) -> jax.Array:
     """Unchecked body of ``topology_witness_indices``."""
-    rows = learned.shape[0]
     ctx = context_lens[:, None]
-    seg = _segment_array(learned, ctx, num_segments)  # i32[rows, topk], -1 for padding
-    # Padding goes to column num_segments, which mode="drop" discards.
-    seg = jnp.where(seg < 0, num_segments, seg)
-    row_ids = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None], seg.shape)
-    occupied = (
-        jnp.zeros((rows, num_segments), jnp.bool_).at[row_ids, seg].set(True, mode="drop")
-    )
+    occupied = _occupancy(_segment_array(learned, ctx, num_segments), num_segments)
     _, s_eff, q, r = _row_geometry(ctx, num_segments)
     s = jnp.arange(num_segments, dtype=jnp.int32)[None, :]
     edges = _edge(s, q, r, s_eff)  # i32[rows, num_segments]
@@ -282,9 +315,7 @@ def _witnesses(learned: jax.Array, context_lens: jax.Array, num_segments: int) -
     return jnp.where(emit, edges, -1)
 
 
-def topology_witness_indices(
-    learned: Any, context_lens: Any, num_segments: int
-) -> jax.Array:
+def topology_witness_indices(learned: Any, context_lens: Any, num_segments: int) -> jax.Array:
     """Witnesses of the segments each learned row misses.
 
     Args:
@@ -307,8 +338,10 @@ def topology_witness_indices(
     return _witnesses(learned, context_lens, s)
 
 
-def _merge(learned: jax.Array, witnesses: jax.Array, keep: int, budget: int) -> jax.Array:
-    """Unchecked body of the merge for ``budget >= 1`` and at least one row."""
+@jax.jit
+def _merge(learned: jax.Array, witnesses: jax.Array, keep: Any, budget: Any) -> jax.Array:
+    """Unchecked body of the merge for ``budget >= 1`` and at least one row. ``keep`` and
+    ``budget`` (validated Python ints) are traced scalars: no recompile per value."""
     rows, topk = learned.shape
     valid = witnesses >= 0
     rank = jnp.cumsum(valid.astype(jnp.int32), axis=1) - 1  # position among valid witnesses
@@ -349,7 +382,7 @@ def merge_topology_witnesses(
     budget = _check_keep_and_budget(learned_keep, max_replacements, learned.shape[1])
     if budget == 0 or learned.shape[0] == 0:
         return learned
-    return _merge(learned, witnesses, int(learned_keep), budget)
+    return _merge(learned, witnesses, jnp.int32(learned_keep), jnp.int32(budget))
 
 
 def apply_topology_witnesses(
@@ -381,7 +414,8 @@ def apply_topology_witnesses(
     budget = _check_keep_and_budget(learned_keep, max_replacements, learned.shape[1])
     if budget == 0 or learned.shape[0] == 0:
         return learned
-    return _merge(learned, _witnesses(learned, context_lens, s), int(learned_keep), budget)
+    witnesses = _witnesses(learned, context_lens, s)
+    return _merge(learned, witnesses, jnp.int32(learned_keep), jnp.int32(budget))
 
 
 def scatter_topology_witnesses(

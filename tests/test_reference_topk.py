@@ -135,3 +135,28 @@ def test_random_ragged_batches(seed):
     kp = int(rng.integers(1, 8))
     check_page_topk(streamindex_page_topk_ref(*b.args(), k_pages=kp,
                                               pages_per_seq=pages_per_seq), b, kp)
+
+
+@pytest.mark.parametrize("page_level", [False, True])
+def test_witnesses_are_merged_with_each_rows_causal_context(page_level):
+    from reference.page_topk import causal_page_count
+    from reference.witnesses import scatter_topology_witnesses
+
+    b = scenario("mixed_padding", seed=21)
+    S, k = 4, 10 if not page_level else 6
+    op = streamindex_page_topk_ref if page_level else streamindex_topk_ref
+    kw = {"k_pages" if page_level else "k": k, "pages_per_seq": PAGES_PER_SEQ, "exact": True}
+    plain = np.asarray(op(*b.args(), **kw))
+    merged = np.asarray(op(*b.args(), num_segments=S, **kw))
+    # row contexts from the definition: abs position + 1 tokens (pages: the causal page count)
+    from oracle import row_sequences
+
+    rows = row_sequences(b.q.shape[0], b.cu_q_lens, b.seq_lens, b.distribution)
+    ctx = np.array([0 if r is None else r[1] + 1 for r in rows], np.int32)
+    if page_level:
+        ctx = np.asarray(causal_page_count(jnp.asarray(ctx - 1), jnp.asarray(ctx), PAGE_SIZE))
+    np.testing.assert_array_equal(merged, scatter_topology_witnesses(plain, ctx, S))
+    outside = [i for i, r in enumerate(rows) if r is None]
+    assert outside and np.all(merged[outside] == -1)
+    assert np.all(merged < np.maximum(ctx, 1)[:, None])  # every entry causal
+    np.testing.assert_array_equal(merged[:, : k - S], plain[:, : k - S])

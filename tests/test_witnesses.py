@@ -8,6 +8,7 @@ which works in int32 with a float estimate and edge correction.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,7 @@ from reference.witnesses import (
 )
 
 I32_MAX = 2**31 - 1
-PROPERTY = settings(max_examples=40, deadline=None)
+PROPERTY = settings(max_examples=60, deadline=None)
 
 # --------------------------------------------------------------------------------------------
 # Oracle: the definition, in Python ints
@@ -59,9 +60,7 @@ def oracle_witnesses(row: list[int], L: int, S: int) -> list[int]:
         return [-1] * S
     s_eff = min(S, L)
     occupied = {oracle_segment(x, L, S) for x in row if x >= 0}
-    return [
-        oracle_edge(s, L, S) if s < s_eff and s not in occupied else -1 for s in range(S)
-    ]
+    return [oracle_edge(s, L, S) if s < s_eff and s not in occupied else -1 for s in range(S)]
 
 
 def oracle_merge(row: list[int], wit: list[int], keep: int, max_rep: int) -> list[int]:
@@ -121,7 +120,9 @@ def random_learned_row(rng, L: int, topk: int, tail_padding: int = 0, junk: bool
         for j in range(topk):
             u = rng.random()
             if u < 0.1:
-                row[j] = int(rng.choice([I32_MAX, max(L, 0) + int(rng.integers(0, 100))]))
+                row[j] = min(I32_MAX, max(L, 0) + int(rng.integers(0, 100)))
+                if rng.random() < 0.3:
+                    row[j] = I32_MAX
             elif u < 0.15:
                 row[j] = int(rng.integers(-9, 0))
             elif u < 0.2 and j:
@@ -136,8 +137,10 @@ def random_batch(seed: int, rows: int, topk: int, tail_padding: int = 0, junk: b
     return learned, lens
 
 
-TOPKS = st.sampled_from([1, 4, 8, 16])
-SEGMENTS = st.sampled_from([1, 2, 3, 4, 7, 8, 16, 64])
+# Few distinct shapes: eager JAX compiles each op once per shape, and these are shared by every
+# property test (S < topk, S > topk, S = 1, S = 64; topk = 1).
+TOPKS = st.sampled_from([1, 8, 24])
+SEGMENTS = st.sampled_from([1, 3, 8, 64])
 SEEDS = st.integers(0, 2**32 - 1)
 
 
@@ -207,7 +210,9 @@ MALFORMED = [
     ),
     (
         "learned 3-D",
-        lambda: scatter_topology_witnesses(jnp.zeros((2, 2, 2), jnp.int32), jnp.ones(2, jnp.int32), 4),
+        lambda: scatter_topology_witnesses(
+            jnp.zeros((2, 2, 2), jnp.int32), jnp.ones(2, jnp.int32), 4
+        ),
         RowsMismatch,
         r"learned must be 2-D.*\(2, 2, 2\)",
         {"learned_shape": (2, 2, 2)},
@@ -221,14 +226,18 @@ MALFORMED = [
     ),
     (
         "context_lens 2-D",
-        lambda: topology_witness_indices(jnp.zeros((3, 4), jnp.int32), jnp.ones((3, 1), jnp.int32), 4),
+        lambda: topology_witness_indices(
+            jnp.zeros((3, 4), jnp.int32), jnp.ones((3, 1), jnp.int32), 4
+        ),
         RowsMismatch,
         r"context_lens must be 1-D",
         {"rows": 3, "argument_shape": (3, 1)},
     ),
     (
         "witnesses rows",
-        lambda: merge_topology_witnesses(jnp.zeros((3, 4), jnp.int32), jnp.zeros((2, 4), jnp.int32), 2, 2),
+        lambda: merge_topology_witnesses(
+            jnp.zeros((3, 4), jnp.int32), jnp.zeros((2, 4), jnp.int32), 2, 2
+        ),
         RowsMismatch,
         r"witnesses\.shape=\(2, 4\).*rows=3",
         {"rows": 3, "argument": "witnesses"},
@@ -263,7 +272,9 @@ MALFORMED = [
     ),
     (
         "witness width 65 at merge",
-        lambda: merge_topology_witnesses(jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 65), jnp.int32), 0, 4),
+        lambda: merge_topology_witnesses(
+            jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 65), jnp.int32), 0, 4
+        ),
         SegmentsOutOfRange,
         r"s=65",
         {"num_segments": 65},
@@ -277,7 +288,9 @@ MALFORMED = [
     ),
     (
         "negative keep",
-        lambda: merge_topology_witnesses(jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 4), jnp.int32), -1, 4),
+        lambda: merge_topology_witnesses(
+            jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 4), jnp.int32), -1, 4
+        ),
         LearnedKeepOutOfRange,
         r"learned_keep=-1 .*topk=4",
         {"learned_keep": -1, "topk": 4},
@@ -312,16 +325,21 @@ def test_every_witness_lands_in_its_own_segment():
     assert segment_of(2, 10, 4) == 0
     assert segment_of(math.ceil(10 / 4), 10, 4) == 1
     lengths = [1, 2, 3, 10, 63, 64, 65, 100, 1000, 4097, 131_071, I32_MAX - 1, I32_MAX]
-    for S in range(1, MAX_TOPOLOGY_SEGMENTS + 1):
-        for L in lengths:
-            s_eff = min(S, L)
-            edges = [oracle_edge(s, L, S) for s in range(s_eff)]
-            assert [segment_of(e, L, S) for e in edges] == list(range(s_eff))
-            # The array path agrees, and the edges are what the policy emits on an empty row.
-            got = segment_of(jnp.array(edges, jnp.int32), jnp.int32(L), S)
-            assert as_rows(got) == list(range(s_eff)), (S, L)
-            wit = topology_witness_indices(jnp.full((1, 1), -1, jnp.int32), jnp.array([L]), S)
-            assert as_rows(wit)[0][:s_eff] == edges
+    empty = jnp.full((len(lengths), 1), -1, jnp.int32)
+    top = MAX_TOPOLOGY_SEGMENTS
+    for S in range(1, top + 1):
+        # Every edge of every length, padded by repetition to 64 columns: one array shape.
+        edges = [[oracle_edge(min(s, min(S, L) - 1), L, S) for s in range(top)] for L in lengths]
+        segs = [[min(s, min(S, L) - 1) for s in range(top)] for L in lengths]
+        assert [
+            [segment_of(e, L, S) for e in row] for row, L in zip(edges, lengths, strict=True)
+        ] == segs
+        got = segment_of(jnp.array(edges, jnp.int32), jnp.array(lengths)[:, None], S)
+        assert as_rows(got) == segs, S  # the int32 array path agrees
+        if S in (1, 2, 3, 4, 7, 8, 16, 33, 63, 64):  # what the policy emits on an empty row
+            wit = as_rows(topology_witness_indices(empty, jnp.array(lengths), S))
+            for row, L, e in zip(wit, lengths, edges, strict=True):
+                assert row == e[: min(S, L)] + [-1] * (S - min(S, L))
 
 
 @PROPERTY
@@ -340,10 +358,10 @@ def test_witnesses_are_causal_distinct_disjoint_and_complete(seed, topk, S):
         assert wit == oracle_witnesses(row, L, S)
 
 
-@settings(max_examples=25, deadline=None)
-@given(seed=SEEDS, topk=st.sampled_from([4, 8, 16, 32]), S=SEGMENTS)
+@settings(max_examples=50, deadline=None)
+@given(seed=SEEDS, topk=TOPKS, S=SEGMENTS)
 def test_the_serving_row_is_causal_distinct_ordered_and_within_budget(seed, topk, S):
-    learned, lens = random_batch(seed, 16, topk)  # 25 x 16 = 400 rows
+    learned, lens = random_batch(seed, 16, topk)  # 50 x 16 = 800 rows
     out = as_rows(scatter_topology_witnesses(jnp.array(learned), jnp.array(lens), S))
     keep, budget = max(topk - S, 0), min(S, topk)
     for row, L, new in zip(learned, lens, out, strict=True):
@@ -360,8 +378,8 @@ def test_the_serving_row_is_causal_distinct_ordered_and_within_budget(seed, topk
         assert len(set(valid)) == len(valid)  # distinct
 
 
-@settings(max_examples=25, deadline=None)
-@given(seed=SEEDS, topk=st.sampled_from([4, 8, 16, 32]), S=SEGMENTS)
+@settings(max_examples=50, deadline=None)
+@given(seed=SEEDS, topk=TOPKS, S=SEGMENTS)
 def test_every_segment_is_covered_when_the_reserved_tail_is_padding(seed, topk, S):
     learned, lens = random_batch(seed, 16, topk, tail_padding=min(S, topk))
     out = as_rows(scatter_topology_witnesses(jnp.array(learned), jnp.array(lens), S))
@@ -380,8 +398,9 @@ def test_overwriting_a_sole_tail_occupant_uncovers_its_segment():
     assert merged == [0, 1, 2, 3, 4, 8, -1, -1]
     assert segment_coverage(merged, 16, 4) == 0.75
     # The same row with 12 moved into the retained prefix is fully covered.
-    safe = as_rows(scatter_topology_witnesses(jnp.array([[0, 1, 2, 12, 3, -1, -1, -1]]),
-                                              jnp.array([16]), 4))[0]
+    safe = as_rows(
+        scatter_topology_witnesses(jnp.array([[0, 1, 2, 12, 3, -1, -1, -1]]), jnp.array([16]), 4)
+    )[0]
     assert safe == [0, 1, 2, 12, 4, 8, -1, -1] and segment_coverage(safe, 16, 4) == 1.0
 
 
@@ -390,8 +409,9 @@ def test_permuting_the_learned_row_leaves_the_witness_set_unchanged():
     rows = [[0, 5, 9, -1], [9, -1, 5, 0], [5, 0, 9, -1], [5, 9, 0, -1], [-1, 9, 0, 5]]
     wits = [as_rows(topology_witness_indices(jnp.array([r]), ctx, 4))[0] for r in rows]
     assert all(w == [-1, -1, -1, 12] for w in wits)  # a set function of the row
-    merged = {tuple(r): as_rows(apply_topology_witnesses(jnp.array([r]), ctx, 2, 4, 2))[0]
-              for r in rows}
+    merged = {
+        tuple(r): as_rows(apply_topology_witnesses(jnp.array([r]), ctx, 2, 4, 2))[0] for r in rows
+    }
     # Permuting the retained prefix leaves the output set alone ...
     assert set(merged[(0, 5, 9, -1)]) - {-1} == {0, 5, 12}
     assert set(merged[(5, 0, 9, -1)]) - {-1} == {0, 5, 12}
@@ -403,8 +423,6 @@ def test_the_nulls_spend_exactly_the_policy_budget():
     learned, lens = random_batch(11, 24, 16, tail_padding=4)
     out = as_rows(scatter_topology_witnesses(jnp.array(learned), jnp.array(lens), 4))
     for L, new in zip(lens, out, strict=True):
-        if L > I32_MAX // 2:
-            continue  # the random null draws from [0, L): fine, but keep this test quick
         k = len(valid_set(new, L))
         for null in (random_null(L, k, seed=L % 1000), locality_null(L, k)):
             assert null.dtype == np.int32 and null.shape == (k,)
@@ -425,7 +443,7 @@ def test_the_nulls_are_the_last_row_of_the_attention_selectors():
             for sel in (rand[t], local[t]):
                 got = sel[sel >= 0]
                 assert len(got) == min(k, t + 1) == len(set(got.tolist()))
-                assert got.max() <= t and (sel[len(got):] == -1).all()
+                assert got.max() <= t and (sel[len(got) :] == -1).all()
             assert local[t][local[t] >= 0].tolist() == list(range(max(t + 1 - k, 0), t + 1))
     np.testing.assert_array_equal(random_selector(30, 5, 1), random_selector(30, 5, 1))
     assert not np.array_equal(random_null(1000, 5, 1), random_null(1000, 5, 2))
@@ -440,8 +458,9 @@ def test_coverage_and_recall_match_a_hand_computed_example():
     # Locality null [4, 8): segments {2, 3}, coverage 0.5; recall 1/8+1/32+1/16+1/32 = 1/4.
     a = np.array([1 / 2, 0, 1 / 4, 0, 1 / 8, 1 / 32, 1 / 16, 1 / 32])
     assert a.sum() == 1.0
-    policy = as_rows(apply_topology_witnesses(jnp.array([[0, 2, -1, -1]]), jnp.array([8]),
-                                              2, 4, 2))[0]
+    policy = as_rows(
+        apply_topology_witnesses(jnp.array([[0, 2, -1, -1]]), jnp.array([8]), 2, 4, 2)
+    )[0]
     assert policy == [0, 2, 4, 6]
     assert segment_coverage(policy, 8, 4) == 1.0
     assert attention_mass_recall(policy, a) == 0.9375
@@ -476,10 +495,16 @@ def test_apply_and_witnesses_match_the_oracle_with_junk_entries(seed, topk, S, k
 
 
 @PROPERTY
-@given(seed=SEEDS, topk=TOPKS, width=st.integers(1, 8), keep_frac=st.floats(0, 1),
-       max_rep=st.integers(0, 10))
-def test_merge_places_arbitrary_witness_columns_in_column_order(seed, topk, width, keep_frac,
-                                                                max_rep):
+@given(
+    seed=SEEDS,
+    topk=TOPKS,
+    width=st.sampled_from([1, 3, 8]),
+    keep_frac=st.floats(0, 1),
+    max_rep=st.integers(0, 10),
+)
+def test_merge_places_arbitrary_witness_columns_in_column_order(
+    seed, topk, width, keep_frac, max_rep
+):
     rng = np.random.default_rng(seed)
     learned = rng.integers(-2, 50, size=(5, topk)).tolist()
     wit = np.where(rng.random((5, width)) < 0.5, -1, rng.integers(0, 99, (5, width))).tolist()
@@ -491,19 +516,34 @@ def test_merge_places_arbitrary_witness_columns_in_column_order(seed, topk, widt
 def test_segment_of_arrays_broadcast_and_match_python_ints():
     rng = np.random.default_rng(0)
     for S in (1, 3, 7, 64):
-        lens = np.concatenate([rng.integers(1, 100, 50), rng.integers(1, I32_MAX, 200),
-                               [I32_MAX, I32_MAX - 1, 2**30, 2**24 + 1]]).astype(np.int64)
-        xs = np.concatenate([np.minimum(rng.integers(0, lens), I32_MAX), lens - 1, lens,
-                             np.full(len(lens), I32_MAX), np.full(len(lens), -1)])
+        lens = np.concatenate(
+            [
+                rng.integers(1, 100, 50),
+                rng.integers(1, I32_MAX, 200),
+                [I32_MAX, I32_MAX - 1, 2**30, 2**24 + 1],
+            ]
+        ).astype(np.int64)
+        xs = np.concatenate(
+            [
+                np.minimum(rng.integers(0, lens), I32_MAX),
+                lens - 1,
+                lens,
+                np.full(len(lens), I32_MAX),
+                np.full(len(lens), -1),
+            ]
+        )
         ctx = np.tile(lens, 5)
         got = np.asarray(segment_of(jnp.array(xs, jnp.int32), jnp.array(ctx, jnp.int32), S))
-        want = [oracle_segment(int(x), int(L), S) if x >= 0 else -1 for x, L in zip(xs, ctx,
-                                                                                   strict=True)]
+        want = [
+            oracle_segment(int(x), int(L), S) if x >= 0 else -1
+            for x, L in zip(xs, ctx, strict=True)
+        ]
         assert got.tolist() == want
     grid = segment_of(jnp.arange(10)[:, None], jnp.array([[4, 10, 16]]), 4)  # broadcasting
     assert grid.shape == (10, 3)
-    assert np.asarray(grid).tolist() == [[oracle_segment(x, L, 4) for L in (4, 10, 16)]
-                                         for x in range(10)]
+    assert np.asarray(grid).tolist() == [
+        [oracle_segment(x, L, 4) for L in (4, 10, 16)] for x in range(10)
+    ]
     assert segment_of(-1, 10, 4) == -1 and segment_of(5, 0, 4) == 3  # L = 0 read as 1
 
 
@@ -514,6 +554,7 @@ def test_int32_edge_matches_python_ints():
         for S in (64, 63, 7):
             edges = [oracle_edge(s, L, S) for s in range(S)] + [L]
             probes = sorted({e + d for e in edges for d in (-1, 0, 1) if 0 <= e + d <= I32_MAX})
+            probes += [I32_MAX] * (200 - len(probes))  # one array shape for every case
             got = segment_of(jnp.array(probes, jnp.int32), L, S)
             assert as_rows(got) == [oracle_segment(x, L, S) for x in probes]
             learned = [[I32_MAX, I32_MAX - 1, edges[S // 2], -1, -1, -1]]
@@ -528,7 +569,7 @@ def test_metrics_without_segments_or_mass():
     assert segment_coverage([0, 1], 10, 0) == 1.0  # S = 0: no segments
     assert segment_coverage([0, 1], 0, 4) == 1.0  # L = 0: no segments
     assert segment_coverage([], 10, 4) == 0.0
-    assert segment_coverage(np.array([0, 9]), 3, 100) == 2 / 3  # S_eff = L, no upper bound
+    assert segment_coverage(np.array([0, 2, 9]), 3, 100) == 2 / 3  # S_eff = L, no upper bound
     assert math.isnan(attention_mass_recall([0, 1], np.zeros(4)))
     assert math.isnan(attention_mass_recall([0], []))
     assert attention_mass_recall(jnp.array([3, 3, 3]), [1.0, 1.0, 1.0, 1.0]) == 0.25
@@ -543,19 +584,27 @@ def test_jit_and_vmap_equal_eager():
     batches = [random_batch(s, 12, 16, junk=True) for s in range(3)]
     x = jnp.array([b[0] for b in batches], jnp.int32)  # [3, 12, 16]
     ctx = jnp.array([b[1] for b in batches], jnp.int32)  # [3, 12]
-    for keep, S, max_rep in [(10, 8, 6), (0, 64, 64), (16, 4, 4), (5, 3, 20)]:
+    for keep, S, max_rep in [(10, 8, 6), (5, 64, 64), (16, 4, 4), (0, 3, 20)]:
         eager = [apply_topology_witnesses(x[i], ctx[i], keep, S, max_rep) for i in range(3)]
         jitted = jax.jit(apply_topology_witnesses, static_argnums=(2, 3, 4))
         for i in range(3):
             np.testing.assert_array_equal(jitted(x[i], ctx[i], keep, S, max_rep), eager[i])
-        vmapped = jax.vmap(lambda a, c: apply_topology_witnesses(a, c, keep, S, max_rep))(x, ctx)
+        vmapped = jax.vmap(
+            partial(
+                apply_topology_witnesses,
+                learned_keep=keep,
+                num_segments=S,
+                max_replacements=max_rep,
+            )
+        )(x, ctx)
         np.testing.assert_array_equal(vmapped, jnp.stack(eager))
         w_eager = jnp.stack([topology_witness_indices(x[i], ctx[i], S) for i in range(3)])
-        w_vmap = jax.vmap(lambda a, c: topology_witness_indices(a, c, S))(x, ctx)
+        w_vmap = jax.vmap(partial(topology_witness_indices, num_segments=S))(x, ctx)
         np.testing.assert_array_equal(w_vmap, w_eager)
     serve = jax.jit(scatter_topology_witnesses, static_argnums=2)
-    np.testing.assert_array_equal(serve(x[0], ctx[0], 8), scatter_topology_witnesses(x[0],
-                                                                                     ctx[0], 8))
+    np.testing.assert_array_equal(
+        serve(x[0], ctx[0], 8), scatter_topology_witnesses(x[0], ctx[0], 8)
+    )
     seg = jax.jit(segment_of, static_argnums=2)
     np.testing.assert_array_equal(seg(x, ctx[..., None], 7), segment_of(x, ctx[..., None], 7))
 
@@ -569,8 +618,9 @@ def test_scatter_works_on_a_donated_buffer_under_jit():
     assert as_rows(out) == expected
     assert buf.is_deleted()  # the buffer was donated and reused
     out2 = serve(out, jnp.array(lens, jnp.int32), 8)  # chaining a donated result works too
-    assert as_rows(out2) == [oracle_apply(r, L, 56, 8, 8) for r, L in
-                             zip(expected, lens, strict=True)]
+    assert as_rows(out2) == [
+        oracle_apply(r, L, 56, 8, 8) for r, L in zip(expected, lens, strict=True)
+    ]
 
 
 def test_a_refused_donated_call_leaves_the_buffer_untouched():
@@ -638,5 +688,7 @@ def test_cost_is_linear_in_topk_plus_segments_with_no_callbacks():
                     walk(getattr(inner, "jaxpr", inner))
 
     walk(jaxpr.jaxpr)
-    assert biggest <= rows * (topk + S)  # no [rows, topk, S] intermediate
+    # No [rows, topk, S] intermediate: the largest is a scatter's [rows, topk, 2] index array.
+    assert biggest <= 2 * rows * (topk + S) < rows * topk * S
+    assert "scatter" in prims  # the walk reached the jitted bodies
     assert not {p for p in prims if "callback" in p}
