@@ -1,0 +1,86 @@
+"""Block sizes of the lightning-indexer score kernels: one table per TPU generation, and the
+VMEM estimate that keeps every default under half of the chip's VMEM.
+
+Two knobs (``pallas_kernels.index_score_kernel`` explains the design):
+
+- ``block_rows`` (R): query rows of ONE sequence scored together per grid step (a power of two).
+  The q block is ``[R * H, D]`` so every key page fetched is used by all R rows x all H heads.
+  Decode (``one_token_per_seq``) uses R = 1: a sequence has one row, and a larger R would only
+  multiply MXU work by rows that do not exist.
+- ``block_pages`` (P): key pages DMAed per pipeline stage (double-buffered). The score tile is
+  ``f32[R * H, P * page_size]``; P divides 128 so a block's page scores never straddle a lane
+  group, and ``P * page_size`` is a multiple of 128 lanes (Mosaic's tiling; checked when compiled).
+
+Why these numbers: decode is HBM-bound (each key byte feeds 2*H flops per row), so P is large
+enough that a stage moves >= 128 KiB of keys (DMA issue cost amortised) and small enough that the
+f32 score tile stays ~256 KiB. Prefill is MXU-bound; R = 16 keeps the re-read of the causal keys
+(once per row block) below the score writes, and the score tile ~1 MiB.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pallas_kernels import aot
+
+LANES = 128
+SUBLANES = 8
+
+
+@dataclass(frozen=True)
+class IndexerBlocks:
+    """``block_rows`` (query rows per step, power of two), ``block_pages`` (pages per stage)."""
+
+    block_rows: int
+    block_pages: int
+
+
+# chip -> (decode blocks, general blocks). Same across generations today: decode is HBM-bound
+# everywhere, and the general tile already fits v7x's 64 MiB VMEM with room to spare.
+_TABLE: dict[str, tuple[IndexerBlocks, IndexerBlocks]] = {
+    "v5e": (IndexerBlocks(1, 16), IndexerBlocks(16, 4)),
+    "v6e": (IndexerBlocks(1, 16), IndexerBlocks(16, 8)),
+    "tpu7x": (IndexerBlocks(1, 16), IndexerBlocks(16, 4)),
+}
+_FALLBACK = (IndexerBlocks(1, 16), IndexerBlocks(16, 4))
+
+
+def default_blocks(chip: str | None, *, one_token_per_seq: bool) -> IndexerBlocks:
+    """Table defaults for ``chip`` (``None`` or unknown -> fallback)."""
+    decode, general = _TABLE.get(chip or "", _FALLBACK)
+    return decode if one_token_per_seq else general
+
+
+def _tile_bytes(rows: int, cols: int, itemsize: int) -> int:
+    """VMEM bytes of a 2-D ``[rows, cols]`` buffer padded to (8 * 4 / itemsize, 128) tiles."""
+    sub = SUBLANES * 4 // itemsize
+    return (-(-rows // sub) * sub) * (-(-cols // LANES) * LANES) * itemsize
+
+
+def vmem_estimate(*, block_rows: int, block_pages: int, num_heads: int, dim: int,
+                  page_size: int, pages_per_seq: int, key_itemsize: int, q_itemsize: int,
+                  page_mode: bool) -> int:
+    """VMEM bytes the score kernel allocates (padded to tiles), one term per buffer."""
+    rh = block_rows * num_heads
+    nb = block_pages * page_size
+    num_blocks = -(-pages_per_seq // block_pages)
+    total = 0
+    total += 2 * _tile_bytes(rh, dim, q_itemsize)  # q block [R*H, D], double-buffered
+    total += 2 * _tile_bytes(rh, 1, 4)  # weight column [R*H, 1] f32, double-buffered
+    total += 2 * block_pages * _tile_bytes(page_size, dim, key_itemsize)  # key pages, 2 stages
+    total += _tile_bytes(rh, nb, 4)  # f32 score tile [R*H, P*page] (compiler temporary)
+    if key_itemsize != q_itemsize:
+        total += _tile_bytes(nb, dim, 4)  # key block cast to the compute dtype
+    if page_mode:
+        pages_pad = -(-num_blocks * block_pages // LANES) * LANES
+        total += 2 * _tile_bytes(block_rows, pages_pad, 4)  # page scores out block, 2 buffers
+    else:
+        total += 2 * _tile_bytes(block_rows, num_blocks * nb, 4)  # row scores, 2 out buffers
+    return total
+
+
+def vmem_budget(chip: str | None) -> int | None:
+    """Half of ``chip``'s VMEM: the ceiling every default must stay under (None if unknown)."""
+    if chip is None or chip not in aot.CHIPS:
+        return None
+    return aot.chip_info(chip).vmem_capacity_bytes // 2

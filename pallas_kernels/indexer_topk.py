@@ -1,0 +1,124 @@
+"""Lightning-indexer token top-k with a Pallas TPU score kernel.
+
+    scores  (Pallas, ``pallas_kernels.index_score_kernel``: f32[C, pages_per_seq * page_size])
+    -> selection (XLA, ``reference.selection``: approx_max_k / top_k, guard, witness merge)
+
+Same arguments and result as ``reference.indexer_topk.streamindex_topk_ref``, plus kernel knobs.
+Memory bound: one kernel call scores ``C`` rows with ``f32[C, capacity] <= score_chunk_bytes``
+(default 64 MiB, at least one row block); longer batches run as ``ceil(T / C)`` calls inside a
+``fori_loop``, so peak score temporaries stay ~64 MiB (plus the selection's own temporaries of
+the same order) whatever ``T`` is. Example: 2048-row prefill at 32768 -> 4 calls of 512 rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import aot
+from pallas_kernels import index_score_kernel as isk
+from pallas_kernels.indexer_blocks import IndexerBlocks
+from reference import selection
+from reference._indexer_args import check_indexer_args
+
+_STATICS = ("k", "pages_per_seq", "one_token_per_seq", "num_segments", "recall_target", "exact",
+            "block_rows", "block_pages", "chip", "score_chunk_bytes", "vmem_limit_bytes",
+            "interpret")
+
+
+def _blocks(chip, block_rows, block_pages, one_token_per_seq, pages_per_seq) -> IndexerBlocks:
+    chip = aot.check_chip(chip) if chip is not None else isk.device_chip()
+    return isk.resolve_blocks(None, block_rows=block_rows, block_pages=block_pages, chip=chip,
+                              one_token_per_seq=one_token_per_seq, pages_per_seq=pages_per_seq)
+
+
+@functools.partial(jax.jit, static_argnames=_STATICS)
+def streamindex_topk(
+    q: jax.Array,  # f32|bf16[T, H, D] indexer query heads
+    weights: jax.Array,  # f32|bf16[T, H] per-head mixing weights
+    cache_kv: jax.Array,  # f32|bf16[num_pages, page_size, D] paged indexer keys
+    seq_lens: jax.Array,  # i32[S] kv length per sequence (this step's tokens included)
+    page_indices: jax.Array,  # i32[N] packed page table
+    cu_q_lens: jax.Array,  # i32[S+1]
+    cu_kv_lens: jax.Array,  # i32[S+1] cumsum of page-aligned capacities (tokens)
+    distribution: jax.Array,  # i32[3] (decode_end, prefill_end, num_seqs)
+    *,
+    k: int,
+    pages_per_seq: int,
+    one_token_per_seq: bool = False,
+    num_segments: int = 0,
+    recall_target: float = selection.DEFAULT_RECALL_TARGET,
+    exact: bool = False,
+    block_rows: int | None = None,
+    block_pages: int | None = None,
+    chip: str | None = None,
+    score_chunk_bytes: int = isk.SCORE_CHUNK_BYTES,
+    vmem_limit_bytes: int | None = None,
+    interpret=False,
+) -> jax.Array:
+    """Token top-k of the lightning indexer over a ragged paged batch (Pallas scores).
+
+    Args:
+      k, pages_per_seq, one_token_per_seq, num_segments, recall_target, exact: as in
+        ``streamindex_topk_ref`` (witness context length: ``min(abs_pos + 1, kv_len)``).
+      block_rows, block_pages: kernel blocks (``indexer_blocks``); ``None`` takes the table
+        default for ``chip``.
+      chip: ``"v5e" | "v6e" | "tpu7x"`` for the block table; ``None`` detects it (fallback
+        table off-TPU).
+      score_chunk_bytes: bound on one call's f32 score block (module docstring).
+      vmem_limit_bytes: Mosaic VMEM limit; ``None`` -> ``max(32 MiB, 2 x estimate)``.
+      interpret: False, True (plain interpret mode) or a ``pltpu.InterpretParams``.
+
+    Returns:
+      i32[T, k]: sequence-local token offsets by descending score, ``-1`` padding in the tail;
+      rows outside every sequence all ``-1``.
+    """
+    check_indexer_args(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
+                       distribution, pages_per_seq=pages_per_seq,
+                       one_token_per_seq=one_token_per_seq)
+    selection.check_selection_args(k, recall_target, exact, num_segments)
+    blocks = _blocks(chip, block_rows, block_pages, one_token_per_seq, pages_per_seq)
+    isk.check_kernel_knobs(score_chunk_bytes, vmem_limit_bytes)
+
+    def finish(scores, row_ok, abs_pos, kv_eff):
+        idx = selection.select_topk(scores, k, recall_target=recall_target, exact=exact)
+        context = jnp.where(row_ok, jnp.clip(jnp.minimum(abs_pos + 1, kv_eff), 0, None), 0)
+        idx = selection.finish_selection(idx, context, num_segments)
+        return jnp.where(row_ok[:, None], idx, -1)
+
+    return isk.score_and_select(
+        q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,
+        pages_per_seq=pages_per_seq, one_token_per_seq=one_token_per_seq, page_mode=False,
+        blocks=blocks, chunk_bytes=score_chunk_bytes, vmem_limit_bytes=vmem_limit_bytes,
+        interpret=interpret, out_width=k, out_dtype=jnp.int32, finish=finish)
+
+
+@functools.partial(jax.jit, static_argnames=("pages_per_seq", "one_token_per_seq", "page_mode",
+                                             "block_rows", "block_pages", "chip", "interpret"))
+def streamindex_scores(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
+                       distribution, *, pages_per_seq: int, one_token_per_seq: bool = False,
+                       page_mode: bool = False, block_rows: int | None = None,
+                       block_pages: int | None = None, chip: str | None = None,
+                       interpret=False) -> jax.Array:
+    """The kernel's scores alone (tests, debugging): token mode ``f32[T, pages_per_seq *
+    page_size]``, page mode ``f32[T, pages_per_seq]``; ``-inf`` for non-candidates and rows
+    outside every sequence. Materialises ``[T, capacity]``: not for long prefill."""
+    check_indexer_args(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
+                       distribution, pages_per_seq=pages_per_seq,
+                       one_token_per_seq=one_token_per_seq)
+    blocks = _blocks(chip, block_rows, block_pages, one_token_per_seq, pages_per_seq)
+    width = pages_per_seq * (1 if page_mode else cache_kv.shape[1])
+    return isk.score_and_select(
+        q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,
+        pages_per_seq=pages_per_seq, one_token_per_seq=one_token_per_seq, page_mode=page_mode,
+        blocks=blocks, chunk_bytes=q.shape[0] * width * 4, vmem_limit_bytes=None,
+        interpret=interpret, out_width=width, out_dtype=jnp.float32,
+        finish=lambda s, *_: s)
+
+
+def compile_cases(quick: bool) -> list[aot.CompileCase]:
+    """Compile-gate cases (``pallas_kernels.aot``): the DeepSeek-V3.2 indexer shapes, k=2048."""
+    return isk.gate_cases("streamindex_topk", streamindex_topk, "k", page_mode=False,
+                          quick=quick)
