@@ -13,6 +13,7 @@ gate tests and ``scripts/tpu_compile_report.py`` iterate over them (one implemen
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -45,6 +46,9 @@ def check_chip(chip: str) -> str:
 @functools.cache
 def topology_device(chip: str):
     """First device of a small topology of ``chip`` (no TPU needed; needs libtpu)."""
+    # Several processes (pytest-xdist workers, a notebook beside a script) may load libtpu at
+    # once for AOT compiles; without this libtpu refuses with a lockfile error.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     name, _ = CHIPS[check_chip(chip)]
     return topologies.get_topology_desc(platform="tpu", topology_name=name).devices[0]
 
