@@ -1,1 +1,78 @@
-"""dsa-jax public API."""
+"""dsa-jax public API: one layout declaration, four ops behind one backend flag, the cache
+writer, the multi-layer DSA step (IndexShare), opt-in checkify validation, mesh sharding.
+
+- ``PagedLayout`` / ``aligned_page_size`` / ``LayoutError``: the paged layout, declared once.
+- ``indexer_topk``, ``page_topk``, ``sparse_mla``, ``page_sparse_mla``: the references'
+  arguments plus ``backend=`` (``"reference"``, ``"pallas"``, ``None``; env ``DSA_USE_PALLAS``).
+- ``update_kv_cache``: write this step's rows into the paged caches (jitted, donated).
+- ``dsa_step``: cache update, top-k on full layers, sparse MLA on every layer.
+- ``check_batch`` / ``run_checked``: the runtime rules behind ``validate=True``.
+- ``sharded_dsa_step``: the step on a ``jax.sharding.Mesh`` (data x model).
+- Segment witnesses (``reference.witnesses``) re-exported.
+"""
+
+from dsa_jax.backend import BACKENDS, resolve_backend
+from dsa_jax.cache import update_kv_cache, write_slots
+from dsa_jax.layout import LayoutError, PagedLayout, aligned_page_size
+from dsa_jax.ops import indexer_topk, page_sparse_mla, page_topk, sparse_mla
+from dsa_jax.sharding import sharded_dsa_step
+from dsa_jax.step import BatchMeta, StepInputs, StepResult, dsa_step
+from dsa_jax.validate import check_batch, run_checked
+from reference import build_index_share_map, glm_index_share_pattern
+from reference.witnesses import (
+    MAX_TOPOLOGY_SEGMENTS,
+    LearnedKeepOutOfRange,
+    RowsMismatch,
+    SegmentsOutOfRange,
+    WitnessError,
+    apply_topology_witnesses,
+    attention_mass_recall,
+    local_selector,
+    locality_null,
+    merge_topology_witnesses,
+    random_null,
+    random_selector,
+    scatter_topology_witnesses,
+    segment_coverage,
+    segment_of,
+    topology_witness_indices,
+)
+
+__all__ = [
+    "BACKENDS",
+    "MAX_TOPOLOGY_SEGMENTS",
+    "BatchMeta",
+    "LayoutError",
+    "LearnedKeepOutOfRange",
+    "PagedLayout",
+    "RowsMismatch",
+    "SegmentsOutOfRange",
+    "StepInputs",
+    "StepResult",
+    "WitnessError",
+    "aligned_page_size",
+    "apply_topology_witnesses",
+    "attention_mass_recall",
+    "build_index_share_map",
+    "check_batch",
+    "dsa_step",
+    "glm_index_share_pattern",
+    "indexer_topk",
+    "local_selector",
+    "locality_null",
+    "merge_topology_witnesses",
+    "page_sparse_mla",
+    "page_topk",
+    "random_null",
+    "random_selector",
+    "resolve_backend",
+    "run_checked",
+    "scatter_topology_witnesses",
+    "segment_coverage",
+    "sharded_dsa_step",
+    "segment_of",
+    "sparse_mla",
+    "topology_witness_indices",
+    "update_kv_cache",
+    "write_slots",
+]

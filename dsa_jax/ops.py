@@ -1,0 +1,128 @@
+"""The four DSA ops, one signature each, with a ``backend=`` switch.
+
+Every op takes the reference's arguments (``reference.*_ref``) plus:
+
+- ``backend``: ``"reference"``, ``"pallas"`` or ``None`` (``dsa_jax.backend``);
+- ``validate``: run the batch checks of ``dsa_jax.validate`` first (checkify; raises
+  ``checkify.JaxRuntimeError`` naming the offending sequence and numbers; eager only);
+- ``kernel_options``: knobs for the Pallas entry (block sizes, ``chip``, ``interpret``...);
+  ignored by the reference.
+
+Both backends have the same semantics; compare top-k results by score (``reference.selection``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+from jax.experimental import checkify
+
+from dsa_jax import backend as _backend
+from dsa_jax import validate as _validate
+from reference.selection import DEFAULT_RECALL_TARGET
+
+
+def _call(fn, extra, arrays, statics, validate: bool, *, num_rows: int, cache_index: int,
+          seq_lens_index: int, pages_per_seq: int):
+    """Run ``fn(*arrays, **statics, **extra)``, under the checkify rules when ``validate``."""
+    if not validate:
+        return fn(*arrays, **statics, **extra)
+    num_pages, page_size = (int(d) for d in np.shape(arrays[cache_index])[:2])
+    key = (fn, tuple(statics.items()), tuple(sorted(extra.items())), num_rows, seq_lens_index,
+           page_size, pages_per_seq, num_pages)
+    err, out = _checked(key)(*arrays)
+    err.throw()
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _checked(key):
+    """``jit(checkify(fn + the batch rules))``, built once per op and statics."""
+    fn, statics, extra, num_rows, seq_lens_index, page_size, pages_per_seq, num_pages = key
+
+    def checked(*xs):
+        kv, rest = xs[seq_lens_index], xs[-4:]  # page_indices, cu_q_lens, cu_kv_lens, dist
+        _validate.check_batch(num_rows, kv, *rest, page_size=page_size,
+                              pages_per_seq=pages_per_seq, num_pages=num_pages)
+        return fn(*xs, **dict(statics), **dict(extra))
+
+    return jax.jit(checkify.checkify(checked))
+
+
+def indexer_topk(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
+                 distribution, *, k: int, pages_per_seq: int, one_token_per_seq: bool = False,
+                 num_segments: int = 0, recall_target: float = DEFAULT_RECALL_TARGET,
+                 exact: bool = False, backend: str | None = None, validate: bool = False,
+                 kernel_options: dict | None = None):
+    """Lightning-indexer token top-k: ``i32[T, k]`` sequence-local token offsets, ``-1`` tail.
+
+    Args as ``reference.streamindex_topk_ref`` (q ``f[T, H, D]``, weights ``f[T, H]``, cache
+    ``f[num_pages, page_size, D]``, ragged metadata), ``num_segments`` witnesses merged per row
+    (0 = off), plus ``backend`` / ``validate`` / ``kernel_options`` (module docstring).
+    """
+    fn, extra = _backend.implementation("indexer_topk", backend, kernel_options)
+    statics = dict(k=k, pages_per_seq=pages_per_seq, one_token_per_seq=one_token_per_seq,
+                   num_segments=num_segments, recall_target=recall_target, exact=exact)
+    arrays = (q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution)
+    return _call(fn, extra, arrays, statics, validate,
+                 num_rows=int(np.shape(q)[0]), cache_index=2, seq_lens_index=3,
+                 pages_per_seq=pages_per_seq)
+
+
+def page_topk(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
+              distribution, *, k_pages: int, pages_per_seq: int, one_token_per_seq: bool = False,
+              num_segments: int = 0, recall_target: float = DEFAULT_RECALL_TARGET,
+              exact: bool = False, backend: str | None = None, validate: bool = False,
+              kernel_options: dict | None = None):
+    """Lightning-indexer page top-k: ``i32[T, k_pages]`` sequence-local page numbers.
+
+    Args as ``reference.streamindex_page_topk_ref`` plus ``backend`` / ``validate`` /
+    ``kernel_options``.
+    """
+    fn, extra = _backend.implementation("page_topk", backend, kernel_options)
+    statics = dict(k_pages=k_pages, pages_per_seq=pages_per_seq,
+                   one_token_per_seq=one_token_per_seq, num_segments=num_segments,
+                   recall_target=recall_target, exact=exact)
+    arrays = (q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution)
+    return _call(fn, extra, arrays, statics, validate,
+                 num_rows=int(np.shape(q)[0]), cache_index=2, seq_lens_index=3,
+                 pages_per_seq=pages_per_seq)
+
+
+def sparse_mla(q, cache_kv, kv_lens, topk_indices, page_indices, cu_q_lens, cu_kv_lens,
+               distribution, *, sm_scale: float, pages_per_seq: int, v_dim: int,
+               return_lse: bool = False, backend: str | None = None, validate: bool = False,
+               kernel_options: dict | None = None):
+    """Token-sparse absorbed MLA: ``q.dtype[T, H, v_dim]`` (and ``f32[T, H]`` LSE).
+
+    Args as ``reference.sparse_mla_ref`` plus ``backend`` / ``validate`` / ``kernel_options``.
+    """
+    fn, extra = _backend.implementation("sparse_mla", backend, kernel_options)
+    statics = dict(sm_scale=sm_scale, pages_per_seq=pages_per_seq, v_dim=v_dim,
+                   return_lse=return_lse)
+    arrays = (q, cache_kv, kv_lens, topk_indices, page_indices, cu_q_lens, cu_kv_lens,
+              distribution)
+    return _call(fn, extra, arrays, statics, validate,
+                 num_rows=int(np.shape(q)[0]), cache_index=1, seq_lens_index=2,
+                 pages_per_seq=pages_per_seq)
+
+
+def page_sparse_mla(q, cache_kv, kv_lens, topk_pages, page_indices, cu_q_lens, cu_kv_lens,
+                    distribution, *, sm_scale: float, pages_per_seq: int, v_dim: int,
+                    return_lse: bool = False, backend: str | None = None,
+                    validate: bool = False, kernel_options: dict | None = None):
+    """Page-sparse absorbed MLA (causal inside pages): ``q.dtype[T, H, v_dim]``.
+
+    Args as ``reference.page_sparse_mla_ref`` plus ``backend`` / ``validate`` /
+    ``kernel_options``.
+    """
+    fn, extra = _backend.implementation("page_sparse_mla", backend, kernel_options)
+    statics = dict(sm_scale=sm_scale, pages_per_seq=pages_per_seq, v_dim=v_dim,
+                   return_lse=return_lse)
+    arrays = (q, cache_kv, kv_lens, topk_pages, page_indices, cu_q_lens, cu_kv_lens,
+              distribution)
+    return _call(fn, extra, arrays, statics, validate,
+                 num_rows=int(np.shape(q)[0]), cache_index=1, seq_lens_index=2,
+                 pages_per_seq=pages_per_seq)

@@ -1,0 +1,197 @@
+"""One DSA decoding/prefill step over every layer of a model, with IndexShare.
+
+Per layer ``l`` (in order), for the ragged paged batch of this step:
+
+1. cache update: this step's latent rows into ``latent_caches[l]``; on a ``"full"`` layer also
+   its indexer keys into ``index_caches[slot]`` (``dsa_jax.cache``'s slot and drop rule);
+2. top-k on ``"full"`` layers only (token top-k, or page top-k with ``granularity="page"``),
+   segment witnesses merged when ``num_segments > 0``;
+3. sparse MLA on every layer with the selection of its source layer (``src_slot[l]`` of
+   ``reference.build_index_share_map``: its own if full, the nearest preceding full layer's if
+   ``"shared"``).
+
+Stacked layouts (``L`` layers, ``F`` full layers, ``T`` rows, ``H`` MLA heads, ``Hi`` indexer
+heads; dims from the ``PagedLayout``):
+
+- ``latent_caches f[L, num_pages, page_size, padded_dim]``, ``index_caches f[F, num_pages,
+  page_size, index_dim]`` (donated: the step returns the updated caches);
+- ``StepInputs``: ``q_mla f[L, T, H, qk_dim|padded_dim]``, ``new_latent f[L, T,
+  qk_dim|padded_dim]``, ``q_index f[F, T, Hi, index_dim]``, ``index_weights f[F, T, Hi]``,
+  ``new_index f[F, T, index_dim]``;
+- ``BatchMeta``: ``kv_lens i32[S]``, ``page_indices i32[N]``, ``cu_q_lens i32[S+1]``,
+  ``cu_kv_lens i32[S+1]``, ``distribution i32[3]``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsa_jax import backend as _backend
+from dsa_jax import cache as _cache
+from dsa_jax import ops
+from dsa_jax import validate as _validate
+from dsa_jax.layout import PagedLayout
+from reference import build_index_share_map
+from reference.selection import DEFAULT_RECALL_TARGET
+
+GRANULARITIES = ("token", "page")
+
+
+class StepInputs(NamedTuple):
+    """This step's activations per layer (shapes in the module docstring)."""
+
+    q_mla: jax.Array
+    new_latent: jax.Array
+    q_index: jax.Array
+    index_weights: jax.Array
+    new_index: jax.Array
+
+
+class BatchMeta(NamedTuple):
+    """The ragged paged batch metadata (``reference.batch`` conventions)."""
+
+    kv_lens: jax.Array
+    page_indices: jax.Array
+    cu_q_lens: jax.Array
+    cu_kv_lens: jax.Array
+    distribution: jax.Array
+
+
+class StepResult(NamedTuple):
+    """``out q.dtype[L, T, H, v_dim]``, ``topk i32[F, T, k]`` (token offsets or page numbers),
+    and the updated caches."""
+
+    out: jax.Array
+    topk: jax.Array
+    latent_caches: jax.Array
+    index_caches: jax.Array
+
+
+def _pad_last(x, want: int):
+    got = x.shape[-1]
+    return x if got == want else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, want - got)])
+
+
+def check_step_args(inputs: StepInputs, latent_caches, index_caches, *, layout: PagedLayout,
+                    indexer_types, granularity: str):
+    """Static checks; returns ``(full_slot, src_slot, num_full)``."""
+    if not isinstance(layout, PagedLayout):
+        raise TypeError(f"layout must be a dsa_jax.PagedLayout, got {type(layout).__name__}")
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    num_layers = len(indexer_types)
+    full_slot, src_slot, num_full = build_index_share_map(list(indexer_types), 0, num_layers)
+    layout.check_cache("latent_caches", latent_caches, "latent")
+    layout.check_cache("index_caches", index_caches, "index")
+    for name, x, n, why in (
+            ("latent_caches", latent_caches, num_layers, "len(indexer_types) (layers)"),
+            ("q_mla", inputs.q_mla, num_layers, "len(indexer_types) (layers)"),
+            ("new_latent", inputs.new_latent, num_layers, "len(indexer_types) (layers)"),
+            ("index_caches", index_caches, num_full, "the number of 'full' layers"),
+            ("q_index", inputs.q_index, num_full, "the number of 'full' layers"),
+            ("index_weights", inputs.index_weights, num_full, "the number of 'full' layers"),
+            ("new_index", inputs.new_index, num_full, "the number of 'full' layers")):
+        if np.shape(x)[0] != n:
+            raise ValueError(f"{name}.shape[0] must equal {why} = {n}, got {np.shape(x)[0]} "
+                             f"(shape {tuple(np.shape(x))})")
+    if np.shape(latent_caches)[1] != np.shape(index_caches)[1]:
+        raise ValueError(f"latent_caches has {np.shape(latent_caches)[1]} pages, index_caches "
+                         f"{np.shape(index_caches)[1]}; both share one page table")
+    return full_slot, src_slot, num_full
+
+
+_STATICS = ("layout", "indexer_types", "k", "sm_scale", "num_segments", "granularity",
+            "one_token_per_seq", "recall_target", "exact", "backend", "kernel_options")
+
+
+def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, *, layout,
+              indexer_types, k, sm_scale, num_segments, granularity, one_token_per_seq,
+              recall_target, exact, backend, kernel_options) -> StepResult:
+    """The step, unjitted (``dsa_step`` jits it; ``sharded_dsa_step`` runs it per shard).
+    ``backend`` is resolved and ``kernel_options`` a sorted tuple of items."""
+    full_slot, src_slot, _ = check_step_args(inputs, latent_caches, index_caches, layout=layout,
+                                             indexer_types=indexer_types,
+                                             granularity=granularity)
+    opts = dict(kernel_options) if kernel_options else None
+    num_pages = latent_caches.shape[1]
+    num_rows = inputs.q_mla.shape[1]
+    page_id, offset = _cache.write_slots(layout, num_rows, num_pages, *meta)
+    topk_op, mla_op = ((ops.indexer_topk, ops.sparse_mla) if granularity == "token"
+                       else (ops.page_topk, ops.page_sparse_mla))
+    k_name = "k" if granularity == "token" else "k_pages"
+    selections, outs = {}, []
+    for layer in range(len(indexer_types)):
+        new_latent = _pad_last(inputs.new_latent[layer], layout.padded_dim)
+        latent_caches = latent_caches.at[layer, page_id, offset].set(
+            new_latent.astype(latent_caches.dtype), mode="drop")
+        if layer in full_slot:
+            slot = full_slot[layer]
+            index_caches = index_caches.at[slot, page_id, offset].set(
+                inputs.new_index[slot].astype(index_caches.dtype), mode="drop")
+            selections[slot] = topk_op(
+                inputs.q_index[slot], inputs.index_weights[slot], index_caches[slot], *meta,
+                **{k_name: k}, pages_per_seq=layout.pages_per_seq,
+                one_token_per_seq=one_token_per_seq, num_segments=num_segments,
+                recall_target=recall_target, exact=exact, backend=backend,
+                kernel_options=opts)
+        q = _pad_last(inputs.q_mla[layer], layout.padded_dim)
+        kv_lens, page_indices, cu_q_lens, cu_kv_lens, distribution = meta
+        outs.append(mla_op(q, latent_caches[layer], kv_lens, selections[src_slot[layer]],
+                           page_indices, cu_q_lens, cu_kv_lens, distribution,
+                           sm_scale=sm_scale, pages_per_seq=layout.pages_per_seq,
+                           v_dim=layout.v_dim, backend=backend, kernel_options=opts))
+    topk = jnp.stack([selections[s] for s in range(len(selections))])
+    return StepResult(jnp.stack(outs), topk, latent_caches, index_caches)
+
+
+_step = jax.jit(step_body, static_argnames=_STATICS,
+                donate_argnames=("latent_caches", "index_caches"))
+
+
+def dsa_step(inputs: StepInputs, latent_caches: jax.Array, index_caches: jax.Array,
+             meta: BatchMeta, *, layout: PagedLayout, indexer_types, k: int, sm_scale: float,
+             num_segments: int = 0, granularity: str = "token", one_token_per_seq: bool = False,
+             recall_target: float = DEFAULT_RECALL_TARGET, exact: bool = False,
+             backend: str | None = None, validate: bool = False,
+             kernel_options: dict | None = None) -> StepResult:
+    """Run one DSA step over all layers (module docstring); jitted, caches donated.
+
+    Args:
+      inputs, latent_caches, index_caches, meta: module docstring.
+      layout: the ``PagedLayout`` (page size, capacity, dims: nothing is restated here).
+      indexer_types: per layer ``"full"`` / ``"shared"`` (IndexShare); ``None`` = all full
+        (then ``len`` is read from ``latent_caches``).
+      k: token budget (``granularity="token"``) or page budget (``"page"``).
+      sm_scale: softmax scale of the absorbed MLA.
+      num_segments: segment witnesses merged into every top-k row (0 = off).
+      backend: ``"reference"`` / ``"pallas"`` / ``None`` (``dsa_jax.backend``), resolved once
+        here for every op of the step.
+      validate: check the batch first (``dsa_jax.validate``, eager; raises on a bad batch).
+      kernel_options: knobs for the Pallas entries (dict of hashable values).
+
+    Returns:
+      ``StepResult(out, topk, latent_caches, index_caches)``.
+    """
+    if indexer_types is None:
+        indexer_types = ("full",) * int(np.shape(latent_caches)[0])
+    statics = dict(layout=layout, indexer_types=tuple(indexer_types), k=k, sm_scale=sm_scale,
+                   num_segments=num_segments, granularity=granularity,
+                   one_token_per_seq=one_token_per_seq, recall_target=recall_target,
+                   exact=exact, backend=_backend.resolve_backend(backend),
+                   kernel_options=tuple(sorted((kernel_options or {}).items())))
+    meta = BatchMeta(*meta)
+    if validate:
+        num_rows = int(np.shape(inputs.q_mla)[1])
+        num_pages = int(np.shape(latent_caches)[1])
+
+        def checked(m):
+            _validate.check_batch(num_rows, *m, page_size=layout.page_size,
+                                  pages_per_seq=layout.pages_per_seq, num_pages=num_pages)
+            return m
+
+        meta = BatchMeta(*_validate.run_checked(checked, tuple(meta)))
+    return _step(StepInputs(*inputs), latent_caches, index_caches, meta, **statics)
