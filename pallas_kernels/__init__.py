@@ -5,6 +5,9 @@ Each entry takes the matching reference's arguments plus kernel knobs and ``inte
 """
 
 from pallas_kernels.indexer_topk import streamindex_scores, streamindex_topk
+from pallas_kernels.page_sparse_mla import page_sparse_mla
 from pallas_kernels.page_topk import streamindex_page_topk
+from pallas_kernels.sparse_mla import sparse_mla
 
-__all__ = ["streamindex_page_topk", "streamindex_scores", "streamindex_topk"]
+__all__ = ["page_sparse_mla", "sparse_mla", "streamindex_page_topk", "streamindex_scores",
+           "streamindex_topk"]

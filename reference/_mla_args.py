@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from reference import _checks
+from reference import _checks, packed_cache
 
 
 def check_mla_args(q, cache_kv, kv_lens, selected, page_indices, cu_q_lens, cu_kv_lens,
@@ -14,7 +14,12 @@ def check_mla_args(q, cache_kv, kv_lens, selected, page_indices, cu_q_lens, cu_k
     _checks.rank("q", q, 3)
     _checks.floating("q", q)
     num_rows, _, dim = np.shape(q)
-    _checks.paged_cache("cache_kv", cache_kv, dim, "q.shape[2] (D_qk)")
+    if packed_cache.is_packed(cache_kv):  # bf16 rows stored as u32 words (packed_cache)
+        _checks.rank("cache_kv", cache_kv, 3)
+        _checks.dim("cache_kv", cache_kv, 2, packed_cache.packed_words(dim),
+                    "packed_words(q.shape[2]) for a packed u32 cache")
+    else:
+        _checks.paged_cache("cache_kv", cache_kv, dim, "q.shape[2] (D_qk)")
     _checks.ragged_metadata(kv_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,
                             seq_lens_name="kv_lens")
     _checks.rank(selected_name, selected, 2)

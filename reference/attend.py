@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from reference import batch
+from reference import batch, packed_cache
 
 GATHER_BLOCK_BYTES = 64 * 1024 * 1024
 
@@ -67,7 +67,9 @@ def _attend_rows(q, rows_kv, valid, *, sm_scale: float, v_dim: int):
 
 def attend_selected(q, cache, slots, valid, *, sm_scale: float, v_dim: int):
     """Attend every row of ``q: f[T, H, D]`` over its ``slots i32[T, n]`` of the flattened
-    ``cache: f[num_pages, page_size, D]``. Returns (out f32[T, H, v_dim], lse f32[T, H])."""
+    ``cache: f[num_pages, page_size, D]``, or the packed bf16 cache
+    ``u32[num_pages, page_size, packed_words(D)]`` of ``reference.packed_cache`` (rows are
+    unpacked after the gather). Returns (out f32[T, H, v_dim], lse f32[T, H])."""
     num_rows, heads, _ = q.shape
     n = slots.shape[1]
     feat = cache.shape[-1]
@@ -84,7 +86,9 @@ def attend_selected(q, cache, slots, valid, *, sm_scale: float, v_dim: int):
         ok = jax.lax.dynamic_slice_in_dim(valid, s0, chunk, 0)
         # One flat gather (measured ~2x faster on CPU than a 2-D index gather).
         kv = jnp.take(flat_cache, sl.reshape(-1), axis=0, mode="fill", fill_value=0)
-        kv = kv.reshape(chunk, n, feat).astype(jnp.float32)
+        if packed_cache.is_packed(cache):  # packed bf16 cache (u32 words): unpack gathered rows
+            kv = packed_cache.unpack_cache(kv, q.shape[-1])
+        kv = kv.reshape(chunk, n, -1).astype(jnp.float32)
         o, l_ = _attend_rows(jax.lax.dynamic_slice_in_dim(q, s0, chunk, 0), kv, ok,
                              sm_scale=sm_scale, v_dim=v_dim)
         return (jax.lax.dynamic_update_slice_in_dim(out, o, s0, 0),

@@ -104,3 +104,17 @@ def test_long_batches_are_chunked_without_changing_results(monkeypatch):
                              pages_per_seq=PAGES_PER_SEQ, v_dim=V_DIM)
     sparse_mla_ref.clear_cache()
     np.testing.assert_allclose(chunked, full, rtol=1e-6)
+
+
+def test_the_packed_bf16_cache_gives_the_same_result_as_plain_bf16():
+    from reference.packed_cache import pack_cache
+
+    b = scenario("mixed_padding", seed=16, dim=128)
+    idx = _junk_topk(b, 6, np.random.default_rng(1))
+    q, cache = jnp.asarray(b.q, jnp.bfloat16), jnp.asarray(b.cache, jnp.bfloat16)
+    kw = dict(sm_scale=SM_SCALE, pages_per_seq=PAGES_PER_SEQ, v_dim=64)
+    plain = sparse_mla_ref(q, cache, b.seq_lens, idx, *b.meta()[1:], **kw)
+    packed = sparse_mla_ref(q, pack_cache(cache), b.seq_lens, idx, *b.meta()[1:], **kw)
+    np.testing.assert_array_equal(np.asarray(packed, np.float32), np.asarray(plain, np.float32))
+    with pytest.raises(ValueError, match=r"packed_words\(q.shape\[2\]\)"):
+        sparse_mla_ref(q, pack_cache(cache)[..., :64], b.seq_lens, idx, *b.meta()[1:], **kw)

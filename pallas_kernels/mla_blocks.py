@@ -1,0 +1,93 @@
+"""Block sizes and the VMEM budget of the sparse MLA kernels (token- and page-sparse).
+
+One block is the set of cache rows the kernel gathers into VMEM before one online-softmax
+step: ``units_per_block`` gather units (one token row for ``sparse_mla``, one whole page for
+``page_sparse_mla``). Bigger blocks amortise the per-block softmax bookkeeping and keep more
+DMAs in flight; smaller blocks waste less on a row's last, partial block and use less VMEM.
+
+The table is keyed by chip; a chip missing from it gets ``DEFAULT_TOKENS_PER_BLOCK``. Sizes are
+clamped to the problem (never more than a row's selection, rounded up to the 8-row sublane
+tile) by ``token_block`` / ``page_block``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# chip -> cache rows (tokens) per gathered block. v5e has 16 MiB of scoped VMEM by default and
+# a lower HBM bandwidth (so a smaller block already hides the DMA latency); v6e/tpu7x stream
+# faster and get bigger blocks. Untuned: no TPU was available to measure (see the kernels'
+# docstrings); the values respect each chip's VMEM with a 2x margin at H=128, D=640.
+TOKENS_PER_BLOCK: dict[str, int] = {"v5e": 256, "v6e": 512, "tpu7x": 512}
+DEFAULT_TOKENS_PER_BLOCK = 256
+SUBLANES = 8
+LANES = 128
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def tokens_per_block(chip: str | None) -> int:
+    """The table's rows per block for ``chip`` (``None`` or unknown: the default)."""
+    return TOKENS_PER_BLOCK.get(chip or "", DEFAULT_TOKENS_PER_BLOCK)
+
+
+def token_block(k: int, chip: str | None, override: int | None = None) -> int:
+    """Token rows per block for a token top-k of width ``k``: a multiple of 8, <= round_up(k)."""
+    blk = override if override is not None else tokens_per_block(chip)
+    if blk <= 0 or blk % SUBLANES:
+        raise ValueError(f"tokens_per_block must be a positive multiple of {SUBLANES}, got "
+                         f"tokens_per_block={blk}")
+    return min(blk, _round_up(k, SUBLANES))
+
+
+def page_block(k_pages: int, page_size: int, chip: str | None,
+               override: int | None = None) -> int:
+    """Pages per block: the table's tokens divided by ``page_size`` (at least 1), <= k_pages."""
+    if override is not None:
+        if override <= 0:
+            raise ValueError(f"pages_per_block must be positive, got pages_per_block={override}")
+        return min(override, k_pages)
+    return max(1, min(tokens_per_block(chip) // page_size, k_pages))
+
+
+@dataclass(frozen=True)
+class MlaBlockShape:
+    """Static sizes the kernel allocates for (one per call)."""
+
+    heads: int  # H
+    q_words: int  # words per query head row (D, or D/2 for the packed bf16 path)
+    num_q_parts: int  # 1 (plain) or 2 (packed: even and odd features)
+    q_itemsize: int
+    block_rows: int  # cache rows per gathered block
+    cache_words: int  # words (or bf16 elements) per cache row
+    cache_itemsize: int
+    out_cols: int  # v_dim
+    meta_words: int  # SMEM words of per-row gather metadata (one row)
+    unpacked_parts: int = 1  # operands made from one gathered row (packed: low, high halves)
+
+
+def vmem_bytes(s: MlaBlockShape) -> int:
+    """Estimated VMEM the kernel uses: each buffer padded to (8, 128) tiles, one line each."""
+    hp = _round_up(s.heads, SUBLANES)
+    rows = _round_up(s.block_rows, 16)
+    cw = _round_up(s.cache_words, LANES)
+    total = 2 * rows * cw * s.cache_itemsize  # gather double buffer
+    total += 2 * s.num_q_parts * hp * _round_up(s.q_words, LANES) * s.q_itemsize  # q blocks (x2)
+    total += 2 * s.num_q_parts * hp * _round_up(s.out_cols, LANES) * s.q_itemsize  # out (x2)
+    total += 2 * hp * LANES * 4  # lse block (x2), lanes padded
+    total += s.unpacked_parts * rows * cw * (4 + 2)  # unpacked f32 rows and their bf16 copies
+    total += 3 * hp * _round_up(s.block_rows, LANES) * 4  # logits, p and its cast
+    total += s.num_q_parts * hp * _round_up(s.out_cols, LANES) * 4 * 2  # acc carry + update
+    total += s.num_q_parts * hp * _round_up(s.q_words, LANES) * 4  # q upcast (f32 path)
+    return total
+
+
+def vmem_limit(s: MlaBlockShape, capacity: int | None, override: int | None) -> int:
+    """The scoped VMEM limit to request: the override, else 1.5x the estimate + 4 MiB, at least
+    16 MiB and at most 3/4 of ``capacity`` (when known)."""
+    if override is not None:
+        return int(override)
+    want = max(16 << 20, int(1.5 * vmem_bytes(s)) + (4 << 20))
+    return min(want, capacity * 3 // 4) if capacity else want

@@ -1,0 +1,167 @@
+"""Page-sparse absorbed MLA on TPU (Pallas): each query row attends the tokens of its top-k pages.
+
+Math (``reference.page_sparse_mla.page_sparse_mla_ref`` is the definition): row ``t`` attends
+every token ``s`` of each page listed in ``topk_pages[t]`` with ``s < kv_len`` and
+``s <= abs_pos(t)`` (causal inside pages); a page listed twice counts twice.
+
+Shapes: ``q: f32|bf16[T, H, D]`` (D a multiple of 128), cache ``f32|bf16[P, page_size, D]`` or
+the packed ``u32[P, page_size, packed_words(D)]`` (``reference.packed_cache``);
+``topk_pages: i32[T, k_pages]`` sequence-local page numbers. Out ``q.dtype[T, H, v_dim]``,
+optional LSE ``f32[T, H]``.
+
+Design: the gather unit is a whole page, one DMA per selected page (``cache[page_id]`` into a
+``[pages_per_block, page_size, W]`` VMEM buffer, double-buffered), the page ids read from a
+per-row SMEM table that is DMA'd one row ahead; a plain bf16 cache needs no packing because a
+page of ``page_size % 16 == 0`` rows is whole (16, 128) tiles. The pipeline, masking and
+online softmax are the token kernel's (``pallas_kernels.sparse_mla.gather_attend`` with
+``mode="page"``). XLA prepares, per row, the compacted list of valid pages (page number in
+``[0, pages_per_seq)``, page slot and id in range, at least one causal token) and, per page,
+the in-page limit ``thr = min(kv_len, abs_pos + 1) - page * page_size`` (clipped to
+``[0, page_size]``); rows ``>= thr`` of a page are zeroed in VMEM by a select and their logits
+are -inf, so the NaN past ``kv_len`` never reaches the output.
+
+Traffic per query row: ``k_pages * page_size`` rows x D x itemsize (the minimum for this op;
+a partly causal or partly filled page is still moved whole), plus q read and out written once,
+plus ~36 bytes per selected page of XLA preparation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import aot, mla_blocks
+from pallas_kernels import sparse_mla as smla
+from pallas_kernels.sparse_mla import (
+    check_kernel_args,
+    compact,
+    compute_query,
+    finish,
+    gather_attend,
+)
+from reference import batch
+
+
+def page_metadata(topk_pages, kv_lens, page_indices, cu_q_lens, cu_kv_lens, distribution, *,
+                  num_pages: int, page_size: int, pages_per_seq: int):
+    """Per row: count of valid pages (i32[T]) and ``i32[T, 2 * k_pages]`` = compacted page ids
+    then their in-page limits (valid entries first)."""
+    rows = batch.row_facts(topk_pages.shape[0], kv_lens, cu_q_lens, distribution)
+    cap = batch.capacity_tokens(page_size, pages_per_seq)
+    kv_len = jnp.clip(kv_lens[rows.seq], 0, cap)[:, None]
+    limit = jnp.minimum(kv_len, rows.abs_pos[:, None] + 1)  # tokens < limit exist and are causal
+    in_range = (topk_pages >= 0) & (topk_pages < pages_per_seq)
+    page = jnp.where(in_range, topk_pages, 0)  # no overflow for huge page numbers
+    thr = jnp.clip(limit - page * page_size, 0, page_size)
+    valid = rows.in_seq[:, None] & in_range & (thr > 0)
+    slot = (cu_kv_lens[rows.seq] // page_size)[:, None] + page
+    valid &= (slot >= 0) & (slot < page_indices.shape[0])
+    pid = jnp.take(page_indices, jnp.where(valid, slot, 0), axis=0)
+    valid &= (pid >= 0) & (pid < num_pages)
+    counts, pid, thr = compact(valid, pid, thr)
+    return counts, jnp.concatenate([pid, thr], axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "pages_per_seq", "v_dim", "return_lse", "pages_per_block",
+    "vmem_limit_bytes", "interpret"))
+def page_sparse_mla(
+    q: jax.Array,  # f32|bf16[T, H, D]
+    cache_kv: jax.Array,  # f32|bf16[P, ps, D] | u32[P, ps, Wp] packed bf16
+    kv_lens: jax.Array,  # i32[S]
+    topk_pages: jax.Array,  # i32[T, k_pages] sequence-local page numbers, -1 = ignore
+    page_indices: jax.Array,  # i32[N]
+    cu_q_lens: jax.Array,  # i32[S+1]
+    cu_kv_lens: jax.Array,  # i32[S+1]
+    distribution: jax.Array,  # i32[3]
+    *,
+    sm_scale: float,
+    pages_per_seq: int,
+    v_dim: int,
+    return_lse: bool = False,
+    pages_per_block: int | None = None,
+    vmem_limit_bytes: int | None = None,
+    interpret=False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Page-sparse absorbed MLA (Pallas TPU); same semantics as ``page_sparse_mla_ref``.
+
+    Args:
+      q .. distribution: as ``reference.page_sparse_mla_ref``; ``cache_kv`` may also be the
+        packed bf16 cache of ``reference.packed_cache.pack_cache``.
+      sm_scale, pages_per_seq, v_dim, return_lse: as the reference.
+      pages_per_block: pages gathered per block; default ``mla_blocks.page_block``.
+      vmem_limit_bytes: scoped VMEM limit; default from ``mla_blocks.vmem_limit``.
+      interpret: False (compile), True (strict interpret mode) or a ``pltpu.InterpretParams``.
+
+    Returns:
+      ``q.dtype[T, H, v_dim]``; with ``return_lse=True`` also ``f32[T, H]``.
+    """
+    fmt = check_kernel_args(q, cache_kv, kv_lens, topk_pages, page_indices, cu_q_lens,
+                            cu_kv_lens, distribution, sm_scale=sm_scale,
+                            pages_per_seq=pages_per_seq, v_dim=v_dim,
+                            selected_name="topk_pages")
+    num_pages, page_size, _ = cache_kv.shape
+    k_pages = topk_pages.shape[1]
+    units = mla_blocks.page_block(k_pages, page_size, aot.detect_chip(), pages_per_block)
+    counts, meta = page_metadata(topk_pages, kv_lens, page_indices, cu_q_lens, cu_kv_lens,
+                                 distribution, num_pages=num_pages, page_size=page_size,
+                                 pages_per_seq=pages_per_seq)
+    out, lse = gather_attend(compute_query(q, fmt), cache_kv, meta, counts, mode="page",
+                             fmt=fmt, units=units, meta_len=k_pages, sm_scale=sm_scale,
+                             v_dim=v_dim, return_lse=return_lse,
+                             vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
+    return finish(out.astype(q.dtype), lse, return_lse)
+
+
+# ----------------------------------------------------------------------------- cost model
+
+PREP_BYTES_PER_PAGE = 36  # XLA preparation per selected page (ids, limits, partition)
+K_PAGES = 32  # 32 pages of 64 tokens = 2048 selected tokens, as the token kernel's k
+
+
+def compile_cases(quick: bool = True) -> list[aot.CompileCase]:
+    """Compile-gate cases: 32 pages of 64 per row from a plain bf16 cache (pages are whole
+    tiles) at every ``COMPILE_SHAPES`` shape; ``quick=False`` adds the packed and f32 caches at
+    the H=16 decode shape."""
+    fmts = [("bf16", jnp.bfloat16)] + ([] if quick else [("packed", jnp.uint32),
+                                                         ("f32", jnp.float32)])
+    cases = []
+    for name, rows, seqs, context, heads in smla.COMPILE_SHAPES:
+        for fmt, dt in fmts:
+            if fmt != "bf16" and heads != 16:
+                continue
+            cases.append(_page_case(f"{name}_p{K_PAGES}x{smla.MLA_PAGE}_{fmt}", rows, seqs,
+                                    context, heads, fmt, dt))
+    return cases
+
+
+def _page_case(label, rows, seqs, context, heads, fmt, dt) -> aot.CompileCase:
+    ps = smla.MLA_PAGE
+    specs = smla.batch_specs(rows=rows, heads=heads, dim=smla.MLA_DIM, seqs=seqs,
+                             context=context, page_size=ps, selected=K_PAGES, cache_dtype=dt)
+
+    def shape_for(chip):
+        units = mla_blocks.page_block(K_PAGES, ps, chip)
+        return units, smla.block_shape("page", heads=heads, dim=smla.MLA_DIM,
+                                       v_dim=smla.MLA_V_DIM, page_size=ps, units=units,
+                                       meta_len=K_PAGES, q_dtype=jnp.bfloat16, fmt=fmt)
+
+    def fn_for_chip(chip):
+        units, shape = shape_for(chip)
+        return functools.partial(
+            page_sparse_mla, sm_scale=smla.MLA_SCALE, pages_per_seq=context // ps,
+            v_dim=smla.MLA_V_DIM, pages_per_block=units,
+            vmem_limit_bytes=mla_blocks.vmem_limit(
+                shape, aot.chip_info(chip).vmem_capacity_bytes, None))
+
+    def traffic(chip):
+        return smla.mla_traffic(rows=rows, heads=heads, dim=smla.MLA_DIM, v_dim=smla.MLA_V_DIM,
+                                selected_rows=K_PAGES * ps, fmt=fmt, q_itemsize=2,
+                                meta_words=2 * K_PAGES,
+                                prep_bytes=rows * K_PAGES * PREP_BYTES_PER_PAGE,
+                                shape=shape_for(chip)[1])
+
+    return aot.CompileCase("page_sparse_mla", label, fn_for_chip, specs, traffic,
+                           tags=("decode",) if label.startswith("decode") else ("prefill",))

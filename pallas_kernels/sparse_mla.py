@@ -1,0 +1,506 @@
+"""Token-sparse absorbed MLA on TPU (Pallas): each query row attends its own top-k cache rows.
+
+Math (``reference.sparse_mla.sparse_mla_ref`` is the definition)::
+
+    logits[t, h, j] = sm_scale * q[t, h, :] . c[j, :]        j in topk_indices[t] (valid only)
+    out[t, h, :]    = softmax_j(logits) @ c[j, :v_dim]        f32 online softmax over blocks
+
+Shapes: ``q: f32|bf16[T, H, D]`` (D a multiple of 128, e.g. 576 padded to 640), cache
+``f32[P, page_size, D]``, or ``u32[P, page_size, packed_words(D)]`` (the packed bf16 cache of
+``reference.packed_cache``), or ``bf16[P, page_size, D]`` (slow path, below);
+``topk_indices: i32[T, k]`` sequence-local token offsets. Out ``q.dtype[T, H, v_dim]``, optional
+LSE ``f32[T, H]`` (natural log, ``-inf`` for an empty row).
+
+Gather design (why): Mosaic DMAs move whole 32-bit words. An f32 row is its own words, so one
+DMA per selected token row compiles; a plain bf16 array packs two *rows* per word ((16, 128)
+tiles), so a single bf16 row cannot be DMA'd (measured: it fails to compile on v5e, v6e and
+tpu7x). The kernel therefore gathers 32-bit rows: f32 rows as they are, and bf16 rows from the
+packed cache ``u32[..., W]``, ``W = packed_words(D)`` (640 -> 384): word j holds features j and
+j + W of one token (``reference.packed_cache`` gives the measured reasons for W and the
+pairing). In VMEM ``bitcast(w << 16, f32)`` / ``bitcast(w & 0xFFFF0000, f32)`` give features
+``[0, W)`` / ``[W, 2W)`` exactly, so ``q . c = q[:, :W] . low + q[:, W:D] . high[:, :D-W]`` and
+the output columns are ``[0, W)`` from ``low`` and ``[W, v_dim)`` from ``high``: every slice
+starts on a 128-lane boundary, q needs no split copy and out no interleave. A plain bf16 cache
+is packed per call (a full copy of the cache: a documented slow path for tests and notebooks;
+serving stores the cache packed).
+
+Pipeline: the grid walks query rows in order; inside a row a loop walks blocks of
+``tokens_per_block`` selected rows. Row metadata (the compacted flat cache slots of its valid
+entries) is DMA'd HBM -> SMEM one row ahead; the gathers of block b+1 (possibly the next row's
+first block) are issued before block b is computed (double buffer). Invalid entries (< 0,
+>= kv_len, bad page, row outside every sequence) are dropped in XLA before the kernel by a
+stable partition: valid entries first, their count per row scalar-prefetched. No DMA is issued
+for anything past the count; rows of the last partial block past the count are zeroed in VMEM
+(a select, never a multiply, so a NaN there cannot leak) and their logits are -inf. A row with
+no valid entry computes one fully masked block (no DMA) and writes zeros, LSE -inf.
+
+Traffic per query row (full k): k rows x 4W bytes gathered (1536 B at D=640; the minimum
+counts 2D = 1280 B, so 1.2x: Mosaic moves a packed row whole, see ``reference.packed_cache``),
+q read and out written once, plus ~28 bytes per top-k entry of XLA index preparation and
+4 bytes of SMEM metadata. At 64 decode rows x 8192, k=2048, D=640: 1.20x the minimum (H=128)
+and 1.22x (H=16) (``mla_traffic``, asserted in ``tests/test_compile_mla.py``).
+
+Not measured (no TPU here): one descriptor per token row means k DMA issues per query row on
+the scalar core; the issue rate, not HBM bandwidth, may bound decode.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import aot, mla_blocks
+from reference import attend, batch, packed_cache
+from reference._mla_args import check_mla_args
+
+STRICT_INTERPRET = dict(detect_races=True, uninitialized_memory="nan",
+                        out_of_bounds_reads="raise")
+
+
+# ----------------------------------------------------------------------------- static checks
+
+
+def interpret_params(interpret):
+    """``False`` -> compile; ``True`` -> the strict InterpretParams; an InterpretParams as is."""
+    if interpret is True:
+        return pltpu.InterpretParams(**STRICT_INTERPRET)
+    if interpret is False or isinstance(interpret, pltpu.InterpretParams):
+        return interpret
+    raise TypeError(f"interpret must be a bool or pltpu.InterpretParams, got {interpret!r}")
+
+
+def check_kernel_args(q, cache_kv, kv_lens, selected, page_indices, cu_q_lens, cu_kv_lens,
+                      distribution, *, sm_scale, pages_per_seq, v_dim, selected_name) -> str:
+    """The reference's checks (a packed cache is checked as the bf16 cache it holds) plus the
+    kernel's: D a multiple of 128. Returns the cache format: "f32", "bf16" or "packed"."""
+    plain = cache_kv
+    if packed_cache.is_packed(cache_kv):
+        if np.ndim(cache_kv) != 3:
+            raise ValueError(f"cache_kv must have rank 3, got shape {tuple(np.shape(cache_kv))}")
+        p, ps, w = np.shape(cache_kv)
+        dim = np.shape(q)[-1]
+        if w != packed_cache.packed_words(dim):
+            raise ValueError(f"packed cache_kv.shape[2] must equal packed_words(q.shape[2]="
+                             f"{dim}) = {packed_cache.packed_words(dim)}, got {w}")
+        plain = jax.ShapeDtypeStruct((p, ps, dim), jnp.bfloat16)
+    check_mla_args(q, plain, kv_lens, selected, page_indices, cu_q_lens, cu_kv_lens,
+                   distribution, sm_scale=sm_scale, pages_per_seq=pages_per_seq, v_dim=v_dim,
+                   selected_name=selected_name)
+    dim = np.shape(q)[-1]
+    if dim % mla_blocks.LANES:
+        raise ValueError(f"the latent dim q.shape[2] must be a multiple of {mla_blocks.LANES} "
+                         f"(pad 576 -> 640 with zeros), got {dim}")
+    if packed_cache.is_packed(cache_kv):
+        return "packed"
+    return "f32" if jnp.result_type(cache_kv) == jnp.float32 else "bf16"
+
+
+# ----------------------------------------------------------------------------- kernel body
+
+
+def _dot_nt(a, b, f32: bool):
+    """a[M, K] . b[N, K]^T -> f32[M, N]."""
+    prec = jax.lax.Precision.HIGHEST if f32 else None
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec,
+                               preferred_element_type=jnp.float32)
+
+
+def _dot(a, b, f32: bool):
+    """a[M, K] . b[K, N] -> f32[M, N]."""
+    prec = jax.lax.Precision.HIGHEST if f32 else None
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=prec,
+                               preferred_element_type=jnp.float32)
+
+
+def segments(dim: int, v_dim: int, packed: bool, words: int):
+    """Static plan of the feature segments: ``(part, q_lo, q_hi, v_lo, v_hi)`` per segment.
+
+    ``part`` indexes the unpacked operands (plain: the row itself; packed: 0 = low halves =
+    features ``[0, W)``, 1 = high halves = features ``[W, 2W)``); ``q_lo:q_hi`` are the query
+    (and logit) features of the segment, ``v_lo:v_hi`` its output columns. All starts are
+    multiples of 128 (``W`` is), so every slice is lane aligned.
+    """
+    if not packed:
+        return ((0, 0, dim, 0, v_dim),)
+    segs = [(0, 0, min(dim, words), 0, min(v_dim, words))]
+    if dim > words:
+        segs.append((1, words, dim, words, max(v_dim, words)))  # empty v range: no acc
+    return tuple(segs)
+
+
+def _unpack(w, packed: bool, cdt):
+    """Gathered rows -> operand list (plain: the rows; packed: low and high halves)."""
+    if not packed:
+        return [w.astype(cdt)]
+    return [x.astype(cdt) for x in packed_cache.unpack_words(w)]
+
+
+def _masks(mode, sbuf, slot, lo, n, *, rows, unit, units, meta_len):
+    """Row mask bool[rows, 1] and lane mask bool[1, rows] of one block's live cache rows.
+
+    token: the first ``n`` rows. page: rows ``[i*unit, i*unit + thr_i)`` of the first ``n``
+    pages, ``thr_i`` (causal/kv_len limit inside page i) read from the metadata's second half.
+    """
+    r_iota = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    l_iota = jax.lax.broadcasted_iota(jnp.int32, (1, rows), 1)
+    if mode == "token":
+        return r_iota < n, l_iota < n
+    row_ok = jnp.zeros((rows, 1), jnp.bool_)
+    lane_ok = jnp.zeros((1, rows), jnp.bool_)
+    for i in range(units):
+        idx = jnp.minimum(lo + i, meta_len - 1)
+        thr = jnp.where(i < n, sbuf[slot, meta_len + idx], 0)
+        lo_r, hi_r = i * unit, i * unit + thr
+        row_ok |= (r_iota >= lo_r) & (r_iota < hi_r)
+        lane_ok |= (l_iota >= lo_r) & (l_iota < hi_r)
+    return row_ok, lane_ok
+
+
+def _kernel(counts_ref, q_ref, meta_hbm, cache_hbm, out_ref, *refs, mode, packed, f32,
+            num_rows, page_size, units, meta_len, sm_scale, segs, return_lse):
+    """One grid step = one query row; see the module docstring for the pipeline.
+
+    Refs: prefetch ``counts`` (SMEM i32[T]); inputs ``q`` block [1, H, D], ``meta`` (HBM
+    i32[T, n_meta]), ``cache`` (HBM); outputs ``out`` block [1, H, v_dim] (and ``lse`` block
+    [1, H, 1]); scratch gather buffers, metadata buffers, their DMA semaphores, parity.
+    """
+    lse_ref = refs[0] if return_lse else None
+    gbuf, sbuf, gsem, ssem, parity = refs[-5:]
+    unit = 1 if mode == "token" else page_size
+    rows = units * unit
+    cdt = jnp.float32 if f32 else jnp.bfloat16
+    t = pl.program_id(0)
+
+    def meta_copy(row):
+        b = row % 2
+        return pltpu.make_async_copy(meta_hbm.at[pl.ds(row, 1)], sbuf.at[pl.ds(b, 1)],
+                                     ssem.at[b])
+
+    def unit_copy(buf, i, src):  # whole rows: Mosaic refuses part-row slices here
+        if mode == "token":  # src: flat slot page_id * page_size + offset
+            return pltpu.make_async_copy(cache_hbm.at[src // page_size,
+                                                     pl.ds(src % page_size, 1)],
+                                         gbuf.at[buf, pl.ds(i, 1)], gsem.at[buf])
+        return pltpu.make_async_copy(cache_hbm.at[src], gbuf.at[buf, i], gsem.at[buf])
+
+    def live_units(row, j):
+        return jnp.clip(counts_ref[row] - j * units, 0, units)
+
+    def issue(row, j, buf):
+        def body(i, c):
+            unit_copy(buf, i, sbuf[row % 2, j * units + i]).start()
+            return c
+        jax.lax.fori_loop(0, live_units(row, j), body, 0)
+
+    def wait(row, j, buf):
+        def body(i, c):
+            unit_copy(buf, 0, 0).wait()  # same byte count as each issued copy
+            return c
+        jax.lax.fori_loop(0, live_units(row, j), body, 0)
+
+    @pl.when(t == 0)
+    def _():
+        meta_copy(0).start()
+        meta_copy(0).wait()
+        issue(0, 0, 0)
+        parity[0] = 0
+
+    @pl.when(t + 1 < num_rows)
+    def _():
+        meta_copy(t + 1).start()
+
+    q = q_ref[0].astype(cdt)  # [H, D]
+    qs = [q[:, lo:hi] for _, lo, hi, _, _ in segs]
+    vsegs = [(i, vlo, vhi) for i, _, _, vlo, vhi in segs if vhi > vlo]
+    heads = q.shape[0]
+    num_blocks = jnp.maximum((counts_ref[t] + units - 1) // units, 1)
+    base = parity[0]
+
+    def block(j, carry):
+        m_prev, l_prev, accs = carry
+        buf = (base + j) % 2
+
+        @pl.when(j + 1 < num_blocks)
+        def _():
+            issue(t, j + 1, 1 - buf)
+
+        @pl.when((j + 1 == num_blocks) & (t + 1 < num_rows))
+        def _():
+            meta_copy(t + 1).wait()
+            issue(t + 1, 0, 1 - buf)
+
+        wait(t, j, buf)
+        n = live_units(t, j)
+        row_ok, lane_ok = _masks(mode, sbuf, t % 2, j * units, n, rows=rows, unit=unit,
+                                 units=units, meta_len=meta_len)
+        w = gbuf[buf].reshape(rows, gbuf.shape[-1])
+        w = jnp.where(row_ok, w, jnp.zeros_like(w))  # select: stale/NaN rows become 0
+        parts = _unpack(w, packed, cdt)
+        s = sum(_dot_nt(qp, parts[i][:, :hi - lo], f32)
+                for qp, (i, lo, hi, _, _) in zip(qs, segs, strict=True)) * sm_scale
+        s = jnp.where(lane_ok, s, -jnp.inf)
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp(m_prev - m_safe)
+        p = jnp.exp(s - m_safe)
+        l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+        pc = p.astype(cdt)
+        accs = tuple(alpha * a + _dot(pc, parts[i][:, :vhi - vlo], f32)
+                     for a, (i, vlo, vhi) in zip(accs, vsegs, strict=True))
+        return m_new, l_new, accs
+
+    init = (jnp.full((heads, 1), -jnp.inf, jnp.float32), jnp.zeros((heads, 1), jnp.float32),
+            tuple(jnp.zeros((heads, vhi - vlo), jnp.float32) for _, vlo, vhi in vsegs))
+    m, l_sum, accs = jax.lax.fori_loop(0, num_blocks, block, init)
+    parity[0] = (base + num_blocks) % 2
+    inv = jnp.where(l_sum > 0, 1.0 / jnp.where(l_sum > 0, l_sum, 1.0), 0.0)
+    for a, (_, vlo, vhi) in zip(accs, vsegs, strict=True):
+        out_ref[0, :, vlo:vhi] = (a * inv).astype(out_ref.dtype)
+    if return_lse:
+        lse_ref[0] = jnp.where(l_sum > 0, m + jnp.log(jnp.where(l_sum > 0, l_sum, 1.0)),
+                               -jnp.inf)
+
+
+# ----------------------------------------------------------------------------- pallas_call
+
+
+def block_shape(mode, *, heads, dim, v_dim, page_size, units, meta_len, q_dtype, fmt):
+    """The static sizes the kernel allocates (for ``mla_blocks.vmem_bytes``)."""
+    f32 = jnp.dtype(q_dtype) == jnp.float32 or fmt == "f32"
+    words = packed_cache.packed_words(dim) if fmt == "packed" else dim
+    return mla_blocks.MlaBlockShape(
+        heads=heads, q_words=dim, num_q_parts=1, q_itemsize=4 if f32 else 2,
+        block_rows=units * (1 if mode == "token" else page_size), cache_words=words,
+        cache_itemsize=2 if fmt == "bf16" else 4, out_cols=v_dim, meta_words=meta_len,
+        unpacked_parts=2 if fmt == "packed" else 1)
+
+
+def gather_attend(q, cache, meta, counts, *, mode, fmt, units, meta_len, sm_scale, v_dim,
+                  return_lse, vmem_limit_bytes, interpret):
+    """Run the kernel. ``q: [T, H, D]`` (f32 or bf16: the compute dtype); ``cache``:
+    ``[P, page_size, W]`` (f32 / bf16 rows, or packed u32 words); ``meta: i32[T, n_meta]``
+    compacted per-row gather metadata (first ``meta_len`` entries: flat slot or page id; page
+    mode: then ``meta_len`` in-page limits); ``counts: i32[T]`` live units per row.
+
+    Returns ``q.dtype[T, H, v_dim]`` and ``f32[T, H, 1]`` (or None).
+    """
+    packed = fmt == "packed"
+    num_rows, heads, dim = q.shape
+    _, page_size, words = cache.shape
+    shape = block_shape(mode, heads=heads, dim=dim, v_dim=v_dim, page_size=page_size,
+                        units=units, meta_len=meta_len, q_dtype=q.dtype, fmt=fmt)
+    kernel = functools.partial(
+        _kernel, mode=mode, packed=packed, f32=q.dtype == jnp.float32, num_rows=num_rows,
+        page_size=page_size, units=units, meta_len=meta_len, sm_scale=float(sm_scale),
+        segs=segments(dim, v_dim, packed, words), return_lse=return_lse)
+    gbuf = (2, units, words) if mode == "token" else (2, units, page_size, words)
+    out_shape = [jax.ShapeDtypeStruct((num_rows, heads, v_dim), q.dtype)]
+    out_specs = [pl.BlockSpec((1, heads, v_dim), lambda t, c: (t, 0, 0))]
+    if return_lse:
+        out_shape.append(jax.ShapeDtypeStruct((num_rows, heads, 1), jnp.float32))
+        out_specs.append(pl.BlockSpec((1, heads, 1), lambda t, c: (t, 0, 0)))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1, grid=(num_rows,),
+        in_specs=[pl.BlockSpec((1, heads, dim), lambda t, c: (t, 0, 0)),
+                  pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=out_specs,
+        scratch_shapes=[pltpu.VMEM(gbuf, cache.dtype),  # gathered rows, double buffer
+                        pltpu.SMEM((2, meta.shape[1]), jnp.int32),  # metadata of 2 rows
+                        pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2,)),
+                        pltpu.SMEM((1,), jnp.int32)])  # gather buffer parity across rows
+    call = pl.pallas_call(
+        kernel, grid_spec=grid_spec, out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary",),  # each row prefetches the next row's rows
+            vmem_limit_bytes=mla_blocks.vmem_limit(shape, _chip_vmem(), vmem_limit_bytes)),
+        interpret=interpret_params(interpret), name=f"{mode}_sparse_mla")
+    res = call(counts, q, meta, cache)
+    return res[0], (res[1] if return_lse else None)
+
+
+def _chip_vmem() -> int | None:
+    chip = aot.detect_chip()
+    return aot.chip_info(chip).vmem_capacity_bytes if chip else None
+
+
+def compute_query(q, fmt):
+    """The query in the compute dtype: f32 when the query or the cache is f32, else bf16."""
+    return q.astype(jnp.float32) if fmt == "f32" else q
+
+
+def finish(out, lse, return_lse):
+    return (out, lse[..., 0]) if return_lse else out
+
+
+def compact(valid, *cols):
+    """Stable partition of each row: valid entries first. Returns (count i32[T], cols...).
+
+    A prefix-sum destination and a scatter (a permutation per row): linear work, and much
+    cheaper to compile and run on TPU than a sort over the k entries."""
+    num_rows, width = valid.shape
+    before = jnp.cumsum(valid, axis=1, dtype=jnp.int32)  # valid entries up to and including j
+    count = before[:, -1] if width else jnp.zeros((num_rows,), jnp.int32)
+    j = jnp.arange(width, dtype=jnp.int32)[None, :]
+    dest = jnp.where(valid, before - 1, count[:, None] + j - before)
+    row = jnp.broadcast_to(jnp.arange(num_rows, dtype=jnp.int32)[:, None], dest.shape)
+    return (count, *(jnp.zeros((num_rows, width), jnp.int32).at[row, dest].set(
+        c.astype(jnp.int32), unique_indices=True, indices_are_sorted=False) for c in cols))
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "pages_per_seq", "v_dim", "return_lse", "tokens_per_block",
+    "vmem_limit_bytes", "interpret"))
+def sparse_mla(
+    q: jax.Array,  # f32|bf16[T, H, D]
+    cache_kv: jax.Array,  # f32[P, ps, D] | u32[P, ps, Wp] packed bf16 | bf16[P, ps, D] (slow)
+    kv_lens: jax.Array,  # i32[S]
+    topk_indices: jax.Array,  # i32[T, k] sequence-local token offsets, -1 = ignore
+    page_indices: jax.Array,  # i32[N]
+    cu_q_lens: jax.Array,  # i32[S+1]
+    cu_kv_lens: jax.Array,  # i32[S+1]
+    distribution: jax.Array,  # i32[3]
+    *,
+    sm_scale: float,
+    pages_per_seq: int,
+    v_dim: int,
+    return_lse: bool = False,
+    tokens_per_block: int | None = None,
+    vmem_limit_bytes: int | None = None,
+    interpret=False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Token-sparse absorbed MLA (Pallas TPU); same semantics as ``sparse_mla_ref``.
+
+    Args:
+      q .. distribution: as ``reference.sparse_mla_ref``; ``cache_kv`` may also be the packed
+        bf16 cache ``u32[P, ps, packed_words(D)]`` of ``reference.packed_cache.pack_cache``
+        (the fast bf16 path); a plain bf16 cache is packed per call (a full cache copy).
+      sm_scale, pages_per_seq, v_dim, return_lse: as the reference.
+      tokens_per_block: cache rows per gathered block (multiple of 8); default from
+        ``mla_blocks.TOKENS_PER_BLOCK`` for the detected chip.
+      vmem_limit_bytes: scoped VMEM limit; default from ``mla_blocks.vmem_limit``.
+      interpret: False (compile), True (strict interpret mode) or a ``pltpu.InterpretParams``.
+
+    Returns:
+      ``q.dtype[T, H, v_dim]``; with ``return_lse=True`` also ``f32[T, H]``.
+    """
+    fmt = check_kernel_args(q, cache_kv, kv_lens, topk_indices, page_indices, cu_q_lens,
+                            cu_kv_lens, distribution, sm_scale=sm_scale,
+                            pages_per_seq=pages_per_seq, v_dim=v_dim,
+                            selected_name="topk_indices")
+    if fmt == "bf16":  # slow path: a full copy of the cache into the packed format
+        cache_kv, fmt = packed_cache.pack_cache(cache_kv), "packed"
+    num_pages, page_size, _ = cache_kv.shape
+    k = topk_indices.shape[1]
+    units = mla_blocks.token_block(k, aot.detect_chip(), tokens_per_block)
+    rows = batch.row_facts(q.shape[0], kv_lens, cu_q_lens, distribution)
+    slots, valid = attend.token_slots(topk_indices, rows, kv_lens, page_indices, cu_kv_lens,
+                                      page_size=page_size, pages_per_seq=pages_per_seq,
+                                      num_pages=num_pages, causal=False)
+    counts, meta = compact(valid, slots)
+    out, lse = gather_attend(compute_query(q, fmt), cache_kv, meta, counts, mode="token",
+                             fmt=fmt, units=units, meta_len=k, sm_scale=sm_scale,
+                             v_dim=v_dim, return_lse=return_lse,
+                             vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
+    return finish(out.astype(q.dtype), lse, return_lse)
+
+
+# ----------------------------------------------------------------------------- cost model
+
+PREP_BYTES_PER_ENTRY = 28  # XLA index preparation per top-k entry (read, slots, partition)
+
+
+def mla_traffic(*, rows: int, heads: int, dim: int, v_dim: int, selected_rows: int,
+                fmt: str, q_itemsize: int, meta_words: int, prep_bytes: int,
+                shape: mla_blocks.MlaBlockShape) -> aot.Traffic:
+    """Modelled HBM traffic of one call where every query row selects ``selected_rows`` valid
+    cache rows. The minimum moves each selected row once at the plain dtype and D features
+    (bf16: 2 bytes, f32: 4), reads q once and writes out once; the kernel moves a packed row as
+    its ``packed_words(D)`` words (Mosaic moves rows whole; see ``reference.packed_cache``)."""
+    plain_item = 4 if fmt == "f32" else 2
+    row_bytes = (4 * packed_cache.packed_words(dim) if fmt == "packed"
+                 else dim * plain_item)
+    q_out = rows * heads * (dim + v_dim) * q_itemsize
+    gathered = rows * selected_rows * row_bytes
+    bytes_min = rows * selected_rows * dim * plain_item + q_out
+    moved = gathered + q_out + rows * 4 * meta_words + prep_bytes
+    flops = 2 * rows * heads * selected_rows * (dim + v_dim)
+    return aot.Traffic(int(moved), int(bytes_min), int(flops), mla_blocks.vmem_bytes(shape))
+
+
+def _specs(*shapes_dtypes):
+    return [jax.ShapeDtypeStruct(s, d) for s, d in shapes_dtypes]
+
+
+def batch_specs(*, rows, heads, dim, seqs, context, page_size, selected, cache_dtype):
+    """Specs of (q, cache, kv_lens, selected, page_indices, cu_q_lens, cu_kv_lens, distribution)
+    for ``seqs`` sequences of ``context`` tokens (pages of ``page_size``) and ``rows`` queries."""
+    pages = seqs * (context // page_size)
+    words = packed_cache.packed_words(dim) if cache_dtype == jnp.uint32 else dim
+    return _specs(((rows, heads, dim), jnp.bfloat16), ((pages, page_size, words), cache_dtype),
+                  ((seqs,), jnp.int32), ((rows, selected), jnp.int32), ((pages,), jnp.int32),
+                  ((seqs + 1,), jnp.int32), ((seqs + 1,), jnp.int32), ((3,), jnp.int32))
+
+
+# DeepSeek-V3.2 absorbed MLA: 576 latent+rope padded to 640, v_dim 512, pages of 64 tokens.
+MLA_DIM, MLA_V_DIM, MLA_PAGE, MLA_SCALE = 640, 512, 64, 0.1352
+# (name, rows, seqs, context, heads): 64 decode rows x 8192; a 1024-token prefill at 32768.
+COMPILE_SHAPES = (("decode64x8192_h128", 64, 64, 8192, 128),
+                  ("decode64x8192_h16", 64, 64, 8192, 16),
+                  ("prefill1024@32768_h128", 1024, 1, 32768, 128))
+
+
+def compile_cases(quick: bool = True) -> list[aot.CompileCase]:
+    """Compile-gate cases: packed bf16 cache at k=2048 for every shape; ``quick=False`` adds
+    the f32 cache and the plain-bf16 (pack per call) slow path at the H=16 decode shape."""
+    k = 2048
+    fmts = [("packed", jnp.uint32)] + ([] if quick else [("f32", jnp.float32),
+                                                         ("bf16", jnp.bfloat16)])
+    cases = []
+    for name, rows, seqs, context, heads in COMPILE_SHAPES:
+        for fmt, dt in fmts:
+            if fmt != "packed" and heads != 16:
+                continue
+            cases.append(_token_case(f"{name}_k{k}_{fmt}", rows, seqs, context, heads, k, fmt,
+                                     dt))
+    return cases
+
+
+def _token_case(label, rows, seqs, context, heads, k, fmt, dt) -> aot.CompileCase:
+    specs = batch_specs(rows=rows, heads=heads, dim=MLA_DIM, seqs=seqs, context=context,
+                        page_size=MLA_PAGE, selected=k, cache_dtype=dt)
+    kfmt = "packed" if fmt == "bf16" else fmt
+
+    def shape_for(chip):
+        units = mla_blocks.token_block(k, chip)
+        return units, block_shape("token", heads=heads, dim=MLA_DIM, v_dim=MLA_V_DIM,
+                                  page_size=MLA_PAGE, units=units, meta_len=k,
+                                  q_dtype=jnp.bfloat16, fmt=kfmt)
+
+    def fn_for_chip(chip):
+        units, shape = shape_for(chip)
+        return functools.partial(
+            sparse_mla, sm_scale=MLA_SCALE, pages_per_seq=context // MLA_PAGE,
+            v_dim=MLA_V_DIM, tokens_per_block=units,
+            vmem_limit_bytes=mla_blocks.vmem_limit(
+                shape, aot.chip_info(chip).vmem_capacity_bytes, None))
+
+    def traffic(chip):
+        t = mla_traffic(rows=rows, heads=heads, dim=MLA_DIM, v_dim=MLA_V_DIM,
+                        selected_rows=k, fmt=kfmt, q_itemsize=2, meta_words=k,
+                        prep_bytes=rows * k * PREP_BYTES_PER_ENTRY, shape=shape_for(chip)[1])
+        if fmt == "bf16":  # slow path: pack the whole cache (read bf16, write words) per call
+            pages = seqs * context // MLA_PAGE
+            extra = pages * MLA_PAGE * (2 * MLA_DIM + 4 * packed_cache.packed_words(MLA_DIM))
+            t = aot.Traffic(t.bytes_moved + extra, t.bytes_min, t.flops, t.vmem_bytes)
+        return t
+
+    return aot.CompileCase("sparse_mla", label, fn_for_chip, specs, traffic,
+                           tags=("decode",) if label.startswith("decode") else ("prefill",))
