@@ -4,13 +4,16 @@ and tpu7x at the serving shapes of ``compile_cases``, and the token-sparse decod
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
 
 from pallas_kernels import aot
-from pallas_kernels import page_sparse_mla as page_mod
-from pallas_kernels import sparse_mla as token_mod
+
+# The package exports the entry functions under the module names, so import the modules by path.
+page_mod = importlib.import_module("pallas_kernels.page_sparse_mla")
+token_mod = importlib.import_module("pallas_kernels.sparse_mla")
 
 # Several processes (parallel test runs, other tools) may initialise libtpu for topologies;
 # without this libtpu refuses all but the first ("multi-process lockfile").
