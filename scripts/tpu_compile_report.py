@@ -24,7 +24,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 KERNEL_MODULES = ("pallas_kernels.indexer_topk", "pallas_kernels.page_topk",
                   "pallas_kernels.sparse_mla", "pallas_kernels.page_sparse_mla")
 # Published number to put beside our model (a measurement on a real TPU, not ours).
-ANCHORS = {("indexer", "64x4096"): ("tpu-inference indexer, 64 decode rows x 4096, real TPU",
+ANCHORS = {("streamindex_topk", "64x4096"): ("tpu-inference indexer, 64 decode rows x 4096, real TPU",
                                     138.86)}
 
 
@@ -79,7 +79,7 @@ def markdown(rows: list[dict], missing: list[str]) -> str:
                      f"{r['vmem_MiB']:.1f} / {cap:.0f} | {r['ratio']:.3f} | "
                      f"{r['roofline_us']:.2f} |")
     for (kernel, shape), (what, us) in ANCHORS.items():
-        ours = [r for r in rows if kernel in r["kernel"] and shape in r["shape"].replace(" ", "")]
+        ours = [r for r in rows if r["kernel"] == kernel and shape in r["shape"].replace(" ", "")]
         model = ", ".join(f"{r['chip']} {r['roofline_us']:.1f} us" for r in ours) or "n/a"
         lines.append(f"\nAnchor: {what}: {us} us (measured by them). Our modelled roofline at "
                      f"that shape: {model} (a model, not a measurement).")
