@@ -152,7 +152,9 @@ def work_list(kv_lens, cu_q_lens, distribution, *, total_rows: int, row0, cfg: S
     pos0 = kv_lens[seq] - q_len[seq] + (row - q_start[seq])
     kv_eff = jnp.clip(kv_lens[seq], 0, cfg.capacity)
     tokens = jnp.clip(jnp.minimum(pos0 + n, kv_eff), 0, cfg.capacity)
-    npages = (tokens + cfg.page_size - 1) // cfg.page_size
+    # An empty item (n == 0) needs no pages: else the previous step's cross-item prefetch would
+    # start DMAs for it that nobody waits on (found by scripts/hbm_traffic.py's count).
+    npages = jnp.where(n > 0, (tokens + cfg.page_size - 1) // cfg.page_size, 0)
     nblk = jnp.where(n > 0, jnp.maximum((npages + cfg.block_pages - 1) // cfg.block_pages, 1), 0)
     items = jnp.stack([seq, row - row0, n, pos0, kv_eff, npages, nblk], 1)
     # rows of the call -> (item, slot)

@@ -24,8 +24,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 KERNEL_MODULES = ("pallas_kernels.indexer_topk", "pallas_kernels.page_topk",
                   "pallas_kernels.sparse_mla", "pallas_kernels.page_sparse_mla")
 # Published number to put beside our model (a measurement on a real TPU, not ours).
-ANCHORS = {("streamindex_topk", "64x4096"): ("tpu-inference indexer, 64 decode rows x 4096, real TPU",
-                                    138.86)}
+ANCHORS = {("streamindex_topk", "64x4096"):
+           ("tpu-inference indexer, 64 decode rows x 4096, real TPU", 138.86)}
 
 
 def collect_cases(quick: bool):

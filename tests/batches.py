@@ -25,3 +25,22 @@ def scenario(name: str, seed: int, *, num_heads: int = 4, dim: int = 16, **kw):
     return make_ragged_batch(rng, q_lens=q_lens, kv_lens=kv_lens, page_size=PAGE_SIZE,
                              pages_per_seq=PAGES_PER_SEQ, num_heads=num_heads, dim=dim,
                              pad_rows=pad_rows, pad_seqs=pad_seqs, **kw)
+
+
+def rounded_to_bf16(b):
+    """The batch with q, weights and cache rounded to bf16 (kept as f32): the oracle's view of a
+    bf16 run."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    cast = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+    return dataclasses.replace(b, q=cast(b.q), weights=cast(b.weights), cache=cast(b.cache))
+
+
+def indexer_args(b, dtype):
+    """The indexer ops' positional arguments with q, weights and cache in ``dtype``."""
+    import jax.numpy as jnp
+
+    return (jnp.asarray(b.q, dtype), jnp.asarray(b.weights, dtype),
+            jnp.asarray(b.cache, dtype)) + b.meta()

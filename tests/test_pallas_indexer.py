@@ -11,7 +11,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from batches import PAGES_PER_SEQ, scenario
+from batches import PAGES_PER_SEQ, indexer_args, rounded_to_bf16, scenario
 from jax.experimental.pallas import tpu as pltpu
 from oracle import check_page_topk, check_token_topk, token_candidates
 
@@ -32,14 +32,8 @@ def _batch(name, seed):
     return scenario(name, seed, num_heads=HEADS, dim=DIM)
 
 
-def _bf16(b):
-    cast = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
-    return dataclasses.replace(b, q=cast(b.q), weights=cast(b.weights), cache=cast(b.cache))
-
-
-def _args(b, dtype):
-    return (jnp.asarray(b.q, dtype), jnp.asarray(b.weights, dtype),
-            jnp.asarray(b.cache, dtype)) + b.meta()
+_bf16 = rounded_to_bf16
+_args = indexer_args
 
 
 CASES = [("decode", jnp.float32), ("mtp", jnp.float32), ("prefill", jnp.float32),

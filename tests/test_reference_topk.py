@@ -7,20 +7,13 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from batches import PAGE_SIZE, PAGES_PER_SEQ, SCENARIOS, scenario
+from batches import PAGE_SIZE, PAGES_PER_SEQ, SCENARIOS, indexer_args, rounded_to_bf16, scenario
 from oracle import check_page_topk, check_token_topk
 
 from reference import streamindex_page_topk_ref, streamindex_topk_ref
 
-
-def _bf16(b):
-    cast = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
-    return dataclasses.replace(b, q=cast(b.q), weights=cast(b.weights), cache=cast(b.cache))
-
-
-def _args(b, dtype):
-    return (jnp.asarray(b.q, dtype), jnp.asarray(b.weights, dtype),
-            jnp.asarray(b.cache, dtype)) + b.meta()
+_bf16 = rounded_to_bf16
+_args = indexer_args
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

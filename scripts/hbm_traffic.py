@@ -1,0 +1,362 @@
+"""HBM bytes each Pallas kernel moves, COUNTED IN THE PALLAS TPU INTERPRETER (a simulation),
+against the kernel's traffic model and the minimum, at the same shapes and block sizes.
+
+Counted: every block copy of the grid pipeline and every executed manual DMA between memory
+spaces while the kernel runs in interpret mode (``pallas_kernels._interpret_counter``). Byte
+counts are with the minor dim padded to 128 lanes (what TPU tiling moves for an array like the
+indexer's ``f32[R*H, 1]`` weight column; equal to the logical bytes for every other copy here).
+No TPU is used: this is what the simulated kernel copies, not a hardware measurement.
+
+Model: ``case.model`` is the kernel module's own traffic function (``index_score_kernel.traffic``
+/ ``sparse_mla.mla_traffic``, the functions behind ``compile_cases``) called with this case's
+shapes and blocks. It also prices XLA work outside the ``pallas_call`` (q/weight gathers, the
+page-score row map, the sparse MLA index preparation); those terms are split out as "XLA side"
+(``*_xla_bytes`` below, one line per model term), because the interpreter counts only the
+kernel's own copies. Counted must equal the model's kernel side exactly.
+
+Usage: ``python scripts/hbm_traffic.py [--quick] [--out DIR]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental.pallas import tpu as pltpu  # noqa: E402
+
+from pallas_kernels import _interpret_counter as counter  # noqa: E402
+from pallas_kernels import aot, mla_blocks  # noqa: E402
+from pallas_kernels import index_score_kernel as isk  # noqa: E402
+from pallas_kernels.indexer_blocks import LANES, IndexerBlocks  # noqa: E402
+from pallas_kernels.indexer_topk import streamindex_topk  # noqa: E402
+from pallas_kernels.page_sparse_mla import PREP_BYTES_PER_PAGE, page_sparse_mla  # noqa: E402
+from pallas_kernels.page_topk import streamindex_page_topk  # noqa: E402
+from reference import packed_cache  # noqa: E402
+from reference.synthetic import make_ragged_batch  # noqa: E402
+
+# the module (the package rebinds the name ``sparse_mla`` to the entry function)
+smla = importlib.import_module("pallas_kernels.sparse_mla")
+
+LABEL = "counted in the Pallas TPU interpreter (simulation)"
+# Plain interpreter: no race detection (the kernels' own tests run the strict one); the counts
+# do not depend on it. "eager": every started DMA executes (and is counted) at its start.
+INTERPRET = pltpu.InterpretParams(dma_execution_mode="eager")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One batch: sequences ``(q_len, kv_len)``, heads, latent dim, pages."""
+
+    name: str
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    heads: int = 8
+    dim: int = 128
+    page_size: int = 16
+    pages_per_seq: int = 8
+
+    @property
+    def decode(self) -> bool:
+        return all(q == 1 for q in self.q_lens)
+
+    @property
+    def rows(self) -> int:
+        return sum(self.q_lens)
+
+    def batch(self, seed: int):
+        return make_ragged_batch(np.random.default_rng(seed), q_lens=self.q_lens,
+                                 kv_lens=self.kv_lens, page_size=self.page_size,
+                                 pages_per_seq=self.pages_per_seq, num_heads=self.heads,
+                                 dim=self.dim)
+
+
+@dataclass(frozen=True)
+class Case:
+    """A kernel at one shape: ``run()`` executes it in interpret mode; the model and its XLA
+    side (bytes the model prices outside the ``pallas_call``)."""
+
+    kernel: str
+    shape: str
+    run: Callable[[], object]
+    model: aot.Traffic
+    xla_bytes: int
+    blocks: str
+
+    @property
+    def model_kernel_bytes(self) -> int:
+        return self.model.bytes_moved - self.xla_bytes
+
+
+# ----------------------------------------------------------------------------- indexer
+
+
+def indexer_xla_bytes(s: Shape, blocks: IndexerBlocks, *, page_mode: bool, q_itemsize: int,
+                      chunk_bytes: int) -> int:
+    """The XLA terms of ``index_score_kernel.traffic`` (same replay of the row chunks).
+
+    Decode in one call: none (q and weights are reshaped, not gathered). Otherwise XLA reads q
+    and weights and writes each call's per-item gather, which the kernel then reads (the
+    model's ``q_bytes + w_bytes + 2 * gathered``: one ``gathered`` is the kernel's). Page mode:
+    the row map of the page scores (read + write ``f32[T, pages_per_seq]``)."""
+    total, h = s.rows, s.heads
+    width = s.pages_per_seq if page_mode else s.pages_per_seq * s.page_size
+    c = isk.chunk_rows(total, width, blocks.block_rows, chunk_bytes)
+    calls = len({min(i * c, total - c) for i in range(-(-total // c))})
+    xla = 0
+    if not (s.decode and c == total):
+        r = min(blocks.block_rows, 1 << (c - 1).bit_length())
+        w_items = isk.num_items(c, len(s.q_lens), r, s.decode)
+        w_col = LANES * 4 * h  # the model's lane-padded weight column
+        xla += total * h * s.dim * q_itemsize + total * h * 4  # q and weights read
+        xla += calls * w_items * r * (h * s.dim * q_itemsize + w_col)  # the gathers written
+    if page_mode:
+        xla += 2 * total * s.pages_per_seq * 4
+    return xla
+
+
+def indexer_case(s: Shape, *, page_mode: bool, block_pages: int, block_rows: int,
+                 chunk_bytes: int = isk.SCORE_CHUNK_BYTES, dtype=jnp.bfloat16,
+                 seed: int = 0) -> Case:
+    b = s.batch(seed)
+    blocks = isk.resolve_blocks(None, block_rows=block_rows, block_pages=block_pages,
+                                chip=None, one_token_per_seq=s.decode,
+                                pages_per_seq=s.pages_per_seq)
+    args = (jnp.asarray(b.q, dtype), jnp.asarray(b.weights, jnp.float32),
+            jnp.asarray(b.cache, dtype)) + tuple(jnp.asarray(x) for x in b.meta())
+    knobs = dict(pages_per_seq=s.pages_per_seq, one_token_per_seq=s.decode,
+                 block_rows=blocks.block_rows, block_pages=blocks.block_pages,
+                 score_chunk_bytes=chunk_bytes, interpret=INTERPRET)
+    if page_mode:
+        k = min(4, s.pages_per_seq)
+        run = lambda: streamindex_page_topk(*args, k_pages=k, **knobs)  # noqa: E731
+    else:
+        k = 16
+        run = lambda: streamindex_topk(*args, k=k, **knobs)  # noqa: E731
+    item = jnp.dtype(dtype).itemsize
+    model = isk.traffic(list(s.q_lens), list(s.kv_lens), heads=s.heads, dim=s.dim,
+                        page_size=s.page_size, pages_per_seq=s.pages_per_seq,
+                        key_itemsize=item, q_itemsize=item, blocks=blocks,
+                        page_mode=page_mode, one_token_per_seq=s.decode,
+                        chunk_bytes=chunk_bytes)
+    xla = indexer_xla_bytes(s, blocks, page_mode=page_mode, q_itemsize=item,
+                            chunk_bytes=chunk_bytes)
+    chunked = "" if chunk_bytes == isk.SCORE_CHUNK_BYTES else f" chunk={chunk_bytes}B"
+    return Case("streamindex_page_topk" if page_mode else "streamindex_topk", s.name, run,
+                model, xla, f"R={blocks.block_rows} P={blocks.block_pages}{chunked}")
+
+
+# ----------------------------------------------------------------------------- sparse MLA
+
+
+def _rows_seq(s: Shape):
+    """Per query row: (sequence, absolute position)."""
+    out = []
+    for i, (ql, kl) in enumerate(zip(s.q_lens, s.kv_lens, strict=True)):
+        out += [(i, kl - ql + j) for j in range(ql)]
+    return out
+
+
+def full_token_topk(s: Shape, k: int, rng) -> np.ndarray:
+    """Per row ``k`` distinct causal tokens (every entry valid, so ``mla_traffic``'s
+    "every row selects k rows" holds)."""
+    sel = np.zeros((s.rows, k), np.int32)
+    for r, (_, pos) in enumerate(_rows_seq(s)):
+        if pos + 1 < k:
+            raise ValueError(f"{s.name}: row {r} at position {pos} has fewer than k={k} tokens")
+        sel[r] = rng.choice(pos + 1, size=k, replace=False)
+    return sel
+
+
+def full_page_topk(s: Shape, k_pages: int, rng) -> np.ndarray:
+    """Per row ``k_pages`` distinct pages holding at least one causal token."""
+    sel = np.zeros((s.rows, k_pages), np.int32)
+    for r, (_, pos) in enumerate(_rows_seq(s)):
+        n = pos // s.page_size + 1
+        if n < k_pages:
+            raise ValueError(f"{s.name}: row {r} has {n} causal pages < k_pages={k_pages}")
+        sel[r] = rng.choice(n, size=k_pages, replace=False)
+    return sel
+
+
+def mla_case(s: Shape, *, page_mode: bool, k: int, block: int, v_dim: int,
+             seed: int = 0) -> Case:
+    """Packed bf16 cache (token mode; the serving format) or plain bf16 pages (page mode)."""
+    b = s.batch(seed)
+    rng = np.random.default_rng(seed + 1)
+    q = jnp.asarray(b.q, jnp.bfloat16)
+    plain = jnp.asarray(b.cache, jnp.bfloat16)  # NaN in every slot no row may read
+    meta_args = tuple(jnp.asarray(x) for x in b.meta())
+    kv_lens, page_indices, cu_q, cu_kv, dist = meta_args
+    kw = dict(sm_scale=0.125, pages_per_seq=s.pages_per_seq, v_dim=v_dim, interpret=INTERPRET)
+    if page_mode:
+        sel = jnp.asarray(full_page_topk(s, k, rng))
+        units = mla_blocks.page_block(k, s.page_size, None, block)
+        fmt, cache, selected, meta_words = "bf16", plain, k * s.page_size, 2 * k
+        prep = s.rows * k * PREP_BYTES_PER_PAGE
+
+        def run():
+            return page_sparse_mla(q, cache, kv_lens, sel, page_indices, cu_q, cu_kv, dist,
+                                   pages_per_block=units, **kw)
+    else:
+        sel = jnp.asarray(full_token_topk(s, k, rng))
+        units = mla_blocks.token_block(k, None, block)
+        fmt, cache, selected, meta_words = "packed", packed_cache.pack_cache(plain), k, k
+        prep = s.rows * k * smla.PREP_BYTES_PER_ENTRY
+
+        def run():
+            return smla.sparse_mla(q, cache, kv_lens, sel, page_indices, cu_q, cu_kv, dist,
+                                   tokens_per_block=units, **kw)
+
+    mode = "page" if page_mode else "token"
+    shape = smla.block_shape(mode, heads=s.heads, dim=s.dim, v_dim=v_dim,
+                             page_size=s.page_size, units=units, meta_len=k,
+                             q_dtype=jnp.bfloat16, fmt=fmt)
+    model = smla.mla_traffic(rows=s.rows, heads=s.heads, dim=s.dim, v_dim=v_dim,
+                             selected_rows=selected, fmt=fmt, q_itemsize=2,
+                             meta_words=meta_words, prep_bytes=prep, shape=shape)
+    name = "page_sparse_mla" if page_mode else "sparse_mla"
+    what = f"k_pages={k} pages/block={units}" if page_mode else f"k={k} rows/block={units}"
+    return Case(name, s.name, run, model, prep, f"{what} {fmt}")
+
+
+# ----------------------------------------------------------------------------- cases
+
+# Decode: 4 sequences of ragged lengths (partial last pages, causal page counts 3..8).
+DECODE = Shape("decode 4 seqs, kv 33..128, H8 D128 page16", (1, 1, 1, 1), (128, 70, 33, 100))
+# MTP: 3 rows per sequence (several row blocks per sequence in the indexer at R=2).
+MTP = Shape("mtp 2 seqs x 3 rows, kv 70/128, H8 D128 page16", (3, 3), (70, 128))
+# Sparse MLA at D=256 (packed words W=128 = D/2: the packed row is exactly the bf16 row).
+MLA_DECODE = Shape("decode 4 seqs, kv 33..128, H8 D256 page16", (1, 1, 1, 1),
+                   (128, 70, 33, 100), dim=256)
+MLA_MTP = Shape("mtp 2 seqs x 3 rows, kv 70/128, H8 D256 page16", (3, 3), (70, 128), dim=256)
+# Chunked prefill: 24 new rows at the end of a 96-token sequence, beside a decode row.
+PREFILL = Shape("prefill 24 rows@96 + 1 decode, H8 D128 page16", (1, 24), (50, 96))
+
+
+def decode_cases() -> list[Case]:
+    """One small decode case per kernel (the shapes ``tests/test_hbm_traffic.py`` pins)."""
+    return [indexer_case(DECODE, page_mode=False, block_rows=1, block_pages=2),
+            indexer_case(DECODE, page_mode=True, block_rows=1, block_pages=2),
+            mla_case(MLA_DECODE, page_mode=False, k=32, block=16, v_dim=256),
+            mla_case(MLA_DECODE, page_mode=True, k=2, block=1, v_dim=256)]
+
+
+def all_cases(quick: bool) -> list[Case]:
+    cases = decode_cases()
+    if not quick:
+        cases += [indexer_case(MTP, page_mode=False, block_rows=2, block_pages=2),
+                  indexer_case(MTP, page_mode=True, block_rows=2, block_pages=2),
+                  mla_case(MLA_MTP, page_mode=False, k=32, block=16, v_dim=256),
+                  mla_case(MLA_MTP, page_mode=True, k=2, block=1, v_dim=256),
+                  indexer_case(PREFILL, page_mode=False, block_rows=8, block_pages=4),
+                  # two kernel calls of 16 rows (f32[16, 128] scores each)
+                  indexer_case(PREFILL, page_mode=False, block_rows=8, block_pages=4,
+                               chunk_bytes=16 * 128 * 4),
+                  indexer_case(PREFILL, page_mode=True, block_rows=8, block_pages=4),
+                  # R=4 > 3 rows per sequence: the static grid has an empty tail work item
+                  indexer_case(MTP, page_mode=False, block_rows=4, block_pages=2)]
+    return cases
+
+
+# ----------------------------------------------------------------------------- measure
+
+
+def count(case: Case) -> counter.TrafficCount:
+    """Run ``case`` in interpret mode under the counter."""
+    with counter.count_hbm_traffic() as counted:
+        jax.block_until_ready(case.run())
+    if not counted.copies or counted.dmas_unexecuted:
+        raise counter.CountError(f"{case.kernel} {case.shape}: {len(counted.copies)} copies "
+                                 f"counted, {counted.dmas_unexecuted} DMAs never executed")
+    return counted
+
+
+def row(case: Case, counted: counter.TrafficCount, seconds: float) -> dict:
+    h2v = counted.bytes("hbm", "vmem", lane_padded=True)
+    v2h = counted.bytes("vmem", "hbm", lane_padded=True)
+    h2s = counted.bytes("hbm", "smem", lane_padded=True)
+    other = counted.bytes(lane_padded=True) - h2v - v2h - h2s
+    total = h2v + v2h + h2s + other
+    m = case.model
+    return {"kernel": case.kernel, "shape": case.shape, "blocks": case.blocks,
+            "counted_hbm_to_vmem": h2v, "counted_vmem_to_hbm": v2h, "counted_hbm_to_smem": h2s,
+            "counted_other": other, "counted_total": total,
+            "counted_logical_total": counted.bytes(),
+            "model_bytes_moved": m.bytes_moved, "model_xla_side": case.xla_bytes,
+            "model_kernel_side": case.model_kernel_bytes, "bytes_min": m.bytes_min,
+            "counted_over_model_kernel": total / max(case.model_kernel_bytes, 1),
+            "counted_over_min": total / max(m.bytes_min, 1),
+            "copies": counted.table(), "seconds": round(seconds, 2)}
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [f"All \"counted\" bytes: {LABEL}; HBM<->VMEM copies with the minor dim padded "
+             "to 128 lanes as TPU tiles are (logical bytes in the JSON), HBM->SMEM logical. "
+             "\"model\": the kernel module's traffic function at the same shapes and blocks (a "
+             "model); its XLA side (work outside the pallas_call) is not a kernel copy and is "
+             "subtracted before comparing. \"min\": the model's minimum (each input once, "
+             "output once).",
+             "",
+             "| kernel | shape | blocks | HBM->VMEM | VMEM->HBM | HBM->SMEM | counted total | "
+             "model total | model XLA side | model kernel side | counted - model kernel | min | "
+             "counted / model kernel | counted / min |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r['kernel']} | {r['shape']} | {r['blocks']} | {r['counted_hbm_to_vmem']} | "
+            f"{r['counted_vmem_to_hbm']} | {r['counted_hbm_to_smem']} | {r['counted_total']} | "
+            f"{r['model_bytes_moved']} | {r['model_xla_side']} | {r['model_kernel_side']} | "
+            f"{r['counted_total'] - r['model_kernel_side']} | "
+            f"{r['bytes_min']} | {r['counted_over_model_kernel']:.3f} | "
+            f"{r['counted_over_min']:.3f} |")
+    lines += ["", f"Copies by kind ({LABEL}):", "",
+              "| kernel | shape | kind | src -> dst | copy shape | dtype | copies | bytes | "
+              "lane-padded bytes |", "|---|---|---|---|---|---|---:|---:|---:|"]
+    for r in rows:
+        for c in r["copies"]:
+            lines.append(f"| {r['kernel']} | {r['shape']} | {c['kind']} | {c['src']} -> "
+                         f"{c['dst']} | {tuple(c['shape'])} | {c['dtype']} | {c['copies']} | "
+                         f"{c['bytes']} | {c['lane_padded_bytes']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="decode shapes only (CI)")
+    p.add_argument("--out", default="out/hbm_traffic", help="folder for .md and .json")
+    a = p.parse_args(argv)
+    counter.self_test()
+    rows = []
+    for case in all_cases(a.quick):
+        t0 = time.perf_counter()
+        counted = count(case)
+        rows.append(row(case, counted, time.perf_counter() - t0))
+        print(f"  {case.kernel:24s} {case.shape:48s} {rows[-1]['seconds']:6.1f} s", flush=True)
+    md = markdown(rows)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "hbm_traffic.md").write_text(md)
+    (out / "hbm_traffic.json").write_text(json.dumps(
+        {"label": LABEL, "jax": jax.__version__, "rows": rows}, indent=1))
+    print(md)
+    mismatched = [r for r in rows if r["counted_total"] != r["model_kernel_side"]]
+    for r in mismatched:
+        print(f"MISMATCH {r['kernel']} {r['shape']}: counted {r['counted_total']} != model "
+              f"kernel side {r['model_kernel_side']}", file=sys.stderr)
+    return 1 if mismatched else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

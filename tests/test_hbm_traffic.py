@@ -1,0 +1,132 @@
+"""HBM traffic counted in the Pallas TPU interpreter (a simulation) against each kernel's traffic
+model, at one small decode shape per kernel (``scripts/hbm_traffic.py``'s quick cases).
+
+Pinned: counted bytes (HBM<->VMEM lane-padded, HBM->SMEM logical) EQUAL the model's kernel
+side exactly, and each input is fetched the number of times the design says (every needed key
+page once per decode row, every selected row/page once): a change that re-fetches a block or
+a page fails here. Also: the counter's own self test, and the loud failure when a hooked JAX
+internal is missing."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import hbm_traffic as ht  # noqa: E402
+
+from pallas_kernels import _interpret_counter as counter  # noqa: E402
+
+KERNELS = ("streamindex_topk", "streamindex_page_topk", "sparse_mla", "page_sparse_mla")
+
+
+@pytest.fixture(scope="module")
+def counted():
+    """kernel -> (case, TrafficCount) for the pinned decode shapes (each run once)."""
+    return {c.kernel: (c, ht.count(c)) for c in ht.decode_cases()}
+
+
+def _pages(s: ht.Shape) -> int:
+    return sum(-(-kl // s.page_size) for kl in s.kv_lens)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_counted_decode_bytes_equal_the_models_kernel_side(counted, kernel):
+    case, n = counted[kernel]
+    assert n.dmas_unexecuted == 0
+    total = n.bytes(lane_padded=True)
+    assert total == case.model_kernel_bytes, (
+        f"{kernel}: counted {total} B != model kernel side {case.model_kernel_bytes} B; "
+        f"copies: {n.table()}")
+
+
+def test_decode_indexer_reads_each_needed_key_page_once_and_each_row_once(counted):
+    s = ht.DECODE
+    page_bytes = s.page_size * s.dim * 2
+    for kernel in ("streamindex_topk", "streamindex_page_topk"):
+        _, n = counted[kernel]
+        keys = n.select("hbm", "vmem", "dma")
+        assert len(keys) == _pages(s) and {c.nbytes for c in keys} == {page_bytes}, kernel
+        q_blocks = [c for c in n.select("hbm", "vmem", "block") if c.shape[-1] == s.dim]
+        assert len(q_blocks) == s.rows, kernel
+    assert counted["streamindex_topk"][1].count("vmem", "hbm", "dma") == s.rows  # score rows
+    assert counted["streamindex_page_topk"][1].count("vmem", "hbm", "block") == s.rows
+
+
+def test_decode_sparse_mla_gathers_each_selection_once(counted):
+    s = ht.MLA_DECODE
+    _, tok = counted["sparse_mla"]
+    assert tok.count("hbm", "vmem", "dma") == s.rows * 32  # k=32 packed rows per query row
+    assert tok.count("hbm", "smem", "dma") == s.rows  # one metadata row each
+    _, page = counted["page_sparse_mla"]
+    assert page.count("hbm", "vmem", "dma") == s.rows * 2  # k_pages=2 whole pages per row
+    for n in (tok, page):
+        assert n.count("hbm", "vmem", "block") == s.rows  # q
+        assert n.count("vmem", "hbm", "block") == s.rows  # out
+
+
+def test_self_test_counts_block_copies_and_dmas_exactly():
+    n = counter.self_test()
+    assert n.bytes("hbm", "vmem") == 2 * 2 * 8 * 128 * 4  # 2 blocks + 2 DMAs
+    assert n.bytes("vmem", "hbm") == 2 * 8 * 128 * 4
+
+
+def test_hooks_are_removed_after_the_block():
+    mod = counter.check_internals()
+    before = (mod.get, mod.store, mod.DMA)
+    with counter.count_hbm_traffic():
+        assert (mod.get, mod.store, mod.DMA) != before
+    assert (mod.get, mod.store, mod.DMA) == before
+
+
+def _missing_method(mod, monkeypatch):
+    monkeypatch.delattr(mod.DMA, "execute_read")
+    return "DMA.execute_read"
+
+
+def _renamed_keyword(mod, monkeypatch):
+    def get(token, device_id, local_core_id, memory_space, buffer_id, transforms, *,
+            name=None):  # input_name renamed
+        raise AssertionError("never called")
+
+    def wrapper(*a, **k):
+        return get(*a, **k)
+
+    wrapper.__wrapped__ = get
+    monkeypatch.setattr(mod, "get", wrapper)
+    return "'input_name'"
+
+
+def _missing_module(mod, monkeypatch):
+    monkeypatch.setattr(counter, "INTERNALS_MODULE", "jax._src.pallas.mosaic.no_such_module")
+    return "no_such_module"
+
+
+@pytest.mark.parametrize("breakage", [_missing_method, _renamed_keyword, _missing_module])
+def test_a_missing_hooked_internal_fails_loudly_naming_jax_version(monkeypatch, breakage):
+    mod = counter.check_internals()
+    symbol = breakage(mod, monkeypatch)
+    with pytest.raises(counter.InternalsChanged, match=symbol) as err:
+        with counter.count_hbm_traffic():
+            pytest.fail("entered the counting block with broken internals")
+    assert f"jax {jax.__version__}" in str(err.value)
+    assert isinstance(err.value, RuntimeError)
+
+
+def test_indexer_with_an_empty_tail_work_item_moves_only_modelled_bytes():
+    case = ht.indexer_case(ht.MTP, page_mode=False, block_rows=4, block_pages=2)
+    n = ht.count(case)
+    assert n.bytes(lane_padded=True) == case.model_kernel_bytes
+
+
+def test_script_quick_writes_labelled_tables(tmp_path):
+    assert ht.main(["--quick", "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "hbm_traffic.md").read_text()
+    assert ht.LABEL in md
+    data = (tmp_path / "hbm_traffic.json").read_text()
+    assert ht.LABEL in data and '"rows"' in data

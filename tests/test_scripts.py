@@ -1,0 +1,55 @@
+"""CI runs every script's ``--quick`` mode (issue 7): each must exit 0 and write its outputs.
+
+These are smoke runs of the reproducible benchmarks, not timing assertions: no number they
+print is checked against a threshold here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(args, tmp_path, timeout=600):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+@pytest.mark.slow
+def test_bench_quick(tmp_path):
+    stdout = _run(["scripts/bench.py", "--quick", "--reps", "2", "--out", str(tmp_path)],
+                  tmp_path)
+    assert (tmp_path / "bench.json").exists() and "seed sparse_mla / ours" in stdout
+
+
+@pytest.mark.slow
+def test_tpu_compile_report_quick(tmp_path):
+    _run(["scripts/tpu_compile_report.py", "--quick", "--out", str(tmp_path)], tmp_path)
+    text = (tmp_path / "tpu_compile_report.md").read_text()
+    assert "FAILED" not in text and "Not reported" not in text
+
+
+@pytest.mark.slow
+def test_witness_experiment_quick(tmp_path):
+    _run(["scripts/witness_experiment.py", "--quick", "--no-docs", "--out", str(tmp_path)],
+         tmp_path)
+    assert (tmp_path / "witness.json").exists()
+
+
+def test_bench_witness_merge_quick(tmp_path):
+    stdout = _run(["scripts/bench_witness_merge.py", "--quick"], tmp_path)
+    assert "copy" in stdout
+
+
+def test_hbm_traffic_quick(tmp_path):
+    _run(["scripts/hbm_traffic.py", "--quick", "--out", str(tmp_path)], tmp_path)
+    assert any(tmp_path.iterdir())
