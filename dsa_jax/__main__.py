@@ -51,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="tokens per cache page (default 64; quick 16)")
     r.add_argument("--num-segments", type=int, default=8,
                    help="segment witnesses merged into each top-k row (0 = off; default 8)")
+    r.add_argument("--packed-latent", action="store_true",
+                   help="store the latent cache as packed bf16 u32 words (the format the "
+                        "token-sparse Pallas kernel gathers rows from; values rounded to bf16)")
     r.add_argument("--exact", action="store_true",
                    help="exact top_k selection (deterministic ties) instead of approx_max_k")
     r.add_argument("--dsa-use-pallas", action="store_true",
@@ -123,8 +126,12 @@ def _local_batch(rng, s, layout, indexer_types, q_lens, kv_lens):
     t, p = b.q.shape[0], b.cache.shape[0]
     nl, nf = len(indexer_types), indexer_types.count("full")
     f32 = lambda *shape: rng.standard_normal(shape, np.float32)
-    latent = f32(nl, *layout.latent_cache_shape(p))
+    latent = f32(nl, p, layout.page_size, layout.padded_dim)
     latent[..., layout.qk_dim:] = 0.0
+    if layout.packed_latent:  # the cache is stored as packed bf16 words
+        from reference.packed_cache import pack_cache
+
+        latent = np.asarray(pack_cache(latent))
     inputs = StepInputs(q_mla=f32(nl, t, s["heads"], layout.qk_dim),
                         new_latent=f32(nl, t, layout.qk_dim),
                         q_index=f32(nf, t, V32["index_heads"], layout.index_dim),
@@ -191,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     layout = dsa_jax.PagedLayout(page_size=s["page_size"],
                                  pages_per_seq=-(-s["context"] // s["page_size"]),
                                  index_dim=V32["index_dim"], latent_dim=V32["latent_dim"],
-                                 rope_dim=V32["rope_dim"])
+                                 rope_dim=V32["rope_dim"], packed_latent=args.packed_latent)
     types = tuple(dsa_jax.glm_index_share_pattern(s["layers"], leading_full=1))
     data = args.devices // args.tp
     rng = np.random.default_rng(args.seed)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsa_jax.layout import PagedLayout
-from reference import batch
+from reference import batch, packed_cache
 
 
 def write_slots(layout: PagedLayout, num_rows: int, num_pages: int, kv_lens, page_indices,
@@ -58,7 +58,8 @@ def _pad_features(name: str, rows, want: int, allowed: tuple[int, ...]):
 @functools.partial(jax.jit, static_argnames=("layout",),
                    donate_argnames=("latent_cache", "index_cache"))
 def update_kv_cache(
-    latent_cache: jax.Array,  # f32|bf16[num_pages, page_size, padded_dim]
+    latent_cache: jax.Array,  # f32|bf16[num_pages, page_size, padded_dim], or u32 packed words
+    #                           [num_pages, page_size, packed_words(padded_dim)] (packed_latent)
     index_cache: jax.Array | None,  # f32|bf16[num_pages, page_size, index_dim] or None
     new_latent: jax.Array,  # f[T, qk_dim or padded_dim] this step's latent rows (one per row)
     new_index: jax.Array | None,  # f[T, index_dim] this step's indexer keys, or None
@@ -92,6 +93,8 @@ def update_kv_cache(
                          f"new_index={'None' if new_index is None else 'array'}")
     page_id, offset = write_slots(layout, num_rows, num_pages, kv_lens, page_indices,
                                   cu_q_lens, cu_kv_lens, distribution)
+    if layout.packed_latent:  # rows are stored as packed bf16 words (reference.packed_cache)
+        new_latent = packed_cache.pack_cache(new_latent)
     latent_cache = latent_cache.at[page_id, offset].set(
         new_latent.astype(latent_cache.dtype), mode="drop")
     if index_cache is not None:

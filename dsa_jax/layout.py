@@ -18,7 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax.numpy as jnp
 import numpy as np
+
+from reference import packed_cache
 
 LANES = 128
 
@@ -53,6 +56,11 @@ class PagedLayout:
       index_dim: the indexer's key/query head dim D (DeepSeek-V3.2: 128).
       latent_dim: the MLA latent (value) dim (512).
       rope_dim: the decoupled rope dim appended to the latent (64).
+      packed_latent: store the latent cache as packed bf16 words (``reference.packed_cache``:
+        ``u32[num_pages, page_size, packed_words(padded_dim)]``, 640 -> 384 words). This is
+        the format the token-sparse Pallas kernel gathers single rows from; with a plain bf16
+        cache that kernel must pack the whole cache on every call. ``update_kv_cache`` packs new
+        rows; the references and kernels read it directly.
     """
 
     page_size: int
@@ -61,6 +69,7 @@ class PagedLayout:
     index_dim: int = 128
     latent_dim: int = 512
     rope_dim: int = 64
+    packed_latent: bool = False
 
     def __post_init__(self) -> None:
         page_size = _int("page_size", self.page_size)
@@ -91,6 +100,8 @@ class PagedLayout:
                 raise LayoutError(f"{name} must be positive, got {name}={getattr(self, name)}")
         if _int("rope_dim", self.rope_dim) < 0:
             raise LayoutError(f"rope_dim must be >= 0, got rope_dim={self.rope_dim}")
+        if not isinstance(self.packed_latent, bool):
+            raise LayoutError(f"packed_latent must be a bool, got {self.packed_latent!r}")
 
     # -- tokens <-> pages (the one written-out conversion) -----------------------------------
 
@@ -129,9 +140,17 @@ class PagedLayout:
 
     # -- cache shapes ------------------------------------------------------------------------
 
+    @property
+    def latent_cache_width(self) -> int:
+        """The latent cache's dim 2: ``padded_dim``, or ``packed_words(padded_dim)`` u32 words
+        when ``packed_latent`` (640 -> 384)."""
+        if self.packed_latent:
+            return packed_cache.packed_words(self.padded_dim)
+        return self.padded_dim
+
     def latent_cache_shape(self, num_pages: int) -> tuple[int, int, int]:
-        """``(num_pages, page_size, padded_dim)``."""
-        return (int(num_pages), self.page_size, self.padded_dim)
+        """``(num_pages, page_size, latent_cache_width)``."""
+        return (int(num_pages), self.page_size, self.latent_cache_width)
 
     def index_cache_shape(self, num_pages: int) -> tuple[int, int, int]:
         """``(num_pages, page_size, index_dim)``."""
@@ -146,12 +165,16 @@ class PagedLayout:
         shape = tuple(np.shape(cache))
         if len(shape) < 3:
             raise ValueError(f"{name} must be [..., num_pages, page_size, D], got shape {shape}")
-        want = self.padded_dim if kind == "latent" else self.index_dim
+        want = self.latent_cache_width if kind == "latent" else self.index_dim
+        if kind == "latent" and packed_cache.is_packed(cache) != self.packed_latent:
+            raise ValueError(f"{name} has dtype {jnp.result_type(cache)} but the layout says "
+                             f"packed_latent={self.packed_latent} (a packed latent cache is "
+                             f"uint32 words, a plain one is floating)")
         if shape[-2] != self.page_size:
             raise ValueError(f"{name}.shape[-2] (page_size) = {shape[-2]} != layout.page_size "
                              f"= {self.page_size} (shape {shape})")
         if shape[-1] != want:
-            what = "padded_dim" if kind == "latent" else "index_dim"
+            what = "latent_cache_width" if kind == "latent" else "index_dim"
             raise ValueError(f"{name}.shape[-1] = {shape[-1]} != layout.{what} = {want} "
                              f"(shape {shape})")
 

@@ -35,7 +35,7 @@ from dsa_jax import cache as _cache
 from dsa_jax import ops
 from dsa_jax import validate as _validate
 from dsa_jax.layout import PagedLayout
-from reference import build_index_share_map
+from reference import build_index_share_map, packed_cache
 from reference.selection import DEFAULT_RECALL_TARGET
 
 GRANULARITIES = ("token", "page")
@@ -126,6 +126,8 @@ def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, 
     selections, outs = {}, []
     for layer in range(len(indexer_types)):
         new_latent = _pad_last(inputs.new_latent[layer], layout.padded_dim)
+        if layout.packed_latent:  # stored as packed bf16 words (reference.packed_cache)
+            new_latent = packed_cache.pack_cache(new_latent)
         latent_caches = latent_caches.at[layer, page_id, offset].set(
             new_latent.astype(latent_caches.dtype), mode="drop")
         if layer in full_slot:

@@ -222,3 +222,50 @@ def test_step_refusals_name_the_numbers():
                          indexer_types=("shared", "full", "full"), k=6, sm_scale=SM_SCALE)
     with pytest.raises(ValueError, match="granularity must be one of"):
         _step(b, inputs, latent, index, granularity="block")
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_a_packed_latent_layout_stores_packed_rows_and_gives_the_bf16_result(backend):
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from reference.packed_cache import pack_cache, unpack_cache
+
+    b, inputs, latent, index = _step_case()
+    packed_layout = dataclasses.replace(LAYOUT, packed_latent=True)
+    assert packed_layout.latent_cache_width == 128  # packed_words(128): 64 rounded up to 128
+    plain_cache = lambda: jnp.asarray(latent, jnp.bfloat16)  # fresh: the step donates caches
+    meta = BatchMeta(*b.meta())
+    kw = dict(indexer_types=TYPES, k=6, sm_scale=SM_SCALE, exact=True, backend=backend)
+    plain = dsa_jax.dsa_step(inputs, plain_cache(), index.copy(), meta, layout=LAYOUT, **kw)
+    packed = dsa_jax.dsa_step(inputs, pack_cache(plain_cache()), index.copy(), meta,
+                              layout=packed_layout, **kw)
+    assert packed.latent_caches.dtype == jnp.uint32
+    np.testing.assert_array_equal(
+        np.asarray(unpack_cache(packed.latent_caches, LAYOUT.padded_dim), np.float32),
+        np.asarray(plain.latent_caches, np.float32))
+    np.testing.assert_array_equal(packed.topk, plain.topk)
+    np.testing.assert_allclose(np.asarray(packed.out, np.float32),
+                               np.asarray(plain.out, np.float32), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="packed_latent=False"):
+        dsa_jax.dsa_step(inputs, pack_cache(plain_cache()), index.copy(), meta, layout=LAYOUT,
+                         **kw)
+
+
+def test_update_kv_cache_packs_rows_into_a_packed_latent_cache():
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from reference.packed_cache import pack_cache
+
+    b = _batch()
+    packed_layout = dataclasses.replace(LAYOUT, packed_latent=True)
+    latent, _ = _nan_caches(b.cache.shape[0])
+    rows = np.random.default_rng(2).standard_normal((b.q.shape[0], LAYOUT.qk_dim))
+    plain, _ = dsa_jax.update_kv_cache(jnp.asarray(latent, jnp.bfloat16), None, rows, None,
+                                       *b.meta(), layout=LAYOUT)
+    packed, _ = dsa_jax.update_kv_cache(pack_cache(jnp.asarray(latent, jnp.bfloat16)), None,
+                                        rows, None, *b.meta(), layout=packed_layout)
+    np.testing.assert_array_equal(np.asarray(packed), np.asarray(pack_cache(plain)))
