@@ -166,8 +166,9 @@ class PagedLayout:
         if len(shape) < 3:
             raise ValueError(f"{name} must be [..., num_pages, page_size, D], got shape {shape}")
         want = self.latent_cache_width if kind == "latent" else self.index_dim
-        if kind == "latent" and packed_cache.is_packed(cache) != self.packed_latent:
-            raise ValueError(f"{name} has dtype {jnp.result_type(cache)} but the layout says "
+        dtype = getattr(cache, "dtype", None)
+        if kind == "latent" and dtype is not None and (dtype == jnp.uint32) != self.packed_latent:
+            raise ValueError(f"{name} has dtype {dtype} but the layout says "
                              f"packed_latent={self.packed_latent} (a packed latent cache is "
                              f"uint32 words, a plain one is floating)")
         if shape[-2] != self.page_size:
