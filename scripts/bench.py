@@ -104,33 +104,64 @@ def mla_rows(reps: int) -> list[dict]:
     return rows
 
 
+def _indexer_specs(rows: int, num_seqs: int, cap: int, *, heads=64, dim=128, ps=64):
+    S = jax.ShapeDtypeStruct
+    pps = cap // ps
+    return pps, [S((rows, heads, dim), jnp.bfloat16), S((rows, heads), jnp.bfloat16),
+                 S((num_seqs * pps + 8, ps, dim), jnp.bfloat16), S((num_seqs,), jnp.int32),
+                 S((num_seqs * pps,), jnp.int32), S((num_seqs + 1,), jnp.int32),
+                 S((num_seqs + 1,), jnp.int32), S((3,), jnp.int32)]
+
+
+def _mla_specs(rows: int, num_seqs: int, cap: int, *, heads=16, dim=640, k=2048, ps=64):
+    S = jax.ShapeDtypeStruct
+    pps = cap // ps
+    return pps, [S((rows, heads, dim), jnp.bfloat16),
+                 S((num_seqs * pps + 8, ps, dim), jnp.bfloat16), S((num_seqs,), jnp.int32),
+                 S((rows, k), jnp.int32), S((num_seqs * pps,), jnp.int32),
+                 S((num_seqs + 1,), jnp.int32), S((num_seqs + 1,), jnp.int32),
+                 S((3,), jnp.int32)]
+
+
+def aot_cases(quick: bool):
+    """(shape label, op label, fn, specs): the CPU-timed ops at serving shapes, bf16."""
+    cases = []
+    shapes = [("decode 16x8K", 16, 16, 8192), ("chunked prefill 4096 @128K", 4096, 1, 131072)]
+    for label, rows, seqs, cap in shapes:
+        pps, specs = _indexer_specs(rows, seqs, cap)
+        cases += [
+            (label, "token top-k (ours)",
+             functools.partial(streamindex_topk_ref, k=2048, pages_per_seq=pps), specs),
+            (label, "page top-k (ours)",
+             functools.partial(streamindex_page_topk_ref, k_pages=32, pages_per_seq=pps), specs),
+            (label, "token top-k (seed) [baseline]",
+             functools.partial(seed_topk, k=2048, pages_per_seq=pps), specs)]
+    mla_shapes = [("sparse MLA decode 16x8K H=16", 16, 16, 8192),
+                  ("sparse MLA prefill 1024 @32K H=16", 1024, 1, 32768)]
+    for label, rows, seqs, cap in mla_shapes:
+        pps, specs = _mla_specs(rows, seqs, cap)
+        kw = dict(sm_scale=float(SM_SCALE), pages_per_seq=pps, v_dim=512)
+        cases += [(label, "sparse_mla (ours)", functools.partial(sparse_mla_ref, **kw), specs),
+                  (label, "sparse_mla (seed) [baseline]",
+                   functools.partial(seed_sparse_mla, **kw), specs)]
+    if quick:  # the issue's acceptance shape only
+        cases = [c for c in cases if c[0].startswith("chunked prefill") and "ours" in c[1]]
+    return cases
+
+
 def aot_rows(quick: bool) -> list[dict]:
     from pallas_kernels.aot import aot_compile
 
-    T, H, D, ps, cap = 4096, 64, 128, 64, 131072
-    pps = cap // ps
-    S = jax.ShapeDtypeStruct
-    specs = [S((T, H, D), jnp.bfloat16), S((T, H), jnp.bfloat16),
-             S((pps + 8, ps, D), jnp.bfloat16), S((1,), jnp.int32), S((pps,), jnp.int32),
-             S((2,), jnp.int32), S((2,), jnp.int32), S((3,), jnp.int32)]
-    ops = {"token top-k (ours)": functools.partial(streamindex_topk_ref, k=2048,
-                                                   pages_per_seq=pps),
-           "page top-k (ours)": functools.partial(streamindex_page_topk_ref, k_pages=32,
-                                                  pages_per_seq=pps),
-           "token top-k (seed) [baseline]": functools.partial(seed_topk, k=2048,
-                                                              pages_per_seq=pps)}
     chips = ["v6e"] if quick else ["v5e", "v6e", "tpu7x"]
-    if quick:
-        ops.pop("token top-k (seed) [baseline]")
     rows = []
     for chip in chips:
-        for name, fn in ops.items():
+        for label, name, fn, specs in aot_cases(quick):
             t0 = time.perf_counter()
             mem = aot_compile(fn, specs, chip, name).memory_analysis()
-            rows.append({"shape": "chunked prefill 4096 @128K", "op": name, "chip": chip,
+            rows.append({"shape": label, "op": name, "chip": chip,
                          "temp_MiB": mem.temp_size_in_bytes / 2**20,
                          "compile_s": time.perf_counter() - t0})
-            print(f"  {chip} {name}: {rows[-1]['temp_MiB']:.0f} MiB", flush=True)
+            print(f"  {chip} {label} {name}: {rows[-1]['temp_MiB']:.0f} MiB", flush=True)
     return rows
 
 
