@@ -3,43 +3,52 @@
     score[t, s] = sum_h w[t, h] * relu(q[t, h, :] . k[s, :])        (f32 accumulate)
 
 Shapes: q ``[T, H, D]`` (bf16/f32), weights ``[T, H]``, cache ``[num_pages, page_size, D]``
-(bf16/f32); ragged metadata as in ``reference.batch``. Output per call of ``C`` rows
+(bf16/f32); ragged metadata as in ``reference.batch``. Output per chunk of ``C`` rows
 ``[row0, row0 + C)``: token mode ``f32[C, pages_per_seq * page_size]``, page mode
 ``f32[C, pages_per_seq]`` (per-page max fused in the kernel); ``-inf`` for every token/page that
 is not a causal, existing candidate, and for rows outside every sequence.
 
 Design.
 
-- Work list (XLA, scalars): each active sequence's rows inside the call's row range are cut into
-  blocks of ``R`` (``block_rows``) consecutive rows. One grid step = one work item = one row
-  block of one sequence: ``(seq, first row, rows n <= R, abs position of the first row,
-  kv_len, pages needed, key blocks)``. Items are in row order; empty items (``n = 0``) fill the
-  static grid ``W = floor((C + min(S, C) * (R - 1)) / R)`` at the tail and do nothing.
-- Scalar prefetch: the work list ``i32[W * 7]`` and a clean page table ``i32[S * pages_per_seq]``
-  (``reference.batch.seq_pages``: ``num_pages`` marks a page that must not be read: past the
-  sequence's used pages, a slot past ``page_indices``, an id out of range). ``page_indices`` itself
-  is never read inside the kernel.
+- Row-block ladder (static): ``block_rows, block_rows/4, ..., 1`` (``(1, 4, 16)`` for R=16;
+  ``(1,)`` for ``one_token_per_seq``), each level capped at ``C``. Each sequence's rows inside the
+  chunk are cut into ``floor(n / R_max)`` full blocks of ``R_max`` rows plus, for a remainder
+  ``0 < m < R_max``, ONE block of the smallest level ``>= m``. So a sequence still has
+  ``ceil(n / R_max)`` blocks (its causal keys are read as often as with one block size), but a
+  decode row (``n = 1``) is a 1-row block, an MTP sequence of 3 rows a 4-row block: the MXU
+  work ``[L*H, D] x [D, keys]`` follows the rows that exist, not ``R_max``.
+- One ``pallas_call`` per ladder level ``L`` (the MXU shape is static per call), each with its
+  own static grid bound ``W_L`` (``level_bound``) and work list; token mode: the level calls
+  write disjoint rows of the same HBM score array (``input_output_aliases``).
+- Work list (XLA, scalars): one grid step = one row block of one sequence: ``(seq, first row,
+  rows n <= L, abs position of block row 0, kv_len, pages needed, key stages, shift, q row)``.
+  Empty items (``n = 0``) fill the grid at the tail, do nothing, and point at the last real
+  item's q rows (the pipeline does not refetch an unchanged block).
+- q and weights are read straight from ``q [T, H, D]`` and ``weights [T, H, 1]`` by ``pl.Element``
+  blocks ``[L, H, D]`` at row ``q row`` (the leading, untiled dim: any offset): no per-item
+  gather in XLA. ``q row = clip(first row, 0, T - L)``; ``shift = first row - q row`` says which
+  block rows are the item's (only a remainder block at the end of ``q`` is shifted).
+- Scalar prefetch: the work list ``i32[W_L * 9]`` and a clean page table ``i32[S *
+  pages_per_seq]`` (``reference.batch.seq_pages``: ``num_pages`` marks a page that must not be
+  read). ``page_indices`` itself is never read inside the kernel.
 - Keys stay in HBM (``pltpu.HBM``). An item needs ``ceil(min(last row's abs pos + 1, kv_len) /
-  page_size)`` pages (causal: pages after the item's last row are never fetched); they are read
-  in stages of ``P`` (``block_pages``) pages, one DMA per page, double-buffered, and the first
-  stage of the next item is started during the last stage of the current one, so the pipeline
-  does not drain between sequences. Each fetched page is used by all ``R`` rows x ``H`` heads:
-  decode reads each key page once per sequence.
-- Compute per stage: ``[R*H, D] x [P*page, D]^T -> f32`` on the MXU (bf16 x bf16 with f32
-  accumulation, or f32 at HIGHEST precision), relu, times the weight column, sum over heads
-  (sublane reduction) -> ``[R, P*page]``; mask ``token <= abs_pos(row)``, ``token < kv_len``,
-  page fetched; non-candidates become ``-inf`` (a masked key may hold anything, NaN included:
-  ``where`` drops it; every score column depends only on its own key).
-- Token mode: the stage's scores go to a ``[R, capacity]`` VMEM row buffer (double-buffered
+  page_size)`` pages (causal); they are read in stages of ``P`` (``block_pages``) pages, one DMA
+  per page, double-buffered, and the first stage of the next item is started during the last
+  stage of the current one. Each fetched page is used by all ``L`` rows x ``H`` heads of the
+  item: each key page is read once per item (decode: once per sequence).
+- Compute per stage: ``[L*H, D] x [P*page, D]^T -> f32`` on the MXU, relu, times the weight
+  column, sum over heads -> ``[L, P*page]``; mask ``token <= abs_pos(row)``, ``token <
+  kv_len``, page fetched; non-candidates become ``-inf`` (``where`` drops NaN keys).
+- Token mode: the stage's scores go to a ``[L, capacity]`` VMEM row buffer (double-buffered
   across items); stages past the item's last needed block are filled with ``-inf``; then the
-  item's ``n`` rows are DMAed to the HBM output, one DMA per row (only the item's own rows).
-  Page mode: per-page maxima go into a ``[R, pages]`` output block written back by the Pallas
-  pipeline; XLA maps items back to rows (small: pages, not tokens).
+  item's rows are DMAed to the HBM output, one DMA per row. Page mode: per-page maxima go into
+  a ``[L, pages]`` output block written back by the Pallas pipeline; XLA maps slots to rows.
 
-Traffic (``traffic``): keys ``sum over items of pages_needed * page_size * D * itemsize``; for
-decode this is each needed key once. q and weights once (decode) or once more for the per-item
-gather (general path); scores written once (token: ``n`` rows x capacity; page: ``R`` rows x
-pages per item).
+Traffic (``traffic``): keys ``sum over items of pages_needed * page_size * D * itemsize`` (each
+sequence's causal keys ``ceil(n / R_max)`` times; decode once); q and the lane-padded weight
+column once per q block fetched (``L`` rows per item: decode rows once); scores written once
+(token: the item's rows x capacity; page: ``L`` rows x pages per item). MXU flops ``2 * L * H *
+D`` per key token per item.
 """
 
 from __future__ import annotations
@@ -59,18 +68,19 @@ from reference import batch
 
 NEG_INF = float("-inf")
 # Work-list fields (one i32 row of _NF per item).
-_SEQ, _ROW, _NROWS, _POS0, _KVLEN, _NPAGES, _NBLK, _NF = range(8)
+_SEQ, _ROW, _NROWS, _POS0, _KVLEN, _NPAGES, _NBLK, _SHIFT, _QROW, _NF = range(10)
 
 
 @dataclass(frozen=True)
 class ScoreConfig:
-    """Static facts of one score-kernel call (validated by ``make_config``)."""
+    """Static facts of one score-kernel call (one ladder level; built by ``make_configs``)."""
 
     page_mode: bool
-    rows: int  # C: query rows per call
-    block_rows: int  # R
+    rows: int  # C: query rows per chunk
+    total_rows: int  # T: rows of q
+    block_rows: int  # L: this level's rows per item
     block_pages: int  # P
-    num_items: int  # W
+    num_items: int  # W_L
     heads: int
     dim: int
     page_size: int
@@ -116,56 +126,109 @@ def resolve_blocks(blocks: IndexerBlocks | None, *, block_rows: int | None,
     return IndexerBlocks(r, p)
 
 
-def num_items(rows: int, num_seqs: int, block_rows: int, one_token_per_seq: bool) -> int:
-    """Static grid size: an upper bound on the row blocks of ``rows`` rows over the sequences."""
+def row_ladder(block_rows: int, rows: int, one_token_per_seq: bool) -> tuple[int, ...]:
+    """Ascending row-block sizes ``1, ..., block_rows/4, block_rows``, each capped at ``rows``
+    (``(1,)`` for ``one_token_per_seq``)."""
     if one_token_per_seq:
-        return rows
-    n = min(num_seqs, rows)
-    return max(1, (rows + n * (block_rows - 1)) // block_rows)
+        return (1,)
+    levels, r = {1}, block_rows
+    while r > 1:
+        levels.add(min(r, rows))
+        r //= 4
+    return tuple(sorted(levels))
 
 
-def work_list(kv_lens, cu_q_lens, distribution, *, total_rows: int, row0, cfg: ScoreConfig,
+def level_bound(ladder: tuple[int, ...], i: int, rows: int, num_seqs: int) -> int:
+    """Static grid size of level ``i``: an upper bound on its items over ``rows`` rows.
+
+    Every item of level ``i`` holds more rows than level ``i - 1`` (a full block, or a remainder
+    too big for the level below), so ``<= rows // (ladder[i-1] + 1)``. Below the top there is at
+    most one (remainder) item per sequence; the top has ``<= ceil(n / R)`` per sequence."""
+    below = ladder[i - 1] if i > 0 else 0
+    bound = rows // (below + 1)
+    if i == len(ladder) - 1:
+        r, n = ladder[i], min(num_seqs, rows)
+        bound = min(bound, (rows + n * (r - 1)) // r)
+    else:
+        bound = min(bound, num_seqs)
+    return max(1, bound)
+
+
+def _seq_rows(kv_lens, cu_q_lens, distribution, *, total_rows: int, row0, rows: int,
               one_token_per_seq: bool):
-    """Items ``i32[W, _NF]`` plus per-row facts of the call's rows.
-
-    Returns ``(items, row_item i32[C], abs_pos i32[C], kv_eff i32[C])``: ``row_item`` is the
-    row's flat slot ``item * R + j`` (``-1`` for a row outside every sequence).
-    """
+    """Per sequence ``(q_start, q_len, lo, hi)``: its rows and their part in ``[row0, row0+C)``."""
     num_seqs = kv_lens.shape[0]
-    r_blk, c = cfg.block_rows, cfg.rows
     if one_token_per_seq:
         q_start = jnp.arange(num_seqs, dtype=jnp.int32)
         q_end = q_start + 1
     else:
         q_start = jnp.clip(cu_q_lens[:-1], 0, total_rows).astype(jnp.int32)
         q_end = jnp.clip(cu_q_lens[1:], q_start, total_rows).astype(jnp.int32)
-    q_len = q_end - q_start
     active = jnp.arange(num_seqs) < batch.num_active_seqs(distribution, num_seqs)
-    lo = jnp.clip(q_start, row0, row0 + c)
-    hi = jnp.where(active, jnp.clip(q_end, lo, row0 + c), lo)
-    nb = (hi - lo + r_blk - 1) // r_blk
-    cum = jnp.cumsum(nb)
+    lo = jnp.clip(q_start, row0, row0 + rows)
+    hi = jnp.where(active, jnp.clip(q_end, lo, row0 + rows), lo)
+    return q_start, q_end - q_start, lo, hi
+
+
+def _level_items(cfg: ScoreConfig, i: int, top: int, ladder, seq_rows, kv_lens, row0):
+    """Items ``i32[W_L, _NF]`` of ladder level ``i`` (see the module docstring)."""
+    q_start, q_len, lo, hi = seq_rows
+    num_seqs, size = kv_lens.shape[0], cfg.block_rows
+    n_rows = hi - lo
+    full = n_rows // top
+    rem = n_rows - full * top
+    rem_level = sum((rem > lvl).astype(jnp.int32) for lvl in ladder)  # smallest level >= rem
+    has_rem = ((rem > 0) & (rem_level == i)).astype(jnp.int32)
+    if i == len(ladder) - 1:
+        count, base = full + has_rem, lo
+    else:
+        count, base = has_rem, lo + full * top
+    cum = jnp.cumsum(count)
     w = jnp.arange(cfg.num_items, dtype=jnp.int32)
     seq = jnp.clip(jnp.searchsorted(cum, w, side="right"), 0, num_seqs - 1).astype(jnp.int32)
-    row = lo[seq] + (w - (cum[seq] - nb[seq])) * r_blk
-    n = jnp.where(w < cum[-1], jnp.clip(hi[seq] - row, 0, r_blk), 0)
-    pos0 = kv_lens[seq] - q_len[seq] + (row - q_start[seq])
+    real = w < cum[-1]
+    row = base[seq] + (w - (cum[seq] - count[seq])) * size
+    n = jnp.where(real, jnp.clip(hi[seq] - row, 0, size), 0)
+    qrow = jnp.clip(row, 0, cfg.total_rows - size)
+    last = jnp.where(cum[-1] > 0, qrow[jnp.clip(cum[-1] - 1, 0, cfg.num_items - 1)], 0)
+    qrow = jnp.where(real, qrow, last)  # empty items: no new q block
+    shift = jnp.where(real, row - qrow, 0)
+    pos = kv_lens[seq] - q_len[seq] + (row - q_start[seq])  # abs pos of the first row
     kv_eff = jnp.clip(kv_lens[seq], 0, cfg.capacity)
-    tokens = jnp.clip(jnp.minimum(pos0 + n, kv_eff), 0, cfg.capacity)
+    tokens = jnp.clip(jnp.minimum(pos + n, kv_eff), 0, cfg.capacity)
     # An empty item (n == 0) needs no pages: else the previous step's cross-item prefetch would
     # start DMAs for it that nobody waits on (found by scripts/hbm_traffic.py's count).
     npages = jnp.where(n > 0, (tokens + cfg.page_size - 1) // cfg.page_size, 0)
     nblk = jnp.where(n > 0, jnp.maximum((npages + cfg.block_pages - 1) // cfg.block_pages, 1), 0)
-    items = jnp.stack([seq, row - row0, n, pos0, kv_eff, npages, nblk], 1)
-    # rows of the call -> (item, slot)
-    j = jnp.arange(r_blk, dtype=jnp.int32)
-    dest = jnp.where(j[None, :] < n[:, None], (row - row0)[:, None] + j[None, :], c)
-    flat = (w[:, None] * r_blk + j[None, :])
-    row_item = jnp.full((c,), -1, jnp.int32).at[dest.reshape(-1)].set(
-        flat.reshape(-1), mode="drop")
-    item_of_row = jnp.clip(row_item // r_blk, 0, cfg.num_items - 1)
-    row_pos = pos0[item_of_row] + jnp.clip(row_item, 0, None) % r_blk
-    return items.astype(jnp.int32), row_item, row_pos, kv_eff[item_of_row]
+    return jnp.stack([seq, row - row0, n, pos - shift, kv_eff, npages, nblk, shift, qrow],
+                     1).astype(jnp.int32)
+
+
+def work_list(kv_lens, cu_q_lens, distribution, *, row0, cfgs: list[ScoreConfig],
+              one_token_per_seq: bool):
+    """Items of every level plus per-row facts of the chunk's rows.
+
+    Returns ``(items [i32[W_L, _NF] per level], row_slot i32[C], abs_pos i32[C], kv_eff
+    i32[C])``: ``row_slot`` is the row's flat slot in the levels' concatenated ``[W_L * L]``
+    block rows (``-1`` for a row outside every sequence)."""
+    c, ladder = cfgs[0].rows, tuple(cfg.block_rows for cfg in cfgs)
+    seq_rows = _seq_rows(kv_lens, cu_q_lens, distribution, total_rows=cfgs[0].total_rows,
+                         row0=row0, rows=c, one_token_per_seq=one_token_per_seq)
+    all_items, slot_rows, slot_pos, slot_kv = [], [], [], []
+    for i, cfg in enumerate(cfgs):
+        items = _level_items(cfg, i, ladder[-1], ladder, seq_rows, kv_lens, row0)
+        all_items.append(items)
+        j = jnp.arange(cfg.block_rows, dtype=jnp.int32)[None, :]
+        shift, n = items[:, _SHIFT:_SHIFT + 1], items[:, _NROWS:_NROWS + 1]
+        mine = (j >= shift) & (j < shift + n)
+        slot_rows.append(jnp.where(mine, items[:, _ROW:_ROW + 1] - shift + j, c).reshape(-1))
+        slot_pos.append((items[:, _POS0:_POS0 + 1] + j).reshape(-1))
+        slot_kv.append(jnp.broadcast_to(items[:, _KVLEN:_KVLEN + 1], mine.shape).reshape(-1))
+    dest = jnp.concatenate(slot_rows)
+    row_slot = jnp.full((c,), -1, jnp.int32).at[dest].set(
+        jnp.arange(dest.shape[0], dtype=jnp.int32), mode="drop")
+    at = jnp.clip(row_slot, 0, None)
+    return all_items, row_slot, jnp.concatenate(slot_pos)[at], jnp.concatenate(slot_kv)[at]
 
 # ----------------------------------------------------------------------------- kernel body
 
@@ -232,28 +295,31 @@ def _put_page_max(cfg: ScoreConfig, out_ref, s, blk):
 
 
 def _row_copies(cfg: ScoreConfig, items_ref, obuf, out_hbm, osem, w, slot):
-    """One DMA per row ``i < n`` of item ``w`` (row buffer -> HBM output row ``row + i``).
+    """One DMA per item row: block row ``j`` in ``[shift, shift + n)`` of the row buffer ->
+    HBM output row ``row - shift + j``.
 
     Single rows because an item's first row is anywhere: Mosaic refuses a multi-row HBM slice
-    at an offset it cannot prove a multiple of 8 (measured), and accepts a single row."""
+    at an offset it cannot prove a multiple of 8 (measured), and accepts a single row. The
+    source row ``j`` is static (no dynamic sublane offset in VMEM)."""
     n, row = _field(items_ref, w, _NROWS), _field(items_ref, w, _ROW)
+    shift = _field(items_ref, w, _SHIFT)
     out = []
-    for i in range(cfg.block_rows):
-        src = obuf.at[slot, pl.ds(i, 1), pl.ds(0, cfg.capacity)]
-        out.append((i < n, pltpu.make_async_copy(src, out_hbm.at[pl.ds(row + i, 1)],
-                                                 osem.at[slot])))
+    for j in range(cfg.block_rows):
+        src = obuf.at[slot, pl.ds(j, 1), pl.ds(0, cfg.capacity)]
+        dst = out_hbm.at[pl.ds(jnp.maximum(row - shift + j, 0), 1)]
+        out.append(((j >= shift) & (j < shift + n),
+                    pltpu.make_async_copy(src, dst, osem.at[slot])))
     return out
 
 
-def _score_kernel(cfg: ScoreConfig,
+def _score_kernel(cfg: ScoreConfig, aliased: bool,
                   # scalar prefetch
                   items_ref, pages_ref,
-                  # inputs
-                  q_ref, w_ref, cache_hbm,
-                  # output
-                  out_ref,
-                  # scratch
-                  kbuf, ksem, base_ref, *row_scratch):
+                  # inputs (q [L, H, D], weights [L, H, 1], keys in HBM, [earlier scores])
+                  q_ref, w_ref, cache_hbm, *refs):
+    if aliased:  # the earlier levels' scores: the same HBM buffer as out_ref, never read here
+        refs = refs[1:]
+    out_ref, kbuf, ksem, base_ref, *row_scratch = refs
     w = pl.program_id(0)
     n_items = pl.num_programs(0)
     nblk = _field(items_ref, w, _NBLK)
@@ -277,8 +343,9 @@ def _score_kernel(cfg: ScoreConfig,
         def _():
             _wait(rows(w - 2, oslot))  # that slot's previous rows have left VMEM
 
-    q = q_ref[0]
-    wcol = w_ref[0]
+    rh = cfg.block_rows * cfg.heads
+    q = q_ref[...].reshape(rh, cfg.dim)
+    wcol = w_ref[...].reshape(rh, 1)
 
     def stage(blk, carry):
         slot = (base + blk) % 2
@@ -326,21 +393,22 @@ def _score_kernel(cfg: ScoreConfig,
 # ----------------------------------------------------------------------------- wrapper
 
 
-def make_config(q, cache_kv, *, rows: int, num_seqs: int, pages_per_seq: int,
-                blocks: IndexerBlocks, page_mode: bool, one_token_per_seq: bool) -> ScoreConfig:
-    """Static config of one call of ``rows`` query rows."""
-    _, heads, dim = q.shape
+def make_configs(q, cache_kv, *, rows: int, num_seqs: int, pages_per_seq: int,
+                 blocks: IndexerBlocks, page_mode: bool,
+                 one_token_per_seq: bool) -> list[ScoreConfig]:
+    """Static configs of one chunk of ``rows`` query rows: one per ladder level, ascending."""
+    total_rows, heads, dim = q.shape
     num_pages, page_size, _ = cache_kv.shape
-    r = min(blocks.block_rows, 1 << (rows - 1).bit_length())
     compute = jnp.promote_types(q.dtype, cache_kv.dtype)
     if compute not in (jnp.float32, jnp.bfloat16):
         compute = jnp.dtype(jnp.float32)
-    return ScoreConfig(page_mode=page_mode, rows=rows, block_rows=r,
-                       block_pages=blocks.block_pages,
-                       num_items=num_items(rows, num_seqs, r, one_token_per_seq), heads=heads,
-                       dim=dim, page_size=page_size, pages_per_seq=pages_per_seq,
-                       num_pages=num_pages, compute_dtype=jnp.dtype(compute),
-                       key_dtype=jnp.dtype(cache_kv.dtype))
+    ladder = row_ladder(blocks.block_rows, rows, one_token_per_seq)
+    return [ScoreConfig(page_mode=page_mode, rows=rows, total_rows=total_rows, block_rows=size,
+                        block_pages=blocks.block_pages,
+                        num_items=level_bound(ladder, i, rows, num_seqs), heads=heads, dim=dim,
+                        page_size=page_size, pages_per_seq=pages_per_seq, num_pages=num_pages,
+                        compute_dtype=jnp.dtype(compute), key_dtype=jnp.dtype(cache_kv.dtype))
+            for i, size in enumerate(ladder)]
 
 
 def clean_page_table(kv_lens, page_indices, cu_kv_lens, *, page_size: int, pages_per_seq: int,
@@ -360,21 +428,17 @@ def _interpret_arg(interpret):
     return interpret
 
 
-def score_call(cfg: ScoreConfig, q, weights, cache_kv, items, page_table, row_item, *,
-               row0, one_token_per_seq: bool, vmem_limit_bytes: int | None, interpret):
-    """Run the kernel for rows ``[row0, row0 + C)``; returns un-masked-row output
-    (token: ``f32[C, capacity]``, rows outside sequences undefined; page: ``f32[C, pages]``)."""
+def score_call(cfg: ScoreConfig, q, wcol, cache_kv, items, page_table, prev, *,
+               vmem_limit_bytes: int | None, interpret):
+    """One level's kernel call for the chunk's rows.
+
+    ``q: [T, H, D]`` in the compute dtype, ``wcol: f32[T, H, 1]``. Token mode: ``prev`` is the
+    earlier levels' ``f32[C, capacity]`` (``None`` for the first level) and the result is it
+    with this level's rows written (rows outside sequences undefined). Page mode: ``f32[W_L *
+    L, page_cols]``, one row per item slot."""
     r, h, d = cfg.block_rows, cfg.heads, cfg.dim
-    total_rows = q.shape[0]
-    if one_token_per_seq:  # item i is row i: no gather
-        q_items = q.astype(cfg.compute_dtype).reshape(cfg.num_items, h, d)
-        w_items = weights.astype(jnp.float32).reshape(cfg.num_items, h, 1)
-    else:
-        rows = row0 + items[:, _ROW:_ROW + 1] + jnp.arange(r, dtype=jnp.int32)[None, :]
-        rows = jnp.clip(rows, 0, total_rows - 1).reshape(-1)
-        q_items = q[rows].astype(cfg.compute_dtype).reshape(cfg.num_items, r * h, d)
-        w_items = weights[rows].astype(jnp.float32).reshape(cfg.num_items, r * h, 1)
-    kernel = functools.partial(_score_kernel, cfg)
+    aliased = prev is not None
+    kernel = functools.partial(_score_kernel, cfg, aliased)
     scratch = [pltpu.VMEM((2, cfg.block_pages, cfg.page_size, d), cfg.key_dtype),
                pltpu.SemaphoreType.DMA((2,)), pltpu.SMEM((1,), jnp.int32)]
     if cfg.page_mode:
@@ -390,32 +454,41 @@ def score_call(cfg: ScoreConfig, q, weights, cache_kv, items, page_table, row_it
                         key_itemsize=cfg.key_dtype.itemsize,
                         q_itemsize=cfg.compute_dtype.itemsize, page_mode=cfg.page_mode)
     limit = vmem_limit_bytes or max(32 * 1024 * 1024, 2 * est)
+
+    def q_rows(w, items_ref, _pages):  # element offset of the item's q block
+        return items_ref[w * _NF + _QROW], 0, 0
+
+    in_specs = [pl.BlockSpec((pl.Element(r), pl.Element(h), pl.Element(d)), q_rows),
+                pl.BlockSpec((pl.Element(r), pl.Element(h), pl.Element(1)), q_rows),
+                pl.BlockSpec(memory_space=pltpu.HBM)]
+    operands = [items.reshape(-1), page_table, q, wcol, cache_kv]
+    if aliased:
+        in_specs.append(pl.BlockSpec(memory_space=pltpu.HBM))
+        operands.append(prev)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2, grid=(cfg.num_items,),
-        in_specs=[pl.BlockSpec((1, r * h, d), lambda w, *_: (w, 0, 0)),
-                  pl.BlockSpec((1, r * h, 1), lambda w, *_: (w, 0, 0)),
-                  pl.BlockSpec(memory_space=pltpu.HBM)],
-        out_specs=out_spec, scratch_shapes=scratch)
+        num_scalar_prefetch=2, grid=(cfg.num_items,), in_specs=in_specs, out_specs=out_spec,
+        scratch_shapes=scratch)
     out = pl.pallas_call(
         kernel, out_shape=out_shape, grid_spec=grid_spec,
+        input_output_aliases={5: 0} if aliased else {},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
                                              vmem_limit_bytes=limit),
-        cost_estimate=_cost_estimate(cfg, q_items, w_items, out_shape),
+        cost_estimate=_cost_estimate(cfg, out_shape),
         interpret=_interpret_arg(interpret),
-    )(items.reshape(-1), page_table, q_items, w_items, cache_kv)
+    )(*operands)
     if cfg.page_mode:
-        flat = out.reshape(cfg.num_items * r, cfg.page_cols)[:, :cfg.pages_per_seq]
-        return flat[jnp.clip(row_item, 0, None)]
+        return out.reshape(cfg.num_items * r, cfg.page_cols)
     return out
 
 
-def _cost_estimate(cfg: ScoreConfig, q_items, w_items, out_shape) -> pl.CostEstimate:
+def _cost_estimate(cfg: ScoreConfig, out_shape) -> pl.CostEstimate:
     """Upper bound: every item reads its whole capacity (the real kernel reads causal pages)."""
     toks = cfg.num_items * cfg.capacity
     flops = 2 * toks * cfg.block_rows * cfg.heads * cfg.dim
     key_bytes = toks * cfg.dim * cfg.key_dtype.itemsize
-    io = (q_items.size * q_items.dtype.itemsize + w_items.size * 4
-          + math.prod(out_shape.shape) * 4)
+    rows = cfg.num_items * cfg.block_rows * cfg.heads
+    io = rows * (cfg.dim * cfg.compute_dtype.itemsize + LANES * 4)
+    io += math.prod(out_shape.shape) * 4
     return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=key_bytes + io)
 
 
@@ -455,19 +528,32 @@ def score_and_select(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu
     num_seqs = seq_lens.shape[0]
     width = pages_per_seq if page_mode else pages_per_seq * page_size
     c = chunk_rows(total_rows, width, blocks.block_rows, chunk_bytes)
-    cfg = make_config(q, cache_kv, rows=c, num_seqs=num_seqs, pages_per_seq=pages_per_seq,
-                      blocks=blocks, page_mode=page_mode, one_token_per_seq=one_token_per_seq)
+    cfgs = make_configs(q, cache_kv, rows=c, num_seqs=num_seqs, pages_per_seq=pages_per_seq,
+                        blocks=blocks, page_mode=page_mode,
+                        one_token_per_seq=one_token_per_seq)
     table = clean_page_table(seq_lens, page_indices, cu_kv_lens, page_size=page_size,
                              pages_per_seq=pages_per_seq, num_pages=num_pages)
+    q_in = q.astype(cfgs[0].compute_dtype)  # a no-op unless q and keys differ in dtype
+    wcol = weights.astype(jnp.float32).reshape(total_rows, q.shape[1], 1)
 
     def one_chunk(row0):
-        items, row_item, abs_pos, kv_eff = work_list(
-            seq_lens, cu_q_lens, distribution, total_rows=total_rows, row0=row0, cfg=cfg,
+        items, row_slot, abs_pos, kv_eff = work_list(
+            seq_lens, cu_q_lens, distribution, row0=row0, cfgs=cfgs,
             one_token_per_seq=one_token_per_seq)
-        scores = score_call(cfg, q, weights, cache_kv, items, table, row_item, row0=row0,
-                            one_token_per_seq=one_token_per_seq and c == total_rows,
-                            vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
-        row_ok = row_item >= 0
+        scores = None
+        per_level = []
+        for cfg, its in zip(cfgs, items, strict=True):
+            out = score_call(cfg, q_in, wcol, cache_kv, its, table,
+                             None if page_mode else scores,
+                             vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
+            if page_mode:
+                per_level.append(out)
+            else:
+                scores = out
+        if page_mode:
+            flat = jnp.concatenate(per_level)[:, :pages_per_seq]
+            scores = flat[jnp.clip(row_slot, 0, None)]
+        row_ok = row_slot >= 0
         scores = jnp.where(row_ok[:, None], scores, NEG_INF)
         return finish(scores, row_ok, abs_pos, kv_eff)
 
@@ -496,56 +582,71 @@ def check_kernel_knobs(score_chunk_bytes, vmem_limit_bytes) -> None:
 # ----------------------------------------------------------------------------- traffic model
 
 
+def replay_items(q_lens, kv_lens, *, row0: int, rows: int, total_rows: int,
+                 ladder: tuple[int, ...], page_size: int, capacity: int):
+    """Plain-Python replay of ``work_list`` for one chunk: per level, the real items'
+    ``(q row, rows n, pages needed)`` in grid order (the traffic model's and tests' view)."""
+    top = ladder[-1]
+    levels = [[] for _ in ladder]
+    q0 = 0
+    for ql, kl in zip(q_lens, kv_lens, strict=True):
+        lo, hi = min(max(q0, row0), row0 + rows), min(max(q0 + ql, row0), row0 + rows)
+        full, rem = divmod(max(hi - lo, 0), top)
+        blocks = [(len(ladder) - 1, lo + i * top) for i in range(full)]
+        if rem:
+            blocks.append((sum(rem > lvl for lvl in ladder), lo + full * top))
+        kv_eff = min(max(kl, 0), capacity)
+        for i, a in blocks:
+            n = min(ladder[i], hi - a)
+            last = min(max(kl - ql + (a - q0) + n, 0), kv_eff)
+            levels[i].append((min(max(a, 0), total_rows - ladder[i]), n, -(-last // page_size)))
+        q0 += ql
+    return levels
+
+
 def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_seq: int,
             key_itemsize: int, q_itemsize: int, blocks: IndexerBlocks, page_mode: bool,
             one_token_per_seq: bool, chunk_bytes: int = SCORE_CHUNK_BYTES) -> aot.Traffic:
-    """HBM bytes, MXU flops and VMEM of the score kernel (and its q/weight gathers and page-score
-    row map) for a batch of sequences ``(q_lens[i], kv_lens[i])``, replaying the work list.
+    """HBM bytes, MXU flops and VMEM of the score kernel (and the page-score row map in XLA)
+    for a batch of sequences ``(q_lens[i], kv_lens[i])``, replaying the work lists.
 
-    Minimum: q and weights read once, each sequence's ``kv_len`` keys read once, scores written
-    once (token ``f32[T, capacity]``, page ``f32[T, pages_per_seq]``)."""
+    Kernel side: key pages per item; one q block ``[L, H, D]`` plus the lane-padded weight
+    column ``f32[L, H, 128]`` per change of q row along the grid (the pipeline skips an
+    unchanged block); score rows (token) or out blocks (page). XLA side: page mode's row map
+    (read + write ``f32[T, pages_per_seq]``). Minimum: q and weights read once, each
+    sequence's ``kv_len`` keys read once, scores written once."""
     total = sum(q_lens)
     cap = pages_per_seq * page_size
     width = pages_per_seq if page_mode else cap
     c = chunk_rows(total, width, blocks.block_rows, chunk_bytes)
-    r = min(blocks.block_rows, 1 << (c - 1).bit_length())
-    w_items = num_items(c, len(q_lens), r, one_token_per_seq)
+    ladder = row_ladder(blocks.block_rows, c, one_token_per_seq)
     p_blk = blocks.block_pages
-    n_blocks = -(-pages_per_seq // p_blk)
-    page_cols = -(-(n_blocks * p_blk) // LANES) * LANES
+    page_cols = -(-(-(-pages_per_seq // p_blk) * p_blk) // LANES) * LANES
     key_row = dim * key_itemsize
-    starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
+    q_row = heads * (dim * q_itemsize + LANES * 4)  # q row + lane-padded weight column
     chunks = sorted({min(i * c, total - c) for i in range(-(-total // c))})
-    keys = flops = rows_out = 0
+    keys = flops = q_moved = out = 0
     for row0 in chunks:
-        for q0, ql, kl in zip(starts, q_lens, kv_lens, strict=True):
-            lo, hi = max(q0, row0), min(q0 + ql, row0 + c)
-            for a in range(lo, hi, r):
-                n = min(r, hi - a)
-                last = min(kl, cap) and min(kl - ql + (a - q0) + n, min(kl, cap))
-                pages = -(-max(last, 0) // page_size)
+        levels = replay_items(q_lens, kv_lens, row0=row0, rows=c, total_rows=total,
+                              ladder=ladder, page_size=page_size, capacity=cap)
+        for i, (size, items) in enumerate(zip(ladder, levels, strict=True)):
+            qrows = [qr for qr, _, _ in items] or [0]
+            fetches = 1 + sum(a != b for a, b in zip(qrows, qrows[1:], strict=False))
+            q_moved += fetches * size * q_row
+            for _, n, pages in items:
                 keys += pages * page_size * key_row
-                flops += 2 * r * heads * dim * pages * page_size
-                rows_out += n
-    n_calls = len(chunks)
-    q_bytes = total * heads * dim * q_itemsize
-    w_bytes = total * heads * 4
-    w_col = LANES * 4 * heads  # a weight column [R*H, 1] f32 occupies whole 128-lane tiles
-    if one_token_per_seq and c == total:
-        moved_q = q_bytes + total * w_col
-    else:
-        gathered = n_calls * w_items * r * (heads * dim * q_itemsize + w_col)
-        moved_q = q_bytes + w_bytes + 2 * gathered  # gather writes it, the kernel reads it
+                flops += 2 * size * heads * dim * pages * page_size
+                out += 0 if page_mode else n * cap * 4
+            if page_mode:
+                out += level_bound(ladder, i, c, len(q_lens)) * size * page_cols * 4
     if page_mode:
-        out = n_calls * w_items * r * page_cols * 4  # out blocks
         out += 2 * total * pages_per_seq * 4  # XLA row map: read + write
-    else:
-        out = rows_out * cap * 4
-    bytes_min = q_bytes + w_bytes + sum(kl * key_row for kl in kv_lens) + total * width * 4
-    vmem = vmem_estimate(block_rows=r, block_pages=p_blk, num_heads=heads, dim=dim,
+    bytes_min = (total * heads * (dim * q_itemsize + 4) + sum(kl * key_row for kl in kv_lens)
+                 + total * width * 4)
+    vmem = vmem_estimate(block_rows=ladder[-1], block_pages=p_blk, num_heads=heads, dim=dim,
                          page_size=page_size, pages_per_seq=pages_per_seq,
                          key_itemsize=key_itemsize, q_itemsize=q_itemsize, page_mode=page_mode)
-    return aot.Traffic(bytes_moved=keys + moved_q + out, bytes_min=bytes_min, flops=flops,
+    return aot.Traffic(bytes_moved=keys + q_moved + out, bytes_min=bytes_min, flops=flops,
                        vmem_bytes=vmem)
 
 
@@ -556,6 +657,8 @@ GATE_SHAPES = {
     "decode 64x4096": ([1] * 64, [4096] * 64, True),
     "decode 8x131072": ([1] * 8, [131072] * 8, True),
     "prefill 2048@32768": ([2048], [32768], False),
+    # the common serving batch: decode rows beside a chunked prefill (general path)
+    "mixed 60x1@4096 + 512@32768": ([1] * 60 + [512], [4096] * 60 + [32768], False),
 }
 GATE_HEADS, GATE_DIM, GATE_PAGE, GATE_K = 64, 128, 64, 2048
 
@@ -601,6 +704,6 @@ def gate_cases(kernel: str, entry, k_name: str, *, page_mode: bool,
                                                  pages_per_seq=pps),
                            page_mode=page_mode, one_token_per_seq=otp)
 
-        tags = ("decode",) if otp else ("prefill",)
+        tags = ("decode",) if otp else ("mixed",) if name.startswith("mixed") else ("prefill",)
         cases.append(aot.CompileCase(kernel, name, fn_for_chip, specs, model, tags))
     return cases

@@ -3,10 +3,12 @@ VMEM estimate that keeps every default under half of the chip's VMEM.
 
 Two knobs (``pallas_kernels.index_score_kernel`` explains the design):
 
-- ``block_rows`` (R): query rows of ONE sequence scored together per grid step (a power of two).
-  The q block is ``[R * H, D]`` so every key page fetched is used by all R rows x all H heads.
-  Decode (``one_token_per_seq``) uses R = 1: a sequence has one row, and a larger R would only
-  multiply MXU work by rows that do not exist.
+- ``block_rows`` (R): the largest row block: query rows of ONE sequence scored together per grid
+  step (a power of two). The q block is ``[L * H, D]`` so every key page fetched is used by all
+  L rows x all H heads. The general path runs a ladder ``R, R/4, ..., 1`` (one kernel call per
+  level): full blocks of R rows, plus one block of the smallest level holding a sequence's
+  remainder, so a decode row in a mixed batch is a 1-row block (a larger block would only
+  multiply MXU work by rows that do not exist). ``one_token_per_seq`` uses R = 1 alone.
 - ``block_pages`` (P): key pages DMAed per pipeline stage (double-buffered). The score tile is
   ``f32[R * H, P * page_size]``; P divides 128 so a block's page scores never straddle a lane
   group, and ``P * page_size`` is a multiple of 128 lanes (Mosaic's tiling; checked when compiled).

@@ -4,10 +4,11 @@
     -> selection (XLA, ``reference.selection``: approx_max_k / top_k, guard, witness merge)
 
 Same arguments and result as ``reference.indexer_topk.streamindex_topk_ref``, plus kernel knobs.
-Memory bound: one kernel call scores ``C`` rows with ``f32[C, capacity] <= score_chunk_bytes``
-(default 64 MiB, at least one row block); longer batches run as ``ceil(T / C)`` calls inside a
-``fori_loop``, so peak score temporaries stay ~64 MiB (plus the selection's own temporaries of
-the same order) whatever ``T`` is. Example: 2048-row prefill at 32768 -> 4 calls of 512 rows.
+Memory bound: one chunk (one kernel call per row-block level) scores ``C`` rows with
+``f32[C, capacity] <= score_chunk_bytes`` (default 64 MiB, at least one row block); longer
+batches run as ``ceil(T / C)`` chunks inside a ``fori_loop``, so peak score temporaries stay
+~64 MiB (plus the selection's own temporaries of the same order) whatever ``T`` is. Example:
+2048-row prefill at 32768 -> 4 chunks of 512 rows.
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ def streamindex_topk(
       k, pages_per_seq, one_token_per_seq, num_segments, recall_target, exact: as in
         ``streamindex_topk_ref`` (witness context length: ``min(abs_pos + 1, kv_len)``).
       block_rows, block_pages: kernel blocks (``indexer_blocks``); ``None`` takes the table
-        default for ``chip``.
+        default for ``chip``. ``block_rows`` is the top of the row-block ladder ``block_rows,
+        block_rows/4, ..., 1`` (a sequence's remainder rows take the smallest level that holds
+        them: decode rows of a mixed batch are 1-row blocks).
       chip: ``"v5e" | "v6e" | "tpu7x"`` for the block table; ``None`` detects it (fallback
         table off-TPU).
       score_chunk_bytes: bound on one call's f32 score block (module docstring).

@@ -5,8 +5,8 @@
     -> selection (XLA, ``reference.selection``)
 
 Same arguments and result as ``reference.page_topk.streamindex_page_topk_ref``, plus kernel
-knobs. Memory bound: token scores never reach HBM; one call's page scores ``f32[C,
-pages_per_seq]`` stay ``<= score_chunk_bytes`` (default 64 MiB), which in practice is one call.
+knobs. Memory bound: token scores never reach HBM; one chunk's page scores ``f32[C,
+pages_per_seq]`` stay ``<= score_chunk_bytes`` (default 64 MiB), which in practice is one chunk.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ No TPU is used: this is what the simulated kernel copies, not a hardware measure
 
 Model: ``case.model`` is the kernel module's own traffic function (``index_score_kernel.traffic``
 / ``sparse_mla.mla_traffic``, the functions behind ``compile_cases``) called with this case's
-shapes and blocks. It also prices XLA work outside the ``pallas_call`` (q/weight gathers, the
+shapes and blocks. It also prices XLA work outside the ``pallas_call`` (the indexer
 page-score row map, the sparse MLA index preparation); those terms are split out as "XLA side"
 (``*_xla_bytes`` below, one line per model term), because the interpreter counts only the
 kernel's own copies. Counted must equal the model's kernel side exactly.
@@ -39,7 +39,6 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from pallas_kernels import _interpret_counter as counter  # noqa: E402
 from pallas_kernels import aot, mla_blocks  # noqa: E402
 from pallas_kernels import index_score_kernel as isk  # noqa: E402
-from pallas_kernels.indexer_blocks import LANES, IndexerBlocks  # noqa: E402
 from pallas_kernels.indexer_topk import streamindex_topk  # noqa: E402
 from pallas_kernels.page_sparse_mla import PREP_BYTES_PER_PAGE, page_sparse_mla  # noqa: E402
 from pallas_kernels.page_topk import streamindex_page_topk  # noqa: E402
@@ -102,28 +101,11 @@ class Case:
 # ----------------------------------------------------------------------------- indexer
 
 
-def indexer_xla_bytes(s: Shape, blocks: IndexerBlocks, *, page_mode: bool, q_itemsize: int,
-                      chunk_bytes: int) -> int:
-    """The XLA terms of ``index_score_kernel.traffic`` (same replay of the row chunks).
-
-    Decode in one call: none (q and weights are reshaped, not gathered). Otherwise XLA reads q
-    and weights and writes each call's per-item gather, which the kernel then reads (the
-    model's ``q_bytes + w_bytes + 2 * gathered``: one ``gathered`` is the kernel's). Page mode:
-    the row map of the page scores (read + write ``f32[T, pages_per_seq]``)."""
-    total, h = s.rows, s.heads
-    width = s.pages_per_seq if page_mode else s.pages_per_seq * s.page_size
-    c = isk.chunk_rows(total, width, blocks.block_rows, chunk_bytes)
-    calls = len({min(i * c, total - c) for i in range(-(-total // c))})
-    xla = 0
-    if not (s.decode and c == total):
-        r = min(blocks.block_rows, 1 << (c - 1).bit_length())
-        w_items = isk.num_items(c, len(s.q_lens), r, s.decode)
-        w_col = LANES * 4 * h  # the model's lane-padded weight column
-        xla += total * h * s.dim * q_itemsize + total * h * 4  # q and weights read
-        xla += calls * w_items * r * (h * s.dim * q_itemsize + w_col)  # the gathers written
-    if page_mode:
-        xla += 2 * total * s.pages_per_seq * 4
-    return xla
+def indexer_xla_bytes(s: Shape, *, page_mode: bool) -> int:
+    """The XLA term of ``index_score_kernel.traffic``: page mode's row map of the page scores
+    (read + write ``f32[T, pages_per_seq]``). q and weights are read by the kernel's own q
+    blocks (no per-item gather), so token mode has no XLA side."""
+    return 2 * s.rows * s.pages_per_seq * 4 if page_mode else 0
 
 
 def indexer_case(s: Shape, *, page_mode: bool, block_pages: int, block_rows: int,
@@ -150,8 +132,7 @@ def indexer_case(s: Shape, *, page_mode: bool, block_pages: int, block_rows: int
                         key_itemsize=item, q_itemsize=item, blocks=blocks,
                         page_mode=page_mode, one_token_per_seq=s.decode,
                         chunk_bytes=chunk_bytes)
-    xla = indexer_xla_bytes(s, blocks, page_mode=page_mode, q_itemsize=item,
-                            chunk_bytes=chunk_bytes)
+    xla = indexer_xla_bytes(s, page_mode=page_mode)
     chunked = "" if chunk_bytes == isk.SCORE_CHUNK_BYTES else f" chunk={chunk_bytes}B"
     return Case("streamindex_page_topk" if page_mode else "streamindex_topk", s.name, run,
                 model, xla, f"R={blocks.block_rows} P={blocks.block_pages}{chunked}")
@@ -243,6 +224,14 @@ MLA_DECODE = Shape("decode 4 seqs, kv 33..128, H8 D256 page16", (1, 1, 1, 1),
 MLA_MTP = Shape("mtp 2 seqs x 3 rows, kv 70/128, H8 D256 page16", (3, 3), (70, 128), dim=256)
 # Chunked prefill: 24 new rows at the end of a 96-token sequence, beside a decode row.
 PREFILL = Shape("prefill 24 rows@96 + 1 decode, H8 D128 page16", (1, 24), (50, 96))
+# Mixed serving batch through the general path: 3 decode rows beside a 9-row prefill chunk. At
+# R=8 (ladder 1, 2, 8) the decode rows take 1-row items, the prefill one 8-row and one 1-row item.
+MIXED = Shape("mixed 3 decode + 9 rows@80, H8 D128 page16", (1, 9, 1, 1), (40, 80, 17, 128))
+
+
+def mixed_case(*, page_mode: bool) -> Case:
+    """The pinned mixed batch (``MIXED``) through the general path at R=8, P=2."""
+    return indexer_case(MIXED, page_mode=page_mode, block_rows=8, block_pages=2)
 
 
 def decode_cases() -> list[Case]:
@@ -266,7 +255,8 @@ def all_cases(quick: bool) -> list[Case]:
                                chunk_bytes=16 * 128 * 4),
                   indexer_case(PREFILL, page_mode=True, block_rows=8, block_pages=4),
                   # R=4 > 3 rows per sequence: the static grid has an empty tail work item
-                  indexer_case(MTP, page_mode=False, block_rows=4, block_pages=2)]
+                  indexer_case(MTP, page_mode=False, block_rows=4, block_pages=2),
+                  mixed_case(page_mode=False), mixed_case(page_mode=True)]
     return cases
 
 

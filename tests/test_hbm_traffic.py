@@ -4,8 +4,9 @@ model, at one small decode shape per kernel (``scripts/hbm_traffic.py``'s quick 
 Pinned: counted bytes (HBM<->VMEM lane-padded, HBM->SMEM logical) EQUAL the model's kernel
 side exactly, and each input is fetched the number of times the design says (every needed key
 page once per decode row, every selected row/page once): a change that re-fetches a block or
-a page fails here. Also: the counter's own self test, and the loud failure when a hooked JAX
-internal is missing."""
+a page fails here. A pinned mixed batch (decode rows beside a prefill chunk, general path) shows
+the decode sequences taking 1-row items. Also: the counter's own self test, and the loud
+failure when a hooked JAX internal is missing."""
 
 from __future__ import annotations
 
@@ -68,6 +69,27 @@ def test_decode_sparse_mla_gathers_each_selection_once(counted):
     for n in (tok, page):
         assert n.count("hbm", "vmem", "block") == s.rows  # q
         assert n.count("vmem", "hbm", "block") == s.rows  # out
+
+
+@pytest.mark.parametrize("page_mode", [False, True])
+def test_mixed_batch_decode_sequences_take_one_row_items(page_mode):
+    # MIXED at R=8 (ladder 1, 2, 8): decode sequences kv 40/17/128 and the prefill's last row
+    # (pos 79) are 1-row items, the prefill's rows at pos 71..78 one 8-row item; the 2-row level
+    # has no item (one q block fetched at row 0, unused).
+    s = ht.MIXED
+    case = ht.mixed_case(page_mode=page_mode)
+    n = ht.count(case)
+    assert n.bytes(lane_padded=True) == case.model_kernel_bytes, n.table()
+    q_blocks = [c.shape[0] for c in n.select("hbm", "vmem", "block") if c.shape[-1] == s.dim]
+    assert sorted(q_blocks) == [1, 1, 1, 1, 2, 8]
+    pages = {"decode": 3 + 2 + 8, "prefill": 5 + 5}  # each item's causal pages, once
+    keys = n.select("hbm", "vmem", "dma")
+    assert len(keys) == sum(pages.values())
+    # MXU work: decode rows at R=1 (not R=8): 2*H*D per key token per block row
+    tokens = {1: (pages["decode"] + 5) * s.page_size, 8: 5 * s.page_size}
+    assert case.model.flops == sum(2 * r * s.heads * s.dim * t for r, t in tokens.items())
+    if not page_mode:
+        assert n.count("vmem", "hbm", "dma") == s.rows  # one DMA per score row
 
 
 def test_self_test_counts_block_copies_and_dmas_exactly():

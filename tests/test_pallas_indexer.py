@@ -21,6 +21,8 @@ from pallas_kernels.indexer_blocks import default_blocks, vmem_budget, vmem_esti
 from pallas_kernels.indexer_topk import streamindex_scores, streamindex_topk
 from pallas_kernels.page_topk import streamindex_page_topk
 from reference import streamindex_page_topk_ref, streamindex_topk_ref
+from reference.batch import row_facts
+from reference.synthetic import make_ragged_batch
 
 STRICT = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan",
                                out_of_bounds_reads="raise")
@@ -132,6 +134,56 @@ def test_inactive_sequences_rows_are_all_minus_one():
                                       interpret=True))
     assert np.all(idx[2:] == -1)
     check_token_topk(idx, dataclasses.replace(b, distribution=dist), 8)
+
+
+# ----------------------------------------------------------------------------- mixed batches
+
+# The serving case through the general path: 6 decode rows, an MTP sequence of 3 rows and a
+# 19-row prefill chunk (no padding rows: the prefill's 3-row remainder sits at the end of q, so
+# its 4-row q block is shifted back one row). Default block_rows 16 -> ladder (1, 4, 16).
+MIXED_Q, MIXED_KV = [1, 1, 1, 1, 1, 1, 3, 19], [9, 64, 30, 17, 41, 1, 12, 50]
+
+
+def _mixed(seed):
+    return make_ragged_batch(np.random.default_rng([seed, 77]), q_lens=MIXED_Q,
+                             kv_lens=MIXED_KV, page_size=8, pages_per_seq=PAGES_PER_SEQ,
+                             num_heads=HEADS, dim=DIM, pad_seqs=1)
+
+
+def test_mixed_batch_decode_rows_take_one_row_items():
+    b = _mixed(0)
+    args = _args(b, jnp.float32)
+    blocks = isk.resolve_blocks(None, block_rows=16, block_pages=2, chip=None,
+                                one_token_per_seq=False, pages_per_seq=PAGES_PER_SEQ)
+    cfgs = isk.make_configs(args[0], args[2], rows=28, num_seqs=len(MIXED_Q) + 1,
+                            pages_per_seq=PAGES_PER_SEQ, blocks=blocks, page_mode=False,
+                            one_token_per_seq=False)
+    assert [c.block_rows for c in cfgs] == [1, 4, 16]
+    kv, cu_q, dist = (jnp.asarray(x) for x in (b.seq_lens, b.cu_q_lens, b.distribution))
+    items, slot, pos, _ = isk.work_list(kv, cu_q, dist, row0=jnp.int32(0), cfgs=cfgs,
+                                        one_token_per_seq=False)
+    starts = np.cumsum([0] + [c.num_items * c.block_rows for c in cfgs])
+    level = np.searchsorted(starts, np.asarray(slot), side="right") - 1
+    np.testing.assert_array_equal(level, [0] * 6 + [1] * 3 + [2] * 16 + [1] * 3)
+    real = [np.asarray(i)[np.asarray(i)[:, 2] > 0] for i in items]  # n > 0
+    assert [len(r) for r in real] == [6, 2, 1]
+    # the prefill remainder (rows 25..27 of T=28): q block at row 24, its rows from slot 1
+    np.testing.assert_array_equal(real[1][1, [1, 2, 7, 8]], [25, 3, 1, 24])
+    facts = row_facts(28, kv, cu_q, dist)
+    assert bool(jnp.all(facts.in_seq))
+    np.testing.assert_array_equal(np.asarray(pos), np.asarray(facts.abs_pos))
+
+
+@pytest.mark.parametrize("op,ref,kw,check", [
+    (streamindex_topk, streamindex_topk_ref, {"k": 20}, check_token_topk),
+    (streamindex_page_topk, streamindex_page_topk_ref, {"k_pages": 3}, check_page_topk)])
+def test_mixed_batch_equals_reference_and_oracle(op, ref, kw, check):
+    b = _mixed(1)
+    want = ref(*b.args(), pages_per_seq=PAGES_PER_SEQ, exact=True, **kw)
+    got = op(*b.args(), pages_per_seq=PAGES_PER_SEQ, exact=True, block_rows=16, block_pages=2,
+             interpret=STRICT, **kw)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    check(np.asarray(got), b, next(iter(kw.values())))
 
 
 # ----------------------------------------------------------------------------- arguments
