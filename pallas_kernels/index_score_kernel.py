@@ -511,8 +511,12 @@ SCORE_CHUNK_BYTES = 64 * 1024 * 1024
 
 
 def chunk_rows(total_rows: int, width: int, block_rows: int, chunk_bytes: int) -> int:
-    """Rows per kernel call: ``f32[C, width] <= chunk_bytes``, at least one row block."""
-    return max(1, min(total_rows, max(block_rows, chunk_bytes // (4 * width))))
+    """Rows per kernel call: ``f32[C, width] <= chunk_bytes``, at least one row block, and
+    balanced over the calls (572 rows at a 512-row bound run as 2 x 286, not 512 + 512 with 452
+    rows scored twice by the clamped last chunk)."""
+    c_max = max(1, min(total_rows, max(block_rows, chunk_bytes // (4 * width))))
+    n_chunks = -(-total_rows // c_max)
+    return -(-total_rows // n_chunks)
 
 
 def score_and_select(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
