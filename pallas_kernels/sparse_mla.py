@@ -47,6 +47,7 @@ the scalar core; the issue rate, not HBM bandwidth, may bound decode.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +58,11 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import aot, mla_blocks
 from reference import attend, batch, packed_cache
 from reference._mla_args import check_mla_args
+
+
+class PerformanceWarning(UserWarning):
+    """A call that is correct but takes a documented slow path."""
+
 
 STRICT_INTERPRET = dict(detect_races=True, uninitialized_memory="nan",
                         out_of_bounds_reads="raise")
@@ -396,6 +402,11 @@ def sparse_mla(
                             pages_per_seq=pages_per_seq, v_dim=v_dim,
                             selected_name="topk_indices")
     if fmt == "bf16":  # slow path: a full copy of the cache into the packed format
+        if not interpret:  # on a TPU this is a full-cache copy per call: say so once per trace
+            warnings.warn("sparse_mla: a plain bf16 cache is packed into u32 words on every "
+                          "call (a full copy of the cache); store it packed "
+                          "(reference.packed_cache.pack_cache, or dsa_jax.PagedLayout("
+                          "packed_latent=True))", PerformanceWarning, stacklevel=2)
         cache_kv, fmt = packed_cache.pack_cache(cache_kv), "packed"
     num_pages, page_size, _ = cache_kv.shape
     k = topk_indices.shape[1]

@@ -295,3 +295,17 @@ def test_interpret_accepts_custom_params():
                                                      interpret=params)),
                                np.asarray(sparse_mla_ref(b.q, b.cache, *meta, **kw)),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_a_plain_bf16_cache_warns_that_it_is_packed_on_every_call():
+    import functools
+
+    from pallas_kernels.sparse_mla import PerformanceWarning
+
+    S = jax.ShapeDtypeStruct
+    args = [S((4, 8, 256), jnp.bfloat16), S((9, 16, 256), jnp.bfloat16), S((4,), jnp.int32),
+            S((4, 32), jnp.int32), S((8,), jnp.int32), S((5,), jnp.int32), S((5,), jnp.int32),
+            S((3,), jnp.int32)]
+    fn = functools.partial(sparse_mla, sm_scale=0.1, pages_per_seq=2, v_dim=128)
+    with pytest.warns(PerformanceWarning, match="store it packed"):
+        jax.eval_shape(fn, *args)  # traced for TPU (interpret=False): warns, compiles nothing
