@@ -27,9 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from seed_baseline import seed_sparse_mla, seed_topk  # noqa: E402
+from seed_baseline import seed_page_topk, seed_sparse_mla, seed_topk  # noqa: E402
 
 from reference import (  # noqa: E402
+    page_sparse_mla_ref,
     sparse_mla_ref,
     streamindex_page_topk_ref,
     streamindex_topk_ref,
@@ -57,51 +58,63 @@ def indexer_batch(q_lens, kv_len, *, heads=64, dim=128, page_size=64, seed=0):
                              dim=dim, fill=0.0, tail_pages=0)
 
 
+SHAPES = {"decode 16x8K": [1] * 16, "MTP 4x4 @8K": [4] * 4}
+
+
+def _shapes(quick: bool) -> dict[str, list[int]]:
+    prefill = 256 if quick else 1024
+    return {**SHAPES, f"chunked prefill {prefill} @8K": [prefill]}
+
+
 def cpu_rows(quick: bool, reps: int) -> list[dict]:
-    kv = 8192
-    shapes = {"decode 16x8K": [1] * 16, "MTP 4x4 @8K": [4] * 4,
-              "chunked prefill 256 @8K" if quick else "chunked prefill 1024 @8K":
-              [256] if quick else [1024]}
+    """Every reference op vs its seed counterpart at decode, MTP and chunked-prefill shapes."""
     rows = []
-    for label, q_lens in shapes.items():
-        b = indexer_batch(q_lens, kv)
-        dev = [jnp.asarray(x) for x in b.args()]
-        kw = dict(k=2048, pages_per_seq=b.pages_per_seq)
-        decode = all(x == 1 for x in q_lens)
-        pkw = dict(k_pages=32, pages_per_seq=b.pages_per_seq)
-        ops = {"token top-k (ours, general)": functools.partial(streamindex_topk_ref, *dev, **kw),
-               "token top-k (seed, general) [baseline]": functools.partial(seed_topk, *dev, **kw),
-               "page top-k (ours, general)": functools.partial(streamindex_page_topk_ref, *dev,
-                                                               **pkw)}
-        if decode:
-            ops["token top-k (ours, decode fast path)"] = functools.partial(
-                streamindex_topk_ref, *dev, one_token_per_seq=True, **kw)
-            ops["token top-k (seed, decode fast path) [baseline]"] = functools.partial(
-                seed_topk, *dev, one_token_per_seq=True, **kw)
-        if quick and not decode:
-            ops.pop("token top-k (seed, general) [baseline]")  # O(S*T*max_kv): slow at prefill
-        for name, fn in ops.items():
-            rows.append({"shape": label, "op": name, "cpu_ms": median_ms(fn, reps)})
+    for label, q_lens in _shapes(quick).items():
+        rows += indexer_rows(label, q_lens, reps) + mla_rows(label, q_lens, reps)
         print(f"  {label}: done", flush=True)
-    rows += mla_rows(reps)
     return rows
 
 
-def mla_rows(reps: int) -> list[dict]:
+def indexer_rows(label: str, q_lens: list[int], reps: int) -> list[dict]:
+    b = indexer_batch(q_lens, 8192)
+    dev = [jnp.asarray(x) for x in b.args()]
+    kw = dict(k=2048, pages_per_seq=b.pages_per_seq)
+    pkw = dict(k_pages=32, pages_per_seq=b.pages_per_seq)
+    p = functools.partial
+    ops = {"token top-k (ours, general)": p(streamindex_topk_ref, *dev, **kw),
+           "token top-k (seed, general) [baseline]": p(seed_topk, *dev, **kw),
+           "page top-k (ours, general)": p(streamindex_page_topk_ref, *dev, **pkw),
+           "page top-k (seed, general) [baseline]": p(seed_page_topk, *dev, **pkw)}
+    if all(x == 1 for x in q_lens):
+        ops["token top-k (ours, decode fast path)"] = p(streamindex_topk_ref, *dev,
+                                                        one_token_per_seq=True, **kw)
+        ops["token top-k (seed, decode fast path) [baseline]"] = p(seed_topk, *dev,
+                                                                   one_token_per_seq=True, **kw)
+    return [{"shape": label, "op": name, "cpu_ms": median_ms(fn, reps)}
+            for name, fn in ops.items()]
+
+
+def mla_rows(label: str, q_lens: list[int], reps: int) -> list[dict]:
+    """Sparse MLA (token: ours vs seed) and page-sparse MLA (ours; the seed has none)."""
     kv, k, heads, dim, v_dim = 8192, 2048, 16, 640, 512
     rng = np.random.default_rng(1)
-    b = make_ragged_batch(rng, q_lens=[1] * 16, kv_lens=[kv] * 16, page_size=64,
+    b = make_ragged_batch(rng, q_lens=q_lens, kv_lens=[kv] * len(q_lens), page_size=64,
                           pages_per_seq=kv // 64, num_heads=heads, dim=dim, fill=0.0)
-    idx = np.stack([rng.permutation(kv)[:k] for _ in range(16)]).astype(np.int32)
-    args = [jnp.asarray(x) for x in (b.q, b.cache, b.seq_lens, idx) + b.meta()[1:]]
+    num_rows = b.q.shape[0]
+    idx = np.stack([rng.permutation(kv)[:k] for _ in range(num_rows)]).astype(np.int32)
+    pages = np.stack([rng.permutation(kv // 64)[:32] for _ in range(num_rows)]).astype(np.int32)
+    meta = [jnp.asarray(x) for x in b.meta()[1:]]
+    q, cache, lens = jnp.asarray(b.q), jnp.asarray(b.cache), jnp.asarray(b.seq_lens)
     kw = dict(sm_scale=SM_SCALE, pages_per_seq=b.pages_per_seq, v_dim=v_dim)
-    label = "sparse MLA decode 16x8K k=2048 H=16"
-    rows = [{"shape": label, "op": "sparse_mla (ours)",
-             "cpu_ms": median_ms(lambda: sparse_mla_ref(*args, **kw), reps)},
-            {"shape": label, "op": "sparse_mla (seed) [baseline]",
-             "cpu_ms": median_ms(lambda: seed_sparse_mla(*args, **kw), max(1, reps // 2))}]
-    print(f"  {label}: done", flush=True)
-    return rows
+    label = f"{label} (MLA H=16, k=2048)"
+    p = functools.partial
+    ops = {"sparse_mla (ours)": p(sparse_mla_ref, q, cache, lens, jnp.asarray(idx), *meta, **kw),
+           "sparse_mla (seed) [baseline]": p(seed_sparse_mla, q, cache, lens,
+                                             jnp.asarray(idx), *meta, **kw),
+           "page_sparse_mla, 32 pages (ours; no seed counterpart)": p(
+               page_sparse_mla_ref, q, cache, lens, jnp.asarray(pages), *meta, **kw)}
+    return [{"shape": label, "op": name, "cpu_ms": median_ms(fn, reps)}
+            for name, fn in ops.items()]
 
 
 def _indexer_specs(rows: int, num_seqs: int, cap: int, *, heads=64, dim=128, ps=64):
@@ -135,7 +148,9 @@ def aot_cases(quick: bool):
             (label, "page top-k (ours)",
              functools.partial(streamindex_page_topk_ref, k_pages=32, pages_per_seq=pps), specs),
             (label, "token top-k (seed) [baseline]",
-             functools.partial(seed_topk, k=2048, pages_per_seq=pps), specs)]
+             functools.partial(seed_topk, k=2048, pages_per_seq=pps), specs),
+            (label, "page top-k (seed) [baseline]",
+             functools.partial(seed_page_topk, k_pages=32, pages_per_seq=pps), specs)]
     mla_shapes = [("sparse MLA decode 16x8K H=16", 16, 16, 8192),
                   ("sparse MLA prefill 1024 @32K H=16", 1024, 1, 32768)]
     for label, rows, seqs, cap in mla_shapes:
@@ -175,13 +190,19 @@ def markdown(cpu: list[dict], aot: list[dict]) -> str:
         ratios.append(("general / decode fast path (ours), decode 16x8K",
                        by[(d, "token top-k (ours, general)")]
                        / by[(d, "token top-k (ours, decode fast path)")]))
-        ratios.append(("seed general / ours general, decode 16x8K",
-                       by[(d, "token top-k (seed, general) [baseline]")]
-                       / by[(d, "token top-k (ours, general)")]))
-    m = "sparse MLA decode 16x8K k=2048 H=16"
+        for shape in [x for x in dict.fromkeys(r["shape"] for r in cpu) if "MLA" not in x]:
+            for kind in ("token", "page"):
+                ratios.append((f"seed / ours, {kind} top-k (general), {shape}",
+                               by[(shape, f"{kind} top-k (seed, general) [baseline]")]
+                               / by[(shape, f"{kind} top-k (ours, general)")]))
+    m = "decode 16x8K (MLA H=16, k=2048)"
     if (m, "sparse_mla (ours)") in by:
-        ratios.append(("seed sparse_mla / ours (speed-up)",
+        ratios.append(("seed sparse_mla / ours (speed-up), decode 16x8K H=16",
                        by[(m, "sparse_mla (seed) [baseline]")] / by[(m, "sparse_mla (ours)")]))
+    for shape in [x for x in dict.fromkeys(r["shape"] for r in cpu) if "MLA" in x and x != m]:
+        ratios.append((f"seed sparse_mla / ours, {shape}",
+                       by[(shape, "sparse_mla (seed) [baseline]")]
+                       / by[(shape, "sparse_mla (ours)")]))
     lines += ["", "| ratio (same run) | value |", "|---|---:|"]
     lines += [f"| {name} | {v:.2f}x |" for name, v in ratios]
     if aot:

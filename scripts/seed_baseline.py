@@ -76,6 +76,44 @@ def seed_topk(q, weights, cache, seq_lens, page_indices, cu_q_lens, cu_kv_lens, 
                              out)
 
 
+@functools.partial(jax.jit, static_argnames=("k_pages", "pages_per_seq", "one_token_per_seq"))
+def seed_page_topk(q, weights, cache, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
+                   distribution, *, k_pages, pages_per_seq, one_token_per_seq=False):
+    """The seed's page top-k: token scores max-pooled per page, exact ``top_k`` over pages; the
+    general path rescores all T rows for every sequence."""
+    num_rows = q.shape[0]
+    page_size = cache.shape[1]
+    max_kv = pages_per_seq * page_size
+    w = weights.astype(jnp.float32)
+    out = jnp.full((num_rows, k_pages), -1, jnp.int32)
+
+    def select(scores, rows):
+        page_scores = scores.reshape(rows, pages_per_seq, page_size).max(axis=-1)
+        vals, pidx = jax.lax.top_k(page_scores, k_pages)
+        return jnp.where(vals > _NEG, pidx, -1)
+
+    def body_decode(seq, out):
+        keys = _seq_keys(cache, page_indices, cu_kv_lens, seq, page_size, pages_per_seq)
+        q_i = jax.lax.dynamic_slice_in_dim(q, seq, 1, 0)
+        w_i = jax.lax.dynamic_slice_in_dim(w, seq, 1, 0)
+        mask = (jnp.arange(max_kv) < seq_lens[seq])[None, :]
+        scores = jnp.where(mask, _seed_scores(q_i, w_i, keys), _NEG)
+        return jax.lax.dynamic_update_slice_in_dim(out, select(scores, 1), seq, 0)
+
+    def body(seq, out):
+        q_start, q_end, kv_len = cu_q_lens[seq], cu_q_lens[seq + 1], seq_lens[seq]
+        keys = _seq_keys(cache, page_indices, cu_kv_lens, seq, page_size, pages_per_seq)
+        rows, pos = jnp.arange(num_rows), jnp.arange(max_kv)
+        in_seq = (rows >= q_start) & (rows < q_end)
+        abs_q = kv_len - (q_end - q_start) + (rows - q_start)
+        mask = in_seq[:, None] & (pos[None] < kv_len) & (pos[None] <= abs_q[:, None])
+        scores = jnp.where(mask, _seed_scores(q, w, keys), _NEG)
+        return jnp.where(in_seq[:, None], select(scores, num_rows), out)
+
+    return jax.lax.fori_loop(0, seq_lens.shape[0], body_decode if one_token_per_seq else body,
+                             out)
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "pages_per_seq", "v_dim"))
 def seed_sparse_mla(q, cache, kv_lens, topk_indices, page_indices, cu_q_lens, cu_kv_lens,
                     distribution, *, sm_scale, pages_per_seq, v_dim):
