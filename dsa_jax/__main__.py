@@ -142,14 +142,15 @@ def _local_batch(rng, s, layout, indexer_types, q_lens, kv_lens):
 
 def _context_lens(meta, num_rows):
     """Per row: causal context length ``min(abs_pos + 1, kv_len)`` (0 outside sequences)."""
+    import jax.numpy as jnp
     import numpy as np
 
-    kv, _, cu_q, _, dist = (np.asarray(x) for x in meta)
-    ctx = np.zeros(num_rows, np.int64)
-    for i in range(int(dist[2])):
-        for r in range(int(cu_q[i]), int(cu_q[i + 1])):
-            ctx[r] = min(int(kv[i]) - (int(cu_q[i + 1]) - r) + 1, int(kv[i]))
-    return ctx
+    from reference import batch, selection
+
+    kv, _, cu_q, _, dist = (jnp.asarray(x) for x in meta)
+    rows = batch.row_facts(num_rows, kv, cu_q, dist)
+    ctx = selection.causal_token_count(rows.abs_pos, kv[rows.seq])
+    return np.asarray(jnp.where(rows.in_seq, ctx, 0), np.int64)
 
 
 def _report_selection(topk, ctx, num_segments):

@@ -64,7 +64,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import aot
 from pallas_kernels.indexer_blocks import LANES, IndexerBlocks, default_blocks, vmem_estimate
-from reference import batch
+from reference import batch, index_scores
 
 NEG_INF = float("-inf")
 # Work-list fields (one i32 row of _NF per item).
@@ -507,7 +507,7 @@ def device_chip() -> str | None:
 
 # Long-prefill bound: one call's f32 token scores [C, capacity] stay <= this many bytes (the
 # reference's 64 MiB window), so a 2048-row prefill at 32K runs as 4 calls of 512 rows.
-SCORE_CHUNK_BYTES = 64 * 1024 * 1024
+SCORE_CHUNK_BYTES = index_scores.SCORE_BLOCK_BYTES  # the reference's documented bound
 
 
 def chunk_rows(total_rows: int, width: int, block_rows: int, chunk_bytes: int) -> int:

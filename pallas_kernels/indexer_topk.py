@@ -86,9 +86,9 @@ def streamindex_topk(
     isk.check_kernel_knobs(score_chunk_bytes, vmem_limit_bytes)
 
     def finish(scores, row_ok, abs_pos, kv_eff):
-        idx = selection.select_topk(scores, k, recall_target=recall_target, exact=exact)
-        context = jnp.where(row_ok, jnp.clip(jnp.minimum(abs_pos + 1, kv_eff), 0, None), 0)
-        idx = selection.finish_selection(idx, context, num_segments)
+        context = jnp.where(row_ok, selection.causal_token_count(abs_pos, kv_eff), 0)
+        idx = selection.select_and_merge(scores, k, context, recall_target=recall_target,
+                                         exact=exact, num_segments=num_segments)
         return jnp.where(row_ok[:, None], idx, -1)
 
     return isk.score_and_select(

@@ -71,9 +71,9 @@ def streamindex_page_topk(
     page_size = cache_kv.shape[1]
 
     def finish(scores, row_ok, abs_pos, kv_eff):
-        idx = selection.select_topk(scores, k_pages, recall_target=recall_target, exact=exact)
         context = jnp.where(row_ok, causal_page_count(abs_pos, kv_eff, page_size), 0)
-        idx = selection.finish_selection(idx, context, num_segments)
+        idx = selection.select_and_merge(scores, k_pages, context, recall_target=recall_target,
+                                         exact=exact, num_segments=num_segments)
         return jnp.where(row_ok[:, None], idx, -1)
 
     return isk.score_and_select(

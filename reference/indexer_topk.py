@@ -55,9 +55,9 @@ def streamindex_topk_ref(
 
     def finish(scores, token_ok, abs_pos, kv_len):
         scores = jnp.where(token_ok, scores, selection.NEG_INF)
-        idx = selection.select_topk(scores, k, recall_target=recall_target, exact=exact)
-        context = jnp.clip(jnp.minimum(abs_pos + 1, kv_len), 0, None)
-        return selection.finish_selection(idx, context, num_segments)
+        return selection.select_and_merge(scores, k, selection.causal_token_count(abs_pos, kv_len),
+                                          recall_target=recall_target, exact=exact,
+                                          num_segments=num_segments)
 
     return index_scores.score_and_select(
         q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,

@@ -24,7 +24,7 @@ def page_max(scores: jax.Array, token_ok: jax.Array, page_size: int) -> jax.Arra
 
 def causal_page_count(abs_pos: jax.Array, kv_len: jax.Array, page_size: int) -> jax.Array:
     """Pages holding at least one causal, existing token of each row (i32[R])."""
-    tokens = jnp.clip(jnp.minimum(abs_pos + 1, kv_len), 0, None)
+    tokens = selection.causal_token_count(abs_pos, kv_len)
     return (tokens + page_size - 1) // page_size
 
 
@@ -64,10 +64,10 @@ def streamindex_page_topk_ref(
     page_size = cache_kv.shape[1]
 
     def finish(scores, token_ok, abs_pos, kv_len):
-        pages = page_max(scores, token_ok, page_size)
-        idx = selection.select_topk(pages, k_pages, recall_target=recall_target, exact=exact)
-        context = causal_page_count(abs_pos, kv_len, page_size)
-        return selection.finish_selection(idx, context, num_segments)
+        return selection.select_and_merge(
+            page_max(scores, token_ok, page_size), k_pages,
+            causal_page_count(abs_pos, kv_len, page_size), recall_target=recall_target,
+            exact=exact, num_segments=num_segments)
 
     return index_scores.score_and_select(
         q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,

@@ -74,6 +74,21 @@ def select_topk(scores: jax.Array, k: int, *, recall_target: float = DEFAULT_REC
     return idx
 
 
+def causal_token_count(abs_pos: jax.Array, kv_len: jax.Array) -> jax.Array:
+    """A row's causal candidate count in tokens: ``min(abs_pos + 1, kv_len)``, clipped at 0.
+
+    The witness context length of token top-k (and, in pages, of page top-k)."""
+    return jnp.clip(jnp.minimum(abs_pos + 1, kv_len), 0, None)
+
+
+def select_and_merge(scores: jax.Array, k: int, context_lens: jax.Array, *,
+                     recall_target: float, exact: bool, num_segments: int) -> jax.Array:
+    """The whole stage: ``select_topk`` then ``finish_selection``. scores f32[R, N] (-inf for
+    non-candidates), context_lens i32[R] -> i32[R, k]."""
+    idx = select_topk(scores, k, recall_target=recall_target, exact=exact)
+    return finish_selection(idx, context_lens, num_segments)
+
+
 def finish_selection(idx: jax.Array, context_lens: jax.Array, num_segments: int) -> jax.Array:
     """Apply the segment-witness merge (serving entry) after the guard; identity when 0.
 
