@@ -1,22 +1,28 @@
 """The selection stage shared by every top-k path (reference and Pallas score kernels alike).
 
-    scores -> approx_max_k -> top_k -> guard (-1) -> segment-witness merge (num_segments > 0)
+    scores -> approx_max_k (aggregated) or top_k (exact) -> guard (-1) -> segment-witness merge
 
 Scores use ``-inf`` to mark a non-candidate; a NaN score is treated as a non-candidate too
 (a NaN key in a valid slot is bad data, and NaN must never be selected ahead of real scores).
 
 Modes:
 
-- default (``exact=False``): ``jax.lax.approx_max_k(recall_target=..., aggregate_to_topk=False)``
-  then an exact ``top_k`` over its candidates, as the seed does. On CPU/GPU ``approx_max_k`` is
-  exact; on TPU it is not, so results can differ by platform: compare by score, not by index.
+- default (``exact=False``): ``jax.lax.approx_max_k(recall_target=..., aggregate_to_topk=True)``.
+  It keeps the same approximate candidates as the seed's ``aggregate_to_topk=False`` -> ``top_k``
+  -> ``take_along_axis`` (XLA aggregates them to the top k by a sort) without the per-element
+  gather, which XLA's TPU cost model prices at 59x (64 x 4096) the bytes of this form. On
+  CPU/GPU ``approx_max_k`` is exact; on TPU it is not, so results can differ by platform:
+  compare by score, not by index.
 - ``exact=True``: one ``jax.lax.top_k``. Deterministic tie rule: among equal scores the lower
   index (earlier token / page) comes first, on every platform.
 
-Guard: slot ``j`` of a row keeps its index only if ``j < n_valid`` (the row's candidate count)
-and its score is ``> -inf``; everything else is ``-1``. ``-1`` therefore appears only in the
-tail, and a row with ``n <= k`` candidates selects all ``n``. ``k`` larger than the number of
-columns is allowed: the extra slots are ``-1``.
+Guard: slot ``j`` of a row keeps its index only if its score is ``> -inf``; everything else is
+``-1``. Both modes return their ``k`` values sorted descending with distinct indices, so the
+slots with a score ``> -inf`` are a prefix of at most ``n_valid`` (the row's candidate count)
+slots: ``-1`` appears only in the tail, and a row with ``n <= k`` candidates selects all ``n``
+(exact mode; the approximate mode may miss candidates on TPU, by its recall). ``k`` larger
+than the number of columns is allowed: the extra slots are ``-1``. No reduction over the
+scores beyond the top-k itself (a separate ``n_valid`` count cost another pass over them).
 """
 
 from __future__ import annotations
@@ -62,13 +68,9 @@ def select_topk(scores: jax.Array, k: int, *, recall_target: float = DEFAULT_REC
     if exact:
         vals, idx = jax.lax.top_k(scores, kk)
     else:
-        cand_v, cand_i = jax.lax.approx_max_k(scores, kk, recall_target=recall_target,
-                                              aggregate_to_topk=False)
-        vals, sel = jax.lax.top_k(cand_v, kk)
-        idx = jnp.take_along_axis(cand_i, sel, axis=-1)
-    n_valid = jnp.sum(scores > NEG_INF, axis=-1, keepdims=True)
-    keep = (jnp.arange(kk)[None, :] < n_valid) & (vals > NEG_INF)
-    idx = jnp.where(keep, idx, -1).astype(jnp.int32)
+        vals, idx = jax.lax.approx_max_k(scores, kk, recall_target=recall_target,
+                                         aggregate_to_topk=True)
+    idx = jnp.where(vals > NEG_INF, idx, -1).astype(jnp.int32)
     if kk < k:
         idx = jnp.pad(idx, ((0, 0), (0, k - kk)), constant_values=-1)
     return idx

@@ -36,3 +36,48 @@ def test_reruns_are_bitwise_identical():
     first = np.asarray(select_topk(scores, 50, exact=True))
     for _ in range(5):
         np.testing.assert_array_equal(select_topk(scores, 50, exact=True), first)
+
+
+def _seed_select(scores, k, exact):
+    """The selection as written before issue 13 (``aggregate_to_topk=False`` -> ``top_k`` ->
+    ``take_along_axis``, guard with a separate candidate count): kept only to show that the
+    gather-free form selects the same rows."""
+    import jax
+    import jax.numpy as jnp
+
+    scores = jnp.where(jnp.isnan(scores), NEG, scores)
+    kk = min(k, scores.shape[-1])
+    if exact:
+        vals, idx = jax.lax.top_k(scores, kk)
+    else:
+        cand_v, cand_i = jax.lax.approx_max_k(scores, kk, aggregate_to_topk=False)
+        vals, sel = jax.lax.top_k(cand_v, kk)
+        idx = jnp.take_along_axis(cand_i, sel, axis=-1)
+    n_valid = jnp.sum(scores > NEG, axis=-1, keepdims=True)
+    idx = jnp.where((jnp.arange(kk)[None, :] < n_valid) & (vals > NEG), idx, -1)
+    return np.pad(np.asarray(idx), ((0, 0), (0, k - kk)), constant_values=-1)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_gather_free_selection_equals_the_old_one(seed):
+    """Exact mode bitwise; default mode by score (ties forgiven), on random rows with -inf
+    holes, NaN, ties, all-masked rows and k above and below the candidate count."""
+    rng = np.random.default_rng(seed)
+    rows, cols = 24, int(rng.integers(5, 400))
+    scores = rng.standard_normal((rows, cols)).astype(np.float32)
+    scores[:, :: int(rng.integers(2, 9))] = 0.25  # ties
+    scores[rng.random((rows, cols)) < rng.random((rows, 1))] = NEG  # per-row hole density
+    scores[rng.random((rows, cols)) < 0.02] = np.nan
+    scores[0] = NEG
+    clean = np.where(np.isnan(scores), NEG, scores)
+
+    def pick(idx):
+        return np.where(idx >= 0, np.take_along_axis(clean, np.maximum(idx, 0), 1), NEG)
+
+    for k in (1, cols // 3 + 1, cols, cols + 7):
+        np.testing.assert_array_equal(select_topk(scores, k, exact=True),
+                                      _seed_select(scores, k, exact=True))
+        new = np.asarray(select_topk(scores, k))
+        old = _seed_select(scores, k, exact=False)
+        np.testing.assert_array_equal(new < 0, old < 0)  # same -1 slots
+        np.testing.assert_array_equal(pick(new), pick(old))  # same scores, slot by slot
