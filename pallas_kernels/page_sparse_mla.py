@@ -10,19 +10,20 @@ the packed ``u32[P, page_size, packed_words(D)]`` (``reference.packed_cache``);
 optional LSE ``f32[T, H]``.
 
 Design: the gather unit is a whole page, one DMA per selected page (``cache[page_id]`` into a
-``[pages_per_block, page_size, W]`` VMEM buffer, double-buffered), the page ids read from a
-per-row SMEM table that is DMA'd one row ahead; a plain bf16 cache needs no packing because a
-page of ``page_size % 16 == 0`` rows is whole (16, 128) tiles. The pipeline, masking and
-online softmax are the token kernel's (``pallas_kernels.sparse_mla.gather_attend`` with
-``mode="page"``). XLA prepares, per row, the compacted list of valid pages (page number in
-``[0, pages_per_seq)``, page slot and id in range, at least one causal token) and, per page,
-the in-page limit ``thr = min(kv_len, abs_pos + 1) - page * page_size`` (clipped to
-``[0, page_size]``); rows ``>= thr`` of a page are zeroed in VMEM by a select and their logits
-are -inf, so the NaN past ``kv_len`` never reaches the output.
+``[pages_per_block, page_size, W]`` VMEM buffer, double-buffered); a plain bf16 cache needs no
+packing because a page of ``page_size % 16 == 0`` rows is whole (16, 128) tiles. The pipeline,
+the walk over each row's raw entries (DMA'd one row ahead into SMEM), the in-kernel page-table
+lookup (the table scalar-prefetched into SMEM), masking and online softmax are the token
+kernel's (``pallas_kernels.sparse_mla.gather_attend`` with ``mode="page"``). XLA prepares only
+``row_info``: per row the limit ``min(kv_len, abs_pos + 1)``, the count of pages that can be
+valid and where they end (elementwise and two row reductions: no gather, no scatter). For each
+page it issues, the kernel records the in-page limit ``thr = clip(limit - page * page_size, 0,
+page_size)``; rows ``>= thr`` of a page are zeroed in VMEM by a select and their logits are
+-inf, so the NaN past ``kv_len`` never reaches the output.
 
 Traffic per query row: ``k_pages * page_size`` rows x D x itemsize (the minimum for this op;
 a partly causal or partly filled page is still moved whole), plus q read and out written once,
-plus ~36 bytes per selected page of XLA preparation.
+plus the row's ``k_pages`` raw entries into SMEM and 4 bytes per entry of XLA preparation.
 """
 
 from __future__ import annotations
@@ -36,32 +37,12 @@ from pallas_kernels import aot, mla_blocks
 from pallas_kernels import sparse_mla as smla
 from pallas_kernels.sparse_mla import (
     check_kernel_args,
-    compact,
     compute_query,
     finish,
     gather_attend,
+    page_table,
+    row_info,
 )
-from reference import batch
-
-
-def page_metadata(topk_pages, kv_lens, page_indices, cu_q_lens, cu_kv_lens, distribution, *,
-                  num_pages: int, page_size: int, pages_per_seq: int):
-    """Per row: count of valid pages (i32[T]) and ``i32[T, 2 * k_pages]`` = compacted page ids
-    then their in-page limits (valid entries first)."""
-    rows = batch.row_facts(topk_pages.shape[0], kv_lens, cu_q_lens, distribution)
-    cap = batch.capacity_tokens(page_size, pages_per_seq)
-    kv_len = jnp.clip(kv_lens[rows.seq], 0, cap)[:, None]
-    limit = jnp.minimum(kv_len, rows.abs_pos[:, None] + 1)  # tokens < limit exist and are causal
-    in_range = (topk_pages >= 0) & (topk_pages < pages_per_seq)
-    page = jnp.where(in_range, topk_pages, 0)  # no overflow for huge page numbers
-    thr = jnp.clip(limit - page * page_size, 0, page_size)
-    valid = rows.in_seq[:, None] & in_range & (thr > 0)
-    slot = (cu_kv_lens[rows.seq] // page_size)[:, None] + page
-    valid &= (slot >= 0) & (slot < page_indices.shape[0])
-    pid = jnp.take(page_indices, jnp.where(valid, slot, 0), axis=0)
-    valid &= (pid >= 0) & (pid < num_pages)
-    counts, pid, thr = compact(valid, pid, thr)
-    return counts, jnp.concatenate([pid, thr], axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -102,14 +83,14 @@ def page_sparse_mla(
                             cu_kv_lens, distribution, sm_scale=sm_scale,
                             pages_per_seq=pages_per_seq, v_dim=v_dim,
                             selected_name="topk_pages")
-    num_pages, page_size, _ = cache_kv.shape
+    page_size = cache_kv.shape[1]
     k_pages = topk_pages.shape[1]
     units = mla_blocks.page_block(k_pages, page_size, aot.detect_chip(), pages_per_block)
-    counts, meta = page_metadata(topk_pages, kv_lens, page_indices, cu_q_lens, cu_kv_lens,
-                                 distribution, num_pages=num_pages, page_size=page_size,
-                                 pages_per_seq=pages_per_seq)
-    out, lse = gather_attend(compute_query(q, fmt), cache_kv, meta, counts, mode="page",
-                             fmt=fmt, units=units, meta_len=k_pages, sm_scale=sm_scale,
+    info = row_info(topk_pages, kv_lens, cu_q_lens, cu_kv_lens, distribution, mode="page",
+                    page_size=page_size, pages_per_seq=pages_per_seq)
+    out, lse = gather_attend(compute_query(q, fmt), cache_kv, topk_pages.astype(jnp.int32),
+                             info, page_table(page_indices), mode="page", fmt=fmt,
+                             units=units, pages_per_seq=pages_per_seq, sm_scale=sm_scale,
                              v_dim=v_dim, return_lse=return_lse,
                              vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
     return finish(out.astype(q.dtype), lse, return_lse)
@@ -117,7 +98,7 @@ def page_sparse_mla(
 
 # ----------------------------------------------------------------------------- cost model
 
-PREP_BYTES_PER_PAGE = 36  # XLA preparation per selected page (ids, limits, partition)
+PREP_BYTES_PER_PAGE = smla.PREP_BYTES_PER_ENTRY  # XLA ``row_info``: each entry read once
 K_PAGES = 32  # 32 pages of 64 tokens = 2048 selected tokens, as the token kernel's k
 
 
@@ -159,9 +140,9 @@ def _page_case(label, rows, seqs, context, heads, fmt, dt) -> aot.CompileCase:
     def traffic(chip):
         return smla.mla_traffic(rows=rows, heads=heads, dim=smla.MLA_DIM, v_dim=smla.MLA_V_DIM,
                                 selected_rows=K_PAGES * ps, fmt=fmt, q_itemsize=2,
-                                meta_words=2 * K_PAGES,
+                                meta_words=K_PAGES,
                                 prep_bytes=rows * K_PAGES * PREP_BYTES_PER_PAGE,
-                                shape=shape_for(chip)[1])
+                                table_words=seqs * context // ps, shape=shape_for(chip)[1])
 
     return aot.CompileCase("page_sparse_mla", label, fn_for_chip, specs, traffic,
                            tags=("decode",) if label.startswith("decode") else ("prefill",))

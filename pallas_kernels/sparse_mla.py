@@ -25,20 +25,29 @@ is packed per call (a full copy of the cache: a documented slow path for tests a
 serving stores the cache packed).
 
 Pipeline: the grid walks query rows in order; inside a row a loop walks blocks of
-``tokens_per_block`` selected rows. Row metadata (the compacted flat cache slots of its valid
-entries) is DMA'd HBM -> SMEM one row ahead; the gathers of block b+1 (possibly the next row's
-first block) are issued before block b is computed (double buffer). Invalid entries (< 0,
->= kv_len, bad page, row outside every sequence) are dropped in XLA before the kernel by a
-stable partition: valid entries first, their count per row scalar-prefetched. No DMA is issued
-for anything past the count; rows of the last partial block past the count are zeroed in VMEM
-(a select, never a multiply, so a NaN there cannot leak) and their logits are -inf. A row with
-no valid entry computes one fully masked block (no DMA) and writes zeros, LSE -inf.
+``tokens_per_block`` gathered rows. The row's raw top-k entries (``i32[k]``, as the caller gave
+them) are DMA'd HBM -> SMEM one row ahead; the page table (``page_indices``) and per-row facts
+(``row_info``: limit, first page slot, count and end of the entries that can be valid) are
+scalar-prefetched into SMEM. Filling a block is a walk on the scalar core: from a cursor, each
+entry is checked (``0 <= e < min(kv_len, capacity)``, page slot inside the table, page id in
+``[0, P)``: the rules of ``reference.attend.token_slots``), and each valid one is DMA'd into the
+next free row of the block, so a block's live rows are always its first ``n``; invalid entries
+cost a scalar check and no DMA. The gathers of block b+1 (possibly the next row's first block)
+are issued before block b is computed (double buffer). Rows of a block past ``n`` are zeroed in
+VMEM (a select, never a multiply, so a NaN there cannot leak) and their logits are -inf. A row
+with no valid entry computes one fully masked block (no DMA) and writes zeros, LSE -inf.
+
+Index preparation in XLA is ``row_info`` only: elementwise over the entries plus two row
+reductions and per-row metadata. There is no per-entry page-table gather and no compaction
+scatter (XLA's TPU cost model priced that preparation at ~4.5 KB per entry, 3x the kernel's own
+gathered bytes at 64 x 8192, H=128, k=2048: issue 13).
 
 Traffic per query row (full k): k rows x 4W bytes gathered (1536 B at D=640; the minimum
 counts 2D = 1280 B, so 1.2x: Mosaic moves a packed row whole, see ``reference.packed_cache``),
-q read and out written once, plus ~28 bytes per top-k entry of XLA index preparation and
-4 bytes of SMEM metadata. At 64 decode rows x 8192, k=2048, D=640: 1.20x the minimum (H=128)
-and 1.22x (H=16) (``mla_traffic``, asserted in ``tests/test_compile_mla.py``).
+q read and out written once, 4 bytes per entry into SMEM and 4 bytes per entry of XLA
+preparation, and the page table once per call. At 64 decode rows x 8192, k=2048, D=640: 1.20x
+the minimum (H=128) and 1.22x (H=16) (``mla_traffic``, asserted in
+``tests/test_compile_mla.py``).
 
 Not measured (no TPU here): one descriptor per token row means k DMA issues per query row on
 the scalar core; the issue rate, not HBM bandwidth, may bound decode.
@@ -56,7 +65,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import aot, mla_blocks
-from reference import attend, batch, packed_cache
+from reference import batch, packed_cache
 from reference._mla_args import check_mla_args
 
 
@@ -146,40 +155,67 @@ def _unpack(w, packed: bool, cdt):
     return [x.astype(cdt) for x in packed_cache.unpack_words(w)]
 
 
-def _masks(mode, sbuf, slot, lo, n, *, rows, unit, units, meta_len):
+def _masks(mode, live, lim_ref, buf, *, rows, unit, units):
     """Row mask bool[rows, 1] and lane mask bool[1, rows] of one block's live cache rows.
 
-    token: the first ``n`` rows. page: rows ``[i*unit, i*unit + thr_i)`` of the first ``n``
-    pages, ``thr_i`` (causal/kv_len limit inside page i) read from the metadata's second half.
+    token: the first ``live`` rows (the walk packs a block's gathered rows densely). page: rows
+    ``[i*unit, i*unit + lim_i)`` of the first ``live`` pages, ``lim_i`` (the causal / kv_len
+    limit inside page i) written to ``lim_ref[buf, i]`` when its DMA was issued.
     """
     r_iota = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
     l_iota = jax.lax.broadcasted_iota(jnp.int32, (1, rows), 1)
     if mode == "token":
-        return r_iota < n, l_iota < n
+        return r_iota < live, l_iota < live
     row_ok = jnp.zeros((rows, 1), jnp.bool_)
     lane_ok = jnp.zeros((1, rows), jnp.bool_)
     for i in range(units):
-        idx = jnp.minimum(lo + i, meta_len - 1)
-        thr = jnp.where(i < n, sbuf[slot, meta_len + idx], 0)
-        lo_r, hi_r = i * unit, i * unit + thr
+        lim = jnp.where(i < live, lim_ref[buf, i], 0)
+        lo_r, hi_r = i * unit, i * unit + lim
         row_ok |= (r_iota >= lo_r) & (r_iota < hi_r)
         lane_ok |= (l_iota >= lo_r) & (l_iota < hi_r)
     return row_ok, lane_ok
 
 
-def _kernel(counts_ref, q_ref, meta_hbm, cache_hbm, out_ref, *refs, mode, packed, f32,
-            num_rows, page_size, units, meta_len, sm_scale, segs, return_lse):
+def _entry_source(mode, e, info, table_ref, *, page_size, pages_per_seq, num_pages,
+                  num_slots):
+    """Where entry ``e`` of a row lives, on the scalar core: ``(ok, page id, in-page row,
+    limit)``. ``info = (slot0, limit)`` of the row. token: ``e`` is a token offset, valid if
+    ``0 <= e < limit`` (``limit = min(kv_len, capacity)``); page: ``e`` is a page number,
+    valid if some token ``e * page_size + r < limit`` (``limit = min(kv_len, abs_pos + 1)``).
+    Both then need the page slot inside ``page_indices`` and the page id in ``[0, P)``."""
+    slot0, limit = info
+    if mode == "token":
+        ok = (e >= 0) & (e < limit)
+        page, inner, lim = e // page_size, e % page_size, 0
+    else:
+        # e >= pages_per_seq leaves no token below limit <= capacity; the clip avoids overflow
+        lim = jnp.clip(limit - jnp.clip(e, 0, pages_per_seq) * page_size, 0, page_size)
+        ok = (e >= 0) & (lim > 0)
+        page, inner = e, 0
+    slot = slot0 + jnp.where(ok, page, 0)
+    ok &= (slot >= 0) & (slot < num_slots)
+    pid = table_ref[jnp.clip(slot, 0, num_slots - 1)]
+    ok &= (pid >= 0) & (pid < num_pages)
+    return ok, jnp.clip(pid, 0, num_pages - 1), inner, lim
+
+
+def _kernel(info_ref, table_ref, q_ref, meta_hbm, cache_hbm, out_ref, *refs, mode, packed,
+            f32, num_rows, page_size, pages_per_seq, num_pages, units, sm_scale, segs,
+            return_lse):
     """One grid step = one query row; see the module docstring for the pipeline.
 
-    Refs: prefetch ``counts`` (SMEM i32[T]); inputs ``q`` block [1, H, D], ``meta`` (HBM
-    i32[T, n_meta]), ``cache`` (HBM); outputs ``out`` block [1, H, v_dim] (and ``lse`` block
-    [1, H, 1]); scratch gather buffers, metadata buffers, their DMA semaphores, parity.
+    Refs: prefetch ``info`` (SMEM i32[T * 4]: per row valid-entry count, walk end, first page
+    slot, limit) and ``table`` (SMEM i32[N], the page table); inputs ``q`` block [1, H, D],
+    ``meta`` (HBM i32[T, k], the row's raw entries), ``cache`` (HBM); outputs ``out`` block
+    [1, H, v_dim] (and ``lse`` [1, H, 1]); scratch: gather buffers, raw rows of 2 query rows,
+    DMA semaphores, rows filled per buffer, in-page limits (page), walk cursor, parity.
     """
     lse_ref = refs[0] if return_lse else None
-    gbuf, sbuf, gsem, ssem, parity = refs[-5:]
+    gbuf, sbuf, gsem, ssem, fill_ref, lim_ref, cur_ref, parity = refs[-8:]
     unit = 1 if mode == "token" else page_size
     rows = units * unit
     cdt = jnp.float32 if f32 else jnp.bfloat16
+    num_slots = table_ref.shape[0]
     t = pl.program_id(0)
 
     def meta_copy(row):
@@ -187,33 +223,49 @@ def _kernel(counts_ref, q_ref, meta_hbm, cache_hbm, out_ref, *refs, mode, packed
         return pltpu.make_async_copy(meta_hbm.at[pl.ds(row, 1)], sbuf.at[pl.ds(b, 1)],
                                      ssem.at[b])
 
-    def unit_copy(buf, i, src):  # whole rows: Mosaic refuses part-row slices here
-        if mode == "token":  # src: flat slot page_id * page_size + offset
-            return pltpu.make_async_copy(cache_hbm.at[src // page_size,
-                                                     pl.ds(src % page_size, 1)],
+    def unit_copy(buf, i, pid, inner):  # whole rows: Mosaic refuses part-row slices here
+        if mode == "token":
+            return pltpu.make_async_copy(cache_hbm.at[pid, pl.ds(inner, 1)],
                                          gbuf.at[buf, pl.ds(i, 1)], gsem.at[buf])
-        return pltpu.make_async_copy(cache_hbm.at[src], gbuf.at[buf, i], gsem.at[buf])
+        return pltpu.make_async_copy(cache_hbm.at[pid], gbuf.at[buf, i], gsem.at[buf])
 
-    def live_units(row, j):
-        return jnp.clip(counts_ref[row] - j * units, 0, units)
+    def issue(row, buf, first):
+        """Walk the row's raw entries from the cursor, DMA the next ``units`` valid ones into
+        buffer ``buf`` (densely), stop at the walk end; record how many were issued."""
+        info = (info_ref[row * 4 + 2], info_ref[row * 4 + 3])
+        end = info_ref[row * 4 + 1]
 
-    def issue(row, j, buf):
+        def body(c):
+            cur, n = c
+            ok, pid, inner, lim = _entry_source(
+                mode, sbuf[row % 2, cur], info, table_ref, page_size=page_size,
+                pages_per_seq=pages_per_seq, num_pages=num_pages, num_slots=num_slots)
+
+            @pl.when(ok)
+            def _():
+                unit_copy(buf, n, pid, inner).start()
+                if mode == "page":
+                    lim_ref[buf, n] = lim
+
+            return cur + 1, n + ok.astype(jnp.int32)
+
+        start = 0 if first else cur_ref[0]
+        cur, n = jax.lax.while_loop(lambda c: (c[1] < units) & (c[0] < end), body,
+                                    (jnp.int32(start), jnp.int32(0)))
+        cur_ref[0] = cur
+        fill_ref[buf] = n
+
+    def wait(buf):
         def body(i, c):
-            unit_copy(buf, i, sbuf[row % 2, j * units + i]).start()
+            unit_copy(buf, 0, 0, 0).wait()  # same byte count as each issued copy
             return c
-        jax.lax.fori_loop(0, live_units(row, j), body, 0)
-
-    def wait(row, j, buf):
-        def body(i, c):
-            unit_copy(buf, 0, 0).wait()  # same byte count as each issued copy
-            return c
-        jax.lax.fori_loop(0, live_units(row, j), body, 0)
+        jax.lax.fori_loop(0, fill_ref[buf], body, 0)
 
     @pl.when(t == 0)
     def _():
         meta_copy(0).start()
         meta_copy(0).wait()
-        issue(0, 0, 0)
+        issue(0, 0, True)
         parity[0] = 0
 
     @pl.when(t + 1 < num_rows)
@@ -224,7 +276,7 @@ def _kernel(counts_ref, q_ref, meta_hbm, cache_hbm, out_ref, *refs, mode, packed
     qs = [q[:, lo:hi] for _, lo, hi, _, _ in segs]
     vsegs = [(i, vlo, vhi) for i, _, _, vlo, vhi in segs if vhi > vlo]
     heads = q.shape[0]
-    num_blocks = jnp.maximum((counts_ref[t] + units - 1) // units, 1)
+    num_blocks = jnp.maximum((info_ref[t * 4] + units - 1) // units, 1)
     base = parity[0]
 
     def block(j, carry):
@@ -233,17 +285,16 @@ def _kernel(counts_ref, q_ref, meta_hbm, cache_hbm, out_ref, *refs, mode, packed
 
         @pl.when(j + 1 < num_blocks)
         def _():
-            issue(t, j + 1, 1 - buf)
+            issue(t, 1 - buf, False)
 
         @pl.when((j + 1 == num_blocks) & (t + 1 < num_rows))
         def _():
             meta_copy(t + 1).wait()
-            issue(t + 1, 0, 1 - buf)
+            issue(t + 1, 1 - buf, True)
 
-        wait(t, j, buf)
-        n = live_units(t, j)
-        row_ok, lane_ok = _masks(mode, sbuf, t % 2, j * units, n, rows=rows, unit=unit,
-                                 units=units, meta_len=meta_len)
+        wait(buf)
+        row_ok, lane_ok = _masks(mode, fill_ref[buf], lim_ref, buf, rows=rows, unit=unit,
+                                 units=units)
         w = gbuf[buf].reshape(rows, gbuf.shape[-1])
         w = jnp.where(row_ok, w, jnp.zeros_like(w))  # select: stale/NaN rows become 0
         parts = _unpack(w, packed, cdt)
@@ -286,46 +337,57 @@ def block_shape(mode, *, heads, dim, v_dim, page_size, units, meta_len, q_dtype,
         unpacked_parts=2 if fmt == "packed" else 1)
 
 
-def gather_attend(q, cache, meta, counts, *, mode, fmt, units, meta_len, sm_scale, v_dim,
-                  return_lse, vmem_limit_bytes, interpret):
+def gather_attend(q, cache, entries, info, table, *, mode, fmt, units, pages_per_seq,
+                  sm_scale, v_dim, return_lse, vmem_limit_bytes, interpret):
     """Run the kernel. ``q: [T, H, D]`` (f32 or bf16: the compute dtype); ``cache``:
-    ``[P, page_size, W]`` (f32 / bf16 rows, or packed u32 words); ``meta: i32[T, n_meta]``
-    compacted per-row gather metadata (first ``meta_len`` entries: flat slot or page id; page
-    mode: then ``meta_len`` in-page limits); ``counts: i32[T]`` live units per row.
+    ``[P, page_size, W]`` (f32 / bf16 rows, or packed u32 words); ``entries: i32[T, k]`` the
+    rows' raw top-k entries (token offsets, or page numbers in page mode); ``info: i32[T, 4]``
+    from ``row_info``; ``table: i32[N]`` the page table (``page_indices``) as it is.
 
     Returns ``q.dtype[T, H, v_dim]`` and ``f32[T, H, 1]`` (or None).
     """
     packed = fmt == "packed"
     num_rows, heads, dim = q.shape
-    _, page_size, words = cache.shape
+    num_pages, page_size, words = cache.shape
+    k = entries.shape[1]
     shape = block_shape(mode, heads=heads, dim=dim, v_dim=v_dim, page_size=page_size,
-                        units=units, meta_len=meta_len, q_dtype=q.dtype, fmt=fmt)
+                        units=units, meta_len=k, q_dtype=q.dtype, fmt=fmt)
     kernel = functools.partial(
         _kernel, mode=mode, packed=packed, f32=q.dtype == jnp.float32, num_rows=num_rows,
-        page_size=page_size, units=units, meta_len=meta_len, sm_scale=float(sm_scale),
-        segs=segments(dim, v_dim, packed, words), return_lse=return_lse)
+        page_size=page_size, pages_per_seq=pages_per_seq, num_pages=num_pages, units=units,
+        sm_scale=float(sm_scale), segs=segments(dim, v_dim, packed, words),
+        return_lse=return_lse)
     gbuf = (2, units, words) if mode == "token" else (2, units, page_size, words)
     out_shape = [jax.ShapeDtypeStruct((num_rows, heads, v_dim), q.dtype)]
-    out_specs = [pl.BlockSpec((1, heads, v_dim), lambda t, c: (t, 0, 0))]
+    out_specs = [pl.BlockSpec((1, heads, v_dim), lambda t, *_: (t, 0, 0))]
     if return_lse:
         out_shape.append(jax.ShapeDtypeStruct((num_rows, heads, 1), jnp.float32))
-        out_specs.append(pl.BlockSpec((1, heads, 1), lambda t, c: (t, 0, 0)))
+        out_specs.append(pl.BlockSpec((1, heads, 1), lambda t, *_: (t, 0, 0)))
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1, grid=(num_rows,),
-        in_specs=[pl.BlockSpec((1, heads, dim), lambda t, c: (t, 0, 0)),
+        num_scalar_prefetch=2, grid=(num_rows,),
+        in_specs=[pl.BlockSpec((1, heads, dim), lambda t, *_: (t, 0, 0)),
                   pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=out_specs,
         scratch_shapes=[pltpu.VMEM(gbuf, cache.dtype),  # gathered rows, double buffer
-                        pltpu.SMEM((2, meta.shape[1]), jnp.int32),  # metadata of 2 rows
+                        pltpu.SMEM((2, k), jnp.int32),  # raw entries of 2 query rows
                         pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2,)),
+                        pltpu.SMEM((2,), jnp.int32),  # units issued into each buffer
+                        pltpu.SMEM((2, units), jnp.int32),  # page mode: in-page limits
+                        pltpu.SMEM((1,), jnp.int32),  # walk cursor in the current row
                         pltpu.SMEM((1,), jnp.int32)])  # gather buffer parity across rows
+    traffic = mla_traffic(rows=num_rows, heads=heads, dim=dim, v_dim=v_dim,
+                          selected_rows=k * (1 if mode == "token" else page_size), fmt=fmt,
+                          q_itemsize=q.dtype.itemsize, meta_words=k, prep_bytes=0,
+                          table_words=table.shape[0], shape=shape)
     call = pl.pallas_call(
         kernel, grid_spec=grid_spec, out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",),  # each row prefetches the next row's rows
             vmem_limit_bytes=mla_blocks.vmem_limit(shape, _chip_vmem(), vmem_limit_bytes)),
+        cost_estimate=pl.CostEstimate(flops=traffic.flops, transcendentals=0,
+                                      bytes_accessed=traffic.bytes_moved),
         interpret=interpret_params(interpret), name=f"{mode}_sparse_mla")
-    res = call(counts, q, meta, cache)
+    res = call(info.reshape(-1), table, q, entries, cache)
     return res[0], (res[1] if return_lse else None)
 
 
@@ -343,19 +405,41 @@ def finish(out, lse, return_lse):
     return (out, lse[..., 0]) if return_lse else out
 
 
-def compact(valid, *cols):
-    """Stable partition of each row: valid entries first. Returns (count i32[T], cols...).
+def row_info(entries, kv_lens, cu_q_lens, cu_kv_lens, distribution, *, mode: str,
+             page_size: int, pages_per_seq: int) -> jax.Array:
+    """Per query row, what the kernel's walk needs: ``i32[T, 4]`` = (entries that can be valid,
+    one past the last such entry, the sequence's first page slot, the limit).
 
-    A prefix-sum destination and a scatter (a permutation per row): linear work, and much
-    cheaper to compile and run on TPU than a sort over the k entries."""
-    num_rows, width = valid.shape
-    before = jnp.cumsum(valid, axis=1, dtype=jnp.int32)  # valid entries up to and including j
-    count = before[:, -1] if width else jnp.zeros((num_rows,), jnp.int32)
-    j = jnp.arange(width, dtype=jnp.int32)[None, :]
-    dest = jnp.where(valid, before - 1, count[:, None] + j - before)
-    row = jnp.broadcast_to(jnp.arange(num_rows, dtype=jnp.int32)[:, None], dest.shape)
-    return (count, *(jnp.zeros((num_rows, width), jnp.int32).at[row, dest].set(
-        c.astype(jnp.int32), unique_indices=True, indices_are_sorted=False) for c in cols))
+    Elementwise over ``entries i32[T, k]`` plus two row reductions and per-row metadata: no
+    per-entry page-table lookup (the kernel reads the table in SMEM) and no compaction (the
+    kernel's walk skips invalid entries). "Can be valid": the row belongs to a sequence and
+    ``0 <= e < limit`` (token: ``limit = min(kv_len, capacity)``), or the page holds a token
+    below ``limit = min(kv_len, capacity, abs_pos + 1)`` (page); the page slot and page id
+    checks happen in the kernel, which may therefore fill fewer rows than this count.
+    """
+    num_rows, k = entries.shape
+    rows = batch.row_facts(num_rows, kv_lens, cu_q_lens, distribution)
+    cap = batch.capacity_tokens(page_size, pages_per_seq)
+    limit = jnp.clip(kv_lens[rows.seq], 0, cap)
+    if mode == "page":
+        limit = jnp.clip(jnp.minimum(limit, rows.abs_pos + 1), 0, None)
+    limit = jnp.where(rows.in_seq, limit, 0)
+    if mode == "token":
+        ok = (entries >= 0) & (entries < limit[:, None])
+    else:  # the page's first token is below the limit (clip: no overflow for huge numbers)
+        ok = (entries >= 0) & (jnp.clip(entries, 0, pages_per_seq) * page_size < limit[:, None])
+    count = jnp.sum(ok, axis=1, dtype=jnp.int32)
+    end = jnp.max(jnp.where(ok, jnp.arange(1, k + 1, dtype=jnp.int32)[None, :], 0), axis=1,
+                  initial=0)
+    slot0 = cu_kv_lens[rows.seq] // page_size
+    return jnp.stack([count, end, slot0, limit], axis=1).astype(jnp.int32)
+
+
+def page_table(page_indices) -> jax.Array:
+    """The page table for SMEM: ``page_indices`` as is (one ``-1`` entry when empty: SMEM
+    cannot hold a zero-size array; ``-1`` is an invalid page id)."""
+    table = page_indices.astype(jnp.int32)
+    return table if table.shape[0] else jnp.full((1,), -1, jnp.int32)
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -408,16 +492,14 @@ def sparse_mla(
                           "(reference.packed_cache.pack_cache, or dsa_jax.PagedLayout("
                           "packed_latent=True))", PerformanceWarning, stacklevel=2)
         cache_kv, fmt = packed_cache.pack_cache(cache_kv), "packed"
-    num_pages, page_size, _ = cache_kv.shape
+    page_size = cache_kv.shape[1]
     k = topk_indices.shape[1]
     units = mla_blocks.token_block(k, aot.detect_chip(), tokens_per_block)
-    rows = batch.row_facts(q.shape[0], kv_lens, cu_q_lens, distribution)
-    slots, valid = attend.token_slots(topk_indices, rows, kv_lens, page_indices, cu_kv_lens,
-                                      page_size=page_size, pages_per_seq=pages_per_seq,
-                                      num_pages=num_pages, causal=False)
-    counts, meta = compact(valid, slots)
-    out, lse = gather_attend(compute_query(q, fmt), cache_kv, meta, counts, mode="token",
-                             fmt=fmt, units=units, meta_len=k, sm_scale=sm_scale,
+    info = row_info(topk_indices, kv_lens, cu_q_lens, cu_kv_lens, distribution, mode="token",
+                    page_size=page_size, pages_per_seq=pages_per_seq)
+    out, lse = gather_attend(compute_query(q, fmt), cache_kv, topk_indices.astype(jnp.int32),
+                             info, page_table(page_indices), mode="token", fmt=fmt,
+                             units=units, pages_per_seq=pages_per_seq, sm_scale=sm_scale,
                              v_dim=v_dim, return_lse=return_lse,
                              vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
     return finish(out.astype(q.dtype), lse, return_lse)
@@ -425,23 +507,34 @@ def sparse_mla(
 
 # ----------------------------------------------------------------------------- cost model
 
-PREP_BYTES_PER_ENTRY = 28  # XLA index preparation per top-k entry (read, slots, partition)
+# XLA index preparation (``row_info``) per top-k entry: each entry is read once (the row
+# reductions fuse into that read); the per-row outputs are noise beside it.
+PREP_BYTES_PER_ENTRY = 4
+ROW_INFO_WORDS = 4  # i32 words of ``row_info`` per query row (scalar-prefetched)
+
+
+def prefetch_bytes(*, rows: int, table_words: int) -> int:
+    """HBM -> SMEM bytes of the scalar prefetch: ``row_info`` and the page table."""
+    return 4 * (rows * ROW_INFO_WORDS + table_words)
 
 
 def mla_traffic(*, rows: int, heads: int, dim: int, v_dim: int, selected_rows: int,
                 fmt: str, q_itemsize: int, meta_words: int, prep_bytes: int,
-                shape: mla_blocks.MlaBlockShape) -> aot.Traffic:
+                table_words: int, shape: mla_blocks.MlaBlockShape) -> aot.Traffic:
     """Modelled HBM traffic of one call where every query row selects ``selected_rows`` valid
     cache rows. The minimum moves each selected row once at the plain dtype and D features
     (bf16: 2 bytes, f32: 4), reads q once and writes out once; the kernel moves a packed row as
-    its ``packed_words(D)`` words (Mosaic moves rows whole; see ``reference.packed_cache``)."""
+    its ``packed_words(D)`` words (Mosaic moves rows whole; see ``reference.packed_cache``),
+    each row's ``meta_words`` raw entries into SMEM, and the scalar-prefetched row info and
+    page table (``table_words``) once. ``prep_bytes`` is the XLA side (``row_info``)."""
     plain_item = 4 if fmt == "f32" else 2
     row_bytes = (4 * packed_cache.packed_words(dim) if fmt == "packed"
                  else dim * plain_item)
     q_out = rows * heads * (dim + v_dim) * q_itemsize
     gathered = rows * selected_rows * row_bytes
     bytes_min = rows * selected_rows * dim * plain_item + q_out
-    moved = gathered + q_out + rows * 4 * meta_words + prep_bytes
+    smem = 4 * rows * meta_words + prefetch_bytes(rows=rows, table_words=table_words)
+    moved = gathered + q_out + smem + prep_bytes
     flops = 2 * rows * heads * selected_rows * (dim + v_dim)
     return aot.Traffic(int(moved), int(bytes_min), int(flops), mla_blocks.vmem_bytes(shape))
 
@@ -506,7 +599,8 @@ def _token_case(label, rows, seqs, context, heads, k, fmt, dt) -> aot.CompileCas
     def traffic(chip):
         t = mla_traffic(rows=rows, heads=heads, dim=MLA_DIM, v_dim=MLA_V_DIM,
                         selected_rows=k, fmt=kfmt, q_itemsize=2, meta_words=k,
-                        prep_bytes=rows * k * PREP_BYTES_PER_ENTRY, shape=shape_for(chip)[1])
+                        prep_bytes=rows * k * PREP_BYTES_PER_ENTRY,
+                        table_words=seqs * context // MLA_PAGE, shape=shape_for(chip)[1])
         if fmt == "bf16":  # slow path: pack the whole cache (read bf16, write words) per call
             pages = seqs * context // MLA_PAGE
             extra = pages * MLA_PAGE * (2 * MLA_DIM + 4 * packed_cache.packed_words(MLA_DIM))

@@ -12,7 +12,9 @@ Model: ``case.model`` is the kernel module's own traffic function (``index_score
 shapes and blocks. It also prices XLA work outside the ``pallas_call`` (the indexer
 page-score row map, the sparse MLA index preparation); those terms are split out as "XLA side"
 (``*_xla_bytes`` below, one line per model term), because the interpreter counts only the
-kernel's own copies. Counted must equal the model's kernel side exactly.
+kernel's own copies; the MLA kernels' scalar prefetch (row info and page table into SMEM) is
+set aside with it, as the interpreter does not count scalar prefetch either. Counted must equal
+the model's kernel side exactly.
 
 Usage: ``python scripts/hbm_traffic.py [--quick] [--out DIR]``
 """
@@ -184,7 +186,7 @@ def mla_case(s: Shape, *, page_mode: bool, k: int, block: int, v_dim: int,
     if page_mode:
         sel = jnp.asarray(full_page_topk(s, k, rng))
         units = mla_blocks.page_block(k, s.page_size, None, block)
-        fmt, cache, selected, meta_words = "bf16", plain, k * s.page_size, 2 * k
+        fmt, cache, selected, meta_words = "bf16", plain, k * s.page_size, k
         prep = s.rows * k * PREP_BYTES_PER_PAGE
 
         def run():
@@ -206,10 +208,14 @@ def mla_case(s: Shape, *, page_mode: bool, k: int, block: int, v_dim: int,
                              q_dtype=jnp.bfloat16, fmt=fmt)
     model = smla.mla_traffic(rows=s.rows, heads=s.heads, dim=s.dim, v_dim=v_dim,
                              selected_rows=selected, fmt=fmt, q_itemsize=2,
-                             meta_words=meta_words, prep_bytes=prep, shape=shape)
+                             meta_words=meta_words, prep_bytes=prep,
+                             table_words=int(page_indices.shape[0]), shape=shape)
     name = "page_sparse_mla" if page_mode else "sparse_mla"
     what = f"k_pages={k} pages/block={units}" if page_mode else f"k={k} rows/block={units}"
-    return Case(name, s.name, run, model, prep, f"{what} {fmt}")
+    # The interpreter does not count scalar prefetch (row info + page table -> SMEM): priced by
+    # the model, set aside here with the XLA side.
+    prefetch = smla.prefetch_bytes(rows=s.rows, table_words=int(page_indices.shape[0]))
+    return Case(name, s.name, run, model, prep + prefetch, f"{what} {fmt}")
 
 
 # ----------------------------------------------------------------------------- cases

@@ -188,6 +188,23 @@ def test_selection_wider_than_block_and_not_a_multiple():
     run_token(b, sel, dtype=jnp.float32, fmt="f32", v_dim=128, block=8)
 
 
+def test_bad_page_ids_and_slots_are_skipped_inside_the_kernel():
+    """Page ids < 0 or >= num_pages, and a sequence whose page slots lie past the table: the
+    kernel's walk (which reads the page table in SMEM) skips exactly what the reference does,
+    with valid entries before, between and after the skipped ones in one block."""
+    import dataclasses
+
+    b = batches.scenario("mixed_padding", 13, num_heads=4, dim=128)
+    table = np.array(b.page_indices)
+    table[1], table[4] = -3, b.cache.shape[0] + 5
+    cu_kv = np.array(b.cu_kv_lens)
+    cu_kv[3] = table.shape[0] * b.page_size  # every page slot of sequence 3 is off the table
+    b = dataclasses.replace(b, page_indices=table, cu_kv_lens=cu_kv)
+    rng = np.random.default_rng(13)
+    run_token(b, junk_token_topk(rng, b, 24), dtype=jnp.float32, fmt="f32", v_dim=128, block=8)
+    run_page(b, junk_page_topk(rng, b, 5), dtype=jnp.float32, fmt="f32", v_dim=128, block=2)
+
+
 def test_no_tail_padding_last_page_of_table():
     """The last sequence's last page is the last entry of page_indices (no tail padding)."""
     b = batches.scenario("short_context", 12, num_heads=2, dim=128)
