@@ -28,9 +28,12 @@ Design.
   blocks ``[L, H, D]`` at row ``q row`` (the leading, untiled dim: any offset): no per-item
   gather in XLA. ``q row = clip(first row, 0, T - L)``; ``shift = first row - q row`` says which
   block rows are the item's (only a remainder block at the end of ``q`` is shifted).
-- Scalar prefetch: the work list ``i32[W_L * 9]`` and a clean page table ``i32[S *
-  pages_per_seq]`` (``reference.batch.seq_pages``: ``num_pages`` marks a page that must not be
-  read). ``page_indices`` itself is never read inside the kernel.
+- Scalar prefetch: the work list ``i32[W_L * 10]`` (each item carries its sequence's first
+  page-table slot) and the page table ``page_indices`` as it is. The kernel looks each page up
+  in SMEM on the scalar core and skips a slot outside the table or a page id outside
+  ``[0, num_pages)`` (``reference.batch.seq_pages``' rules): XLA does no per-page gather (a
+  clean ``[S, pages_per_seq]`` table gathered in XLA modelled at 35 MB on v6e at 64 x 4096,
+  half the kernel's key bytes: issue 13).
 - Keys stay in HBM (``pltpu.HBM``). An item needs ``ceil(min(last row's abs pos + 1, kv_len) /
   page_size)`` pages (causal); they are read in stages of ``P`` (``block_pages``) pages, one DMA
   per page, double-buffered, and the first stage of the next item is started during the last
@@ -62,13 +65,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import aot
+from pallas_kernels import aot, tpu
 from pallas_kernels.indexer_blocks import LANES, IndexerBlocks, default_blocks, vmem_estimate
 from reference import batch, index_scores
 
 NEG_INF = float("-inf")
 # Work-list fields (one i32 row of _NF per item).
-_SEQ, _ROW, _NROWS, _POS0, _KVLEN, _NPAGES, _NBLK, _SHIFT, _QROW, _NF = range(10)
+_SEQ, _ROW, _NROWS, _POS0, _KVLEN, _NPAGES, _NBLK, _SHIFT, _QROW, _SLOT0, _NF = range(11)
 
 
 @dataclass(frozen=True)
@@ -170,7 +173,7 @@ def _seq_rows(kv_lens, cu_q_lens, distribution, *, total_rows: int, row0, rows: 
     return q_start, q_end - q_start, lo, hi
 
 
-def _level_items(cfg: ScoreConfig, i: int, top: int, ladder, seq_rows, kv_lens, row0):
+def _level_items(cfg: ScoreConfig, i: int, top: int, ladder, seq_rows, kv_lens, slot0, row0):
     """Items ``i32[W_L, _NF]`` of ladder level ``i`` (see the module docstring)."""
     q_start, q_len, lo, hi = seq_rows
     num_seqs, size = kv_lens.shape[0], cfg.block_rows
@@ -185,7 +188,8 @@ def _level_items(cfg: ScoreConfig, i: int, top: int, ladder, seq_rows, kv_lens, 
         count, base = has_rem, lo + full * top
     cum = jnp.cumsum(count)
     w = jnp.arange(cfg.num_items, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cum, w, side="right"), 0, num_seqs - 1).astype(jnp.int32)
+    seq = jnp.searchsorted(cum, w, side="right", method="compare_all")  # loop-free
+    seq = jnp.clip(seq, 0, num_seqs - 1).astype(jnp.int32)
     real = w < cum[-1]
     row = base[seq] + (w - (cum[seq] - count[seq])) * size
     n = jnp.where(real, jnp.clip(hi[seq] - row, 0, size), 0)
@@ -200,11 +204,11 @@ def _level_items(cfg: ScoreConfig, i: int, top: int, ladder, seq_rows, kv_lens, 
     # start DMAs for it that nobody waits on (found by scripts/hbm_traffic.py's count).
     npages = jnp.where(n > 0, (tokens + cfg.page_size - 1) // cfg.page_size, 0)
     nblk = jnp.where(n > 0, jnp.maximum((npages + cfg.block_pages - 1) // cfg.block_pages, 1), 0)
-    return jnp.stack([seq, row - row0, n, pos - shift, kv_eff, npages, nblk, shift, qrow],
-                     1).astype(jnp.int32)
+    return jnp.stack([seq, row - row0, n, pos - shift, kv_eff, npages, nblk, shift, qrow,
+                      slot0[seq]], 1).astype(jnp.int32)
 
 
-def work_list(kv_lens, cu_q_lens, distribution, *, row0, cfgs: list[ScoreConfig],
+def work_list(kv_lens, cu_q_lens, distribution, *, cu_kv_lens, row0, cfgs: list[ScoreConfig],
               one_token_per_seq: bool):
     """Items of every level plus per-row facts of the chunk's rows.
 
@@ -214,9 +218,10 @@ def work_list(kv_lens, cu_q_lens, distribution, *, row0, cfgs: list[ScoreConfig]
     c, ladder = cfgs[0].rows, tuple(cfg.block_rows for cfg in cfgs)
     seq_rows = _seq_rows(kv_lens, cu_q_lens, distribution, total_rows=cfgs[0].total_rows,
                          row0=row0, rows=c, one_token_per_seq=one_token_per_seq)
+    slot0 = cu_kv_lens[:-1] // cfgs[0].page_size  # each sequence's first page-table slot
     all_items, slot_rows, slot_pos, slot_kv = [], [], [], []
     for i, cfg in enumerate(cfgs):
-        items = _level_items(cfg, i, ladder[-1], ladder, seq_rows, kv_lens, row0)
+        items = _level_items(cfg, i, ladder[-1], ladder, seq_rows, kv_lens, slot0, row0)
         all_items.append(items)
         j = jnp.arange(cfg.block_rows, dtype=jnp.int32)[None, :]
         shift, n = items[:, _SHIFT:_SHIFT + 1], items[:, _NROWS:_NROWS + 1]
@@ -237,15 +242,22 @@ def _field(items_ref, w, f):
     return items_ref[w * _NF + f]
 
 
-def _page_copies(cfg: ScoreConfig, items_ref, pages_ref, cache_hbm, kbuf, ksem, w, blk, slot):
-    """``[(fetch?, descriptor)]`` for the ``P`` pages of stage ``blk`` of item ``w``."""
-    seq, npages = _field(items_ref, w, _SEQ), _field(items_ref, w, _NPAGES)
+def _page_copies(cfg: ScoreConfig, items_ref, table_ref, cache_hbm, kbuf, ksem, w, blk, slot):
+    """``[(fetch?, descriptor)]`` for the ``P`` pages of stage ``blk`` of item ``w``.
+
+    Page ``j`` of the item's sequence is ``table[slot0 + j]`` (the page table in SMEM, read on
+    the scalar core): fetched only if ``j`` is a page the item needs, the slot lies inside the
+    table and the page id inside ``[0, num_pages)`` (``reference.batch.seq_pages``' rules)."""
+    npages, slot0 = _field(items_ref, w, _NPAGES), _field(items_ref, w, _SLOT0)
+    num_slots = table_ref.shape[0]
     out = []
     for p in range(cfg.block_pages):
         j = blk * cfg.block_pages + p
-        pid = pages_ref[seq * cfg.pages_per_seq + jnp.minimum(j, cfg.pages_per_seq - 1)]
-        ok = (j < npages) & (pid < cfg.num_pages)
-        src = cache_hbm.at[jnp.minimum(pid, cfg.num_pages - 1)]
+        tslot = slot0 + j
+        ok = (j < npages) & (tslot >= 0) & (tslot < num_slots)
+        pid = table_ref[jnp.clip(tslot, 0, num_slots - 1)]
+        ok &= (pid >= 0) & (pid < cfg.num_pages)
+        src = cache_hbm.at[jnp.clip(pid, 0, cfg.num_pages - 1)]
         out.append((ok, pltpu.make_async_copy(src, kbuf.at[slot, p], ksem.at[slot])))
     return out
 
@@ -314,7 +326,7 @@ def _row_copies(cfg: ScoreConfig, items_ref, obuf, out_hbm, osem, w, slot):
 
 def _score_kernel(cfg: ScoreConfig, aliased: bool,
                   # scalar prefetch
-                  items_ref, pages_ref,
+                  items_ref, table_ref,
                   # inputs (q [L, H, D], weights [L, H, 1], keys in HBM, [earlier scores])
                   q_ref, w_ref, cache_hbm, *refs):
     if aliased:  # the earlier levels' scores: the same HBM buffer as out_ref, never read here
@@ -324,7 +336,7 @@ def _score_kernel(cfg: ScoreConfig, aliased: bool,
     n_items = pl.num_programs(0)
     nblk = _field(items_ref, w, _NBLK)
     pos0, kv_eff = _field(items_ref, w, _POS0), _field(items_ref, w, _KVLEN)
-    copies = functools.partial(_page_copies, cfg, items_ref, pages_ref, cache_hbm, kbuf, ksem)
+    copies = functools.partial(_page_copies, cfg, items_ref, table_ref, cache_hbm, kbuf, ksem)
 
     @pl.when(w == 0)
     def _():
@@ -409,17 +421,6 @@ def make_configs(q, cache_kv, *, rows: int, num_seqs: int, pages_per_seq: int,
                         page_size=page_size, pages_per_seq=pages_per_seq, num_pages=num_pages,
                         compute_dtype=jnp.dtype(compute), key_dtype=jnp.dtype(cache_kv.dtype))
             for i, size in enumerate(ladder)]
-
-
-def clean_page_table(kv_lens, page_indices, cu_kv_lens, *, page_size: int, pages_per_seq: int,
-                     num_pages: int) -> jax.Array:
-    """``i32[S * pages_per_seq]``: each sequence's page ids, ``num_pages`` where not readable
-    (``reference.batch.seq_pages``' rules)."""
-    def one(i):
-        return batch.seq_pages(i, kv_lens, page_indices, cu_kv_lens, page_size=page_size,
-                               pages_per_seq=pages_per_seq, num_pages=num_pages).page_ids
-
-    return jax.vmap(one)(jnp.arange(kv_lens.shape[0], dtype=jnp.int32)).reshape(-1)
 
 
 def _interpret_arg(interpret):
@@ -535,14 +536,13 @@ def score_and_select(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu
     cfgs = make_configs(q, cache_kv, rows=c, num_seqs=num_seqs, pages_per_seq=pages_per_seq,
                         blocks=blocks, page_mode=page_mode,
                         one_token_per_seq=one_token_per_seq)
-    table = clean_page_table(seq_lens, page_indices, cu_kv_lens, page_size=page_size,
-                             pages_per_seq=pages_per_seq, num_pages=num_pages)
+    table = tpu.smem_page_table(page_indices)
     q_in = q.astype(cfgs[0].compute_dtype)  # a no-op unless q and keys differ in dtype
     wcol = weights.astype(jnp.float32).reshape(total_rows, q.shape[1], 1)
 
     def one_chunk(row0):
         items, row_slot, abs_pos, kv_eff = work_list(
-            seq_lens, cu_q_lens, distribution, row0=row0, cfgs=cfgs,
+            seq_lens, cu_q_lens, distribution, cu_kv_lens=cu_kv_lens, row0=row0, cfgs=cfgs,
             one_token_per_seq=one_token_per_seq)
         scores = None
         per_level = []

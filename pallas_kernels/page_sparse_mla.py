@@ -33,14 +33,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import aot, mla_blocks
+from pallas_kernels import aot, mla_blocks, tpu
 from pallas_kernels import sparse_mla as smla
 from pallas_kernels.sparse_mla import (
     check_kernel_args,
     compute_query,
     finish,
     gather_attend,
-    page_table,
     row_info,
 )
 
@@ -89,7 +88,7 @@ def page_sparse_mla(
     info = row_info(topk_pages, kv_lens, cu_q_lens, cu_kv_lens, distribution, mode="page",
                     page_size=page_size, pages_per_seq=pages_per_seq)
     out, lse = gather_attend(compute_query(q, fmt), cache_kv, topk_pages.astype(jnp.int32),
-                             info, page_table(page_indices), mode="page", fmt=fmt,
+                             info, tpu.smem_page_table(page_indices), mode="page", fmt=fmt,
                              units=units, pages_per_seq=pages_per_seq, sm_scale=sm_scale,
                              v_dim=v_dim, return_lse=return_lse,
                              vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)

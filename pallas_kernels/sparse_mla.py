@@ -64,7 +64,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import aot, mla_blocks
+from pallas_kernels import aot, mla_blocks, tpu
 from reference import batch, packed_cache
 from reference._mla_args import check_mla_args
 
@@ -435,13 +435,6 @@ def row_info(entries, kv_lens, cu_q_lens, cu_kv_lens, distribution, *, mode: str
     return jnp.stack([count, end, slot0, limit], axis=1).astype(jnp.int32)
 
 
-def page_table(page_indices) -> jax.Array:
-    """The page table for SMEM: ``page_indices`` as is (one ``-1`` entry when empty: SMEM
-    cannot hold a zero-size array; ``-1`` is an invalid page id)."""
-    table = page_indices.astype(jnp.int32)
-    return table if table.shape[0] else jnp.full((1,), -1, jnp.int32)
-
-
 # ----------------------------------------------------------------------------- entry point
 
 
@@ -498,7 +491,7 @@ def sparse_mla(
     info = row_info(topk_indices, kv_lens, cu_q_lens, cu_kv_lens, distribution, mode="token",
                     page_size=page_size, pages_per_seq=pages_per_seq)
     out, lse = gather_attend(compute_query(q, fmt), cache_kv, topk_indices.astype(jnp.int32),
-                             info, page_table(page_indices), mode="token", fmt=fmt,
+                             info, tpu.smem_page_table(page_indices), mode="token", fmt=fmt,
                              units=units, pages_per_seq=pages_per_seq, sm_scale=sm_scale,
                              v_dim=v_dim, return_lse=return_lse,
                              vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)

@@ -95,7 +95,10 @@ def row_facts(num_rows: int, kv_lens, cu_q_lens, distribution) -> RowFacts:
     """
     num_seqs = kv_lens.shape[0]
     rows = jnp.arange(num_rows, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu_q_lens[1:], rows, side="right").astype(jnp.int32)
+    # compare_all: one [T, S] compare-and-count, loop- and gather-free (the default "scan"
+    # method is a while loop of gathers, and XLA's cost model counts a loop body once).
+    seq = jnp.searchsorted(cu_q_lens[1:], rows, side="right", method="compare_all")
+    seq = seq.astype(jnp.int32)
     seq = jnp.clip(seq, 0, max(num_seqs - 1, 0))
     q_start, q_end = cu_q_lens[seq], cu_q_lens[seq + 1]
     active = seq < num_active_seqs(distribution, num_seqs)

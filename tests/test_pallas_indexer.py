@@ -120,10 +120,15 @@ def test_corrupt_page_ids_are_never_read_and_their_tokens_never_selected():
     table = b.page_indices.copy()
     table[1] = b.cache.shape[0] + 5  # out of range: its tokens do not exist
     table[-1] = -3
-    bad = dataclasses.replace(b, page_indices=table)
+    cu_kv = b.cu_kv_lens.copy()
+    cu_kv[1] = (table.shape[0] - 1) * b.page_size  # sequence 1's later page slots: off the table
+    bad = dataclasses.replace(b, page_indices=table, cu_kv_lens=cu_kv)
     idx = streamindex_topk(*bad.args(), k=24, pages_per_seq=PAGES_PER_SEQ, block_rows=2,
                            block_pages=2, interpret=STRICT)
     check_token_topk(np.asarray(idx), bad, 24)
+    pages = streamindex_page_topk(*bad.args(), k_pages=3, pages_per_seq=PAGES_PER_SEQ,
+                                  block_rows=2, block_pages=2, interpret=STRICT)
+    check_page_topk(np.asarray(pages), bad, 3)
 
 
 def test_inactive_sequences_rows_are_all_minus_one():
@@ -160,8 +165,8 @@ def test_mixed_batch_decode_rows_take_one_row_items():
                             one_token_per_seq=False)
     assert [c.block_rows for c in cfgs] == [1, 4, 16]
     kv, cu_q, dist = (jnp.asarray(x) for x in (b.seq_lens, b.cu_q_lens, b.distribution))
-    items, slot, pos, _ = isk.work_list(kv, cu_q, dist, row0=jnp.int32(0), cfgs=cfgs,
-                                        one_token_per_seq=False)
+    items, slot, pos, _ = isk.work_list(kv, cu_q, dist, cu_kv_lens=jnp.asarray(b.cu_kv_lens),
+                                        row0=jnp.int32(0), cfgs=cfgs, one_token_per_seq=False)
     starts = np.cumsum([0] + [c.num_items * c.block_rows for c in cfgs])
     level = np.searchsorted(starts, np.asarray(slot), side="right") - 1
     np.testing.assert_array_equal(level, [0] * 6 + [1] * 3 + [2] * 16 + [1] * 3)
