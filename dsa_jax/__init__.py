@@ -8,6 +8,10 @@ writer, the multi-layer DSA step (IndexShare), opt-in checkify validation, mesh 
 - ``dsa_step``: cache update, top-k on full layers, sparse MLA on every layer.
 - ``check_batch`` / ``run_checked``: the runtime rules behind ``validate=True``.
 - ``sharded_dsa_step``: the step on a ``jax.sharding.Mesh`` (data x model).
+- ``pack_cache`` / ``unpack_cache`` / ``packed_words``: the packed bf16 latent cache the
+  token-sparse kernel gathers single rows from (``reference.packed_cache``), and
+  ``PerformanceWarning``, emitted when a call takes a documented slow path (a plain bf16 cache
+  packed on every call).
 - Segment witnesses (``reference.witnesses``) re-exported.
 """
 
@@ -18,7 +22,9 @@ from dsa_jax.ops import indexer_topk, page_sparse_mla, page_topk, sparse_mla
 from dsa_jax.sharding import sharded_dsa_step
 from dsa_jax.step import BatchMeta, StepInputs, StepResult, dsa_step
 from dsa_jax.validate import check_batch, run_checked
+from pallas_kernels.sparse_mla import PerformanceWarning
 from reference import build_index_share_map, glm_index_share_pattern
+from reference.packed_cache import pack_cache, packed_words, unpack_cache
 from reference.witnesses import (
     MAX_TOPOLOGY_SEGMENTS,
     LearnedKeepOutOfRange,
@@ -40,11 +46,12 @@ from reference.witnesses import (
 
 __all__ = [
     "BACKENDS",
-    "MAX_TOPOLOGY_SEGMENTS",
     "BatchMeta",
     "LayoutError",
     "LearnedKeepOutOfRange",
+    "MAX_TOPOLOGY_SEGMENTS",
     "PagedLayout",
+    "PerformanceWarning",
     "RowsMismatch",
     "SegmentsOutOfRange",
     "StepInputs",
@@ -61,6 +68,8 @@ __all__ = [
     "local_selector",
     "locality_null",
     "merge_topology_witnesses",
+    "pack_cache",
+    "packed_words",
     "page_sparse_mla",
     "page_topk",
     "random_null",
@@ -69,10 +78,11 @@ __all__ = [
     "run_checked",
     "scatter_topology_witnesses",
     "segment_coverage",
-    "sharded_dsa_step",
     "segment_of",
+    "sharded_dsa_step",
     "sparse_mla",
     "topology_witness_indices",
+    "unpack_cache",
     "update_kv_cache",
     "write_slots",
 ]

@@ -5,29 +5,36 @@ reference elsewhere; the environment variable ``DSA_USE_PALLAS=1`` / ``0`` overr
 default (and only the default: an explicit ``backend=`` always wins). Off TPU, ``"pallas"`` runs
 the kernels in interpret mode.
 
-The kernels are looked up when an op is called, not when ``dsa_jax`` is imported, so the API
-works (reference-only) before a kernel exists; a missing kernel raises ``NotImplementedError``
-naming the op.
+The dispatch tables below name the functions themselves (no lookup by string), so a reader
+(or an IDE) can follow a call from ``dsa_jax.sparse_mla`` straight to the kernel entry.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
-import types
 
 import jax
+
+from pallas_kernels.indexer_topk import streamindex_topk
+from pallas_kernels.page_sparse_mla import page_sparse_mla
+from pallas_kernels.page_topk import streamindex_page_topk
+from pallas_kernels.sparse_mla import sparse_mla
+from reference import (
+    page_sparse_mla_ref,
+    sparse_mla_ref,
+    streamindex_page_topk_ref,
+    streamindex_topk_ref,
+)
 
 BACKENDS = ("reference", "pallas")
 ENV_VAR = "DSA_USE_PALLAS"
 
-# op -> (reference attribute in ``reference``, kernel attribute in ``pallas_kernels``, the
-# kernel's module inside ``pallas_kernels`` for a package that does not re-export it yet)
+# op -> (the jnp reference, the Pallas entry); both take the same arguments.
 OPS = {
-    "indexer_topk": ("streamindex_topk_ref", "streamindex_topk", "indexer_topk"),
-    "page_topk": ("streamindex_page_topk_ref", "streamindex_page_topk", "page_topk"),
-    "sparse_mla": ("sparse_mla_ref", "sparse_mla", "sparse_mla"),
-    "page_sparse_mla": ("page_sparse_mla_ref", "page_sparse_mla", "page_sparse_mla"),
+    "indexer_topk": (streamindex_topk_ref, streamindex_topk),
+    "page_topk": (streamindex_page_topk_ref, streamindex_page_topk),
+    "sparse_mla": (sparse_mla_ref, sparse_mla),
+    "page_sparse_mla": (page_sparse_mla_ref, page_sparse_mla),
 }
 
 
@@ -52,27 +59,6 @@ def resolve_backend(backend: str | None) -> str:
     return backend
 
 
-def reference_impl(op: str):
-    """The reference function of ``op``."""
-    return getattr(importlib.import_module("reference"), OPS[op][0])
-
-
-def pallas_impl(op: str):
-    """The Pallas entry of ``op``, or ``NotImplementedError`` naming the op if it is missing."""
-    _, attr, module = OPS[op]
-    try:
-        pkg = importlib.import_module("pallas_kernels")
-        fn = getattr(pkg, attr, None)
-        # ``pallas_kernels.sparse_mla`` is also a submodule's name: a module is not the entry
-        if fn is None or isinstance(fn, types.ModuleType):
-            fn = getattr(importlib.import_module(f"pallas_kernels.{module}"), attr)
-    except (ImportError, AttributeError) as e:
-        raise NotImplementedError(
-            f"backend='pallas' has no kernel for {op} yet (pallas_kernels.{attr} is missing: "
-            f"{e}); use backend='reference'") from e
-    return fn
-
-
 def implementation(op: str, backend: str | None, kernel_options: dict | None = None):
     """``(fn, extra_kwargs)`` for ``op`` under ``backend``.
 
@@ -80,9 +66,12 @@ def implementation(op: str, backend: str | None, kernel_options: dict | None = N
     reference has no knobs and ignores them, so flipping the backend never breaks a call.
     Off TPU the Pallas entry gets ``interpret=True`` unless ``kernel_options`` sets it.
     """
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; expected one of {sorted(OPS)}")
+    reference_fn, pallas_fn = OPS[op]
     if resolve_backend(backend) == "reference":
-        return reference_impl(op), {}
+        return reference_fn, {}
     extra = dict(kernel_options or {})
     if not on_tpu():
         extra.setdefault("interpret", True)
-    return pallas_impl(op), extra
+    return pallas_fn, extra

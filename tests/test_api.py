@@ -5,6 +5,9 @@ smallest the MLA kernel allows)."""
 
 from __future__ import annotations
 
+import sys
+
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from oracle import check_page_topk, check_token_topk, mla_oracle
@@ -55,13 +58,14 @@ def test_none_means_reference_off_tpu_and_the_env_var_overrides_only_the_default
         dsa_jax.resolve_backend(None)
 
 
-def test_a_missing_kernel_raises_not_implemented_naming_the_op(monkeypatch):
-    monkeypatch.setitem(backend_mod.OPS, "sparse_mla",
-                        ("sparse_mla_ref", "no_such_kernel", "no_such_module"))
-    with pytest.raises(NotImplementedError, match="no kernel for sparse_mla"):
-        backend_mod.implementation("sparse_mla", "pallas")
+def test_dispatch_names_the_functions_and_knobs_never_reach_the_reference():
+    import pallas_kernels
+
+    assert backend_mod.OPS["sparse_mla"] == (sparse_mla_ref, pallas_kernels.sparse_mla)
     fn, extra = backend_mod.implementation("sparse_mla", "reference", {"tokens_per_block": 8})
     assert fn is sparse_mla_ref and extra == {}  # knobs never break the reference
+    with pytest.raises(ValueError, match="unknown op 'mla'"):
+        backend_mod.implementation("mla", "reference")
 
 
 def test_off_tpu_pallas_runs_in_interpret_mode_unless_told_otherwise():
@@ -115,13 +119,24 @@ def test_page_topk_then_page_sparse_mla_meet_the_oracle_on_both_backends(tiny, b
                                          exact=True, backend=backend))
     check_page_topk(pages, tiny, 2)
     meta = tiny.meta()
-    try:
-        out = dsa_jax.page_sparse_mla(tiny.q, tiny.cache, meta[0], pages, *meta[1:],
-                                      sm_scale=SM_SCALE, pages_per_seq=PAGES, v_dim=V_DIM,
-                                      backend=backend)
-    except NotImplementedError as e:  # the page-sparse kernel has not landed yet
-        assert backend == "pallas" and "page_sparse_mla" in str(e)
-        return
+    out = dsa_jax.page_sparse_mla(tiny.q, tiny.cache, meta[0], pages, *meta[1:],
+                                  sm_scale=SM_SCALE, pages_per_seq=PAGES, v_dim=V_DIM,
+                                  backend=backend)
     want, _ = mla_oracle(tiny.q, tiny.cache, meta[0], pages, *meta[1:], sm_scale=SM_SCALE,
                          v_dim=V_DIM, pages_per_seq=PAGES, page=True)
     np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2e-5, atol=2e-5)
+
+
+def test_public_names_are_sorted_resolve_and_include_the_packed_path():
+    import pallas_kernels.sparse_mla  # noqa: F401  (the module, for its warning class)
+
+    assert dsa_jax.__all__ == sorted(dsa_jax.__all__)
+    for name in dsa_jax.__all__:
+        assert getattr(dsa_jax, name) is not None, name
+    mod = sys.modules["pallas_kernels.sparse_mla"]
+    assert dsa_jax.PerformanceWarning is mod.PerformanceWarning
+    x = np.random.default_rng(0).standard_normal((2, 4, 256)).astype(np.float32)
+    words = dsa_jax.pack_cache(x)
+    assert words.shape == (2, 4, dsa_jax.packed_words(256))
+    np.testing.assert_array_equal(dsa_jax.unpack_cache(words, 256),
+                                  np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32))
