@@ -270,6 +270,9 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    from pallas_kernels import tpu
+
+    tpu.skip_tpu_probe_without_tpu()  # no libtpu error block on a machine without a TPU
     if args.cmd == "run":
         return run(args)
     return 2

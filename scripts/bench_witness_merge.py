@@ -24,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pallas_kernels import tpu  # noqa: E402
 from reference.witnesses import scatter_topology_witnesses  # noqa: E402
 
 
@@ -62,6 +63,7 @@ def time_calls(fns: dict, args: dict, reps: int) -> dict[str, list[float]]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    tpu.skip_tpu_probe_without_tpu()  # times the default backend; no libtpu noise without a TPU
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=512)
     parser.add_argument("--topk", type=int, default=2048)
