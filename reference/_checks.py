@@ -25,11 +25,19 @@ def integer(name: str, x) -> None:
         raise TypeError(f"{name} must be an integer array, got dtype {jnp.result_type(x)}")
 
 
+# Floating dtypes every op and kernel computes with (products accumulate in f32).
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
 def floating(name: str, x) -> None:
-    """Refuse a non-floating array."""
-    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
-        raise TypeError(f"{name} must be a floating array (f32/bf16), got dtype "
-                        f"{jnp.result_type(x)}")
+    """Refuse a non-floating array (TypeError) and a floating dtype no kernel supports, such as
+    f16 or fp8 (ValueError naming the dtype and the supported list)."""
+    dt = jnp.dtype(jnp.result_type(x))
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise TypeError(f"{name} must be a floating array (float32 or bfloat16), got dtype {dt}")
+    if dt not in FLOAT_DTYPES:
+        raise ValueError(f"{name} has dtype {dt}, which no kernel supports; supported: "
+                         f"{', '.join(str(d) for d in FLOAT_DTYPES)}")
 
 
 def positive_int(name: str, value) -> int:

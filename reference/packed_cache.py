@@ -48,7 +48,14 @@ def is_packed(cache) -> bool:
 
 
 def pack_cache(cache: jax.Array) -> jax.Array:
-    """``bf16[..., D]`` (other floats are rounded to bf16) -> ``u32[..., packed_words(D)]``."""
+    """``bf16[..., D]`` (or ``f32``, rounded to bf16) -> ``u32[..., packed_words(D)]``.
+
+    Other dtypes (f16, fp8, integers) are refused with a ValueError: rounding them to bf16
+    would silently change their values' format."""
+    dt = jnp.dtype(jnp.result_type(cache))
+    if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"pack_cache packs bfloat16 (or float32, rounded to bfloat16) rows, "
+                         f"got dtype {dt}")
     d = cache.shape[-1]
     w = packed_words(d)
     c = cache.astype(jnp.bfloat16)

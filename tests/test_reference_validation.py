@@ -31,6 +31,9 @@ def _replace(args, i, value):
 @pytest.mark.parametrize("i,value,exc,match", [
     (0, np.zeros((9, 4)), ValueError, "q must have rank 3"),
     (0, np.zeros((9, 4, 16), np.int32), TypeError, "q must be a floating"),
+    (0, np.ones((9, 4, 16), np.float16), ValueError,
+     "q has dtype float16, which no kernel supports; supported: float32, bfloat16"),
+    (2, np.ones((4, 8, 16), np.float16), ValueError, "cache_kv has dtype float16"),
     (1, np.zeros((8, 4), np.float32), ValueError, r"weights.shape\[0\] must equal .* = 9, got 8"),
     (1, np.zeros((9, 5), np.float32), ValueError, r"weights.shape\[1\] must equal .* = 4, got 5"),
     (2, np.zeros((4, 8, 17), np.float32), ValueError, r"cache_kv.shape\[2\] .* = 16, got 17"),
@@ -74,3 +77,20 @@ def test_mla_refuses_bad_input(b, op):
         op(*args, **{**kw, "sm_scale": -1.0})
     with pytest.raises(ValueError, match=r"cache_kv.shape\[2\] must equal q.shape\[2\]"):
         op(*_replace(args, 1, jnp.zeros((4, 8, 32))), **kw)
+
+
+def test_an_f16_cache_is_refused_by_every_path_never_rounded():
+    """f16 is neither computed nor silently rounded to bf16 (pack_cache, sparse MLA)."""
+    from pallas_kernels.sparse_mla import sparse_mla
+    from reference.packed_cache import pack_cache
+
+    b = scenario("mtp", seed=1, dim=128)
+    cache16 = jnp.asarray(b.cache, jnp.float16)
+    with pytest.raises(ValueError, match="pack_cache packs bfloat16 .* got dtype float16"):
+        pack_cache(cache16)
+    sel = np.zeros((b.q.shape[0], 4), np.int32)
+    meta = b.meta()
+    for op in (sparse_mla_ref, sparse_mla):
+        with pytest.raises(ValueError, match="cache_kv has dtype float16"):
+            op(jnp.asarray(b.q, jnp.float32), cache16, meta[0], sel, *meta[1:], sm_scale=0.1,
+               pages_per_seq=PAGES_PER_SEQ, v_dim=64)
