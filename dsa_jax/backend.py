@@ -11,6 +11,7 @@ The dispatch tables below name the functions themselves (no lookup by string), s
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import jax
@@ -59,19 +60,49 @@ def resolve_backend(backend: str | None) -> str:
     return backend
 
 
+# The arguments every op's reference takes; the Pallas entries' other keywords are knobs.
+_OP_ARGS = frozenset(("k", "k_pages", "pages_per_seq", "one_token_per_seq", "num_segments",
+                      "recall_target", "exact", "sm_scale", "v_dim", "return_lse"))
+
+
+def kernel_knobs(op: str) -> frozenset[str]:
+    """The keyword knobs of ``op``'s Pallas entry (block sizes, ``chip``, ``interpret``...)."""
+    params = inspect.signature(OPS[op][1]).parameters.values()
+    return frozenset(p.name for p in params
+                     if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in _OP_ARGS)
+
+
+def split_kernel_options(ops: tuple[str, ...], kernel_options: dict | None) -> dict[str, dict]:
+    """Route one ``kernel_options`` dict to several ops (``dsa_step``): each op gets the knobs
+    its Pallas entry takes (``interpret`` goes to all, ``block_rows`` to the indexer,
+    ``tokens_per_block`` to the token MLA...). A knob no op takes raises ``ValueError``."""
+    opts = dict(kernel_options or {})
+    known = {op: kernel_knobs(op) for op in ops}
+    unknown = sorted(set(opts) - set().union(*known.values()))
+    if unknown:
+        raise ValueError(f"kernel_options {unknown} are not knobs of any of {list(ops)}; "
+                         f"their knobs: {sorted(set().union(*known.values()))}")
+    return {op: {k: v for k, v in opts.items() if k in known[op]} for op in ops}
+
+
 def implementation(op: str, backend: str | None, kernel_options: dict | None = None):
     """``(fn, extra_kwargs)`` for ``op`` under ``backend``.
 
     ``kernel_options`` (block sizes, chip, VMEM limit...) go to the Pallas entry only; the
-    reference has no knobs and ignores them, so flipping the backend never breaks a call.
+    reference has no knobs and ignores them, so flipping the backend never breaks a call. A
+    knob the Pallas entry does not take raises ``ValueError`` naming it and the entry's knobs.
     Off TPU the Pallas entry gets ``interpret=True`` unless ``kernel_options`` sets it.
     """
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; expected one of {sorted(OPS)}")
     reference_fn, pallas_fn = OPS[op]
+    extra = dict(kernel_options or {})
+    unknown = sorted(set(extra) - kernel_knobs(op))
+    if unknown:
+        raise ValueError(f"kernel_options {unknown} are not knobs of the Pallas {op}; its "
+                         f"knobs: {sorted(kernel_knobs(op))}")
     if resolve_backend(backend) == "reference":
         return reference_fn, {}
-    extra = dict(kernel_options or {})
     if not on_tpu():
         extra.setdefault("interpret", True)
     return pallas_fn, extra

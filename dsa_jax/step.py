@@ -116,13 +116,15 @@ def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, 
     full_slot, src_slot, _ = check_step_args(inputs, latent_caches, index_caches, layout=layout,
                                              indexer_types=indexer_types,
                                              granularity=granularity)
-    opts = dict(kernel_options) if kernel_options else None
     num_pages = latent_caches.shape[1]
     num_rows = inputs.q_mla.shape[1]
     page_id, offset = _cache.write_slots(layout, num_rows, num_pages, *meta)
     topk_op, mla_op = ((ops.indexer_topk, ops.sparse_mla) if granularity == "token"
                        else (ops.page_topk, ops.page_sparse_mla))
     k_name = "k" if granularity == "token" else "k_pages"
+    names = (("indexer_topk", "sparse_mla") if granularity == "token"
+             else ("page_topk", "page_sparse_mla"))
+    topk_opts, mla_opts = _backend.split_kernel_options(names, dict(kernel_options)).values()
     selections, outs = {}, []
     for layer in range(len(indexer_types)):
         new_latent = _pad_last(inputs.new_latent[layer], layout.padded_dim)
@@ -139,13 +141,13 @@ def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, 
                 **{k_name: k}, pages_per_seq=layout.pages_per_seq,
                 one_token_per_seq=one_token_per_seq, num_segments=num_segments,
                 recall_target=recall_target, exact=exact, backend=backend,
-                kernel_options=opts)
+                kernel_options=topk_opts)
         q = _pad_last(inputs.q_mla[layer], layout.padded_dim)
         kv_lens, page_indices, cu_q_lens, cu_kv_lens, distribution = meta
         outs.append(mla_op(q, latent_caches[layer], kv_lens, selections[src_slot[layer]],
                            page_indices, cu_q_lens, cu_kv_lens, distribution,
                            sm_scale=sm_scale, pages_per_seq=layout.pages_per_seq,
-                           v_dim=layout.v_dim, backend=backend, kernel_options=opts))
+                           v_dim=layout.v_dim, backend=backend, kernel_options=mla_opts))
     topk = jnp.stack([selections[s] for s in range(len(selections))])
     return StepResult(jnp.stack(outs), topk, latent_caches, index_caches)
 
@@ -173,7 +175,9 @@ def dsa_step(inputs: StepInputs, latent_caches: jax.Array, index_caches: jax.Arr
       backend: ``"reference"`` / ``"pallas"`` / ``None`` (``dsa_jax.backend``), resolved once
         here for every op of the step.
       validate: check the batch first (``dsa_jax.validate``, eager; raises on a bad batch).
-      kernel_options: knobs for the Pallas entries (dict of hashable values).
+      kernel_options: knobs for the Pallas entries (dict of hashable values); each op gets the
+        knobs its entry takes (``block_rows``/``block_pages`` the indexer, ``tokens_per_block``
+        or ``pages_per_block`` the MLA, ``interpret`` both); a knob none takes is refused.
 
     Returns:
       ``StepResult(out, topk, latent_caches, index_caches)``.

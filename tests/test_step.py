@@ -205,7 +205,9 @@ def test_a_shared_layer_attends_with_its_source_layers_selection_not_its_own_cac
 def test_the_step_gives_the_same_outputs_on_both_backends():
     b, inputs, latent, index = _step_case()
     ref = _step(b, inputs, latent, index, num_segments=2, backend="reference")
-    pal = _step(b, inputs, latent, index, num_segments=2, backend="pallas")
+    # Each kernel gets its own knobs from one dict (indexer blocks, MLA rows per block).
+    pal = _step(b, inputs, latent, index, num_segments=2, backend="pallas",
+                kernel_options={"block_rows": 4, "block_pages": 2, "tokens_per_block": 8})
     np.testing.assert_array_equal(pal.topk, ref.topk)  # exact selection, no ties in f32 noise
     np.testing.assert_allclose(pal.out, ref.out, rtol=2e-5, atol=2e-5)
     np.testing.assert_array_equal(pal.latent_caches, ref.latent_caches)
@@ -222,6 +224,12 @@ def test_step_refusals_name_the_numbers():
                          indexer_types=("shared", "full", "full"), k=6, sm_scale=SM_SCALE)
     with pytest.raises(ValueError, match="granularity must be one of"):
         _step(b, inputs, latent, index, granularity="block")
+    with pytest.raises(ValueError, match=r"kernel_options \['tile'\] are not knobs of any"):
+        _step(b, inputs, latent, index, backend="pallas", kernel_options={"tile": 8})
+    with pytest.raises(ValueError, match=r"\['block_rows'\] are not knobs of the Pallas "
+                                         r"sparse_mla; its knobs: \['interpret'"):
+        dsa_jax.sparse_mla(*_mla_args(b), sm_scale=SM_SCALE, pages_per_seq=LAYOUT.pages_per_seq,
+                           v_dim=LAYOUT.v_dim, kernel_options={"block_rows": 4})
 
 
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
@@ -269,3 +277,11 @@ def test_update_kv_cache_packs_rows_into_a_packed_latent_cache():
     packed, _ = dsa_jax.update_kv_cache(pack_cache(jnp.asarray(latent, jnp.bfloat16)), None,
                                         rows, None, *b.meta(), layout=packed_layout)
     np.testing.assert_array_equal(np.asarray(packed), np.asarray(pack_cache(plain)))
+
+
+def _mla_args(b):
+    meta = b.meta()
+    sel = np.zeros((b.q.shape[0], 4), np.int32)
+    q = np.zeros((b.q.shape[0], 2, LAYOUT.padded_dim), np.float32)
+    cache = np.zeros(LAYOUT.latent_cache_shape(b.cache.shape[0]), np.float32)
+    return (q, cache, meta[0], sel, *meta[1:])
