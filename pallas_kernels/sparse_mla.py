@@ -67,6 +67,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import aot, mla_blocks, tpu
 from reference import batch, packed_cache
 from reference._mla_args import check_mla_args
+from reference.cache_format import CacheFormat, check_packed_width
 
 
 class PerformanceWarning(UserWarning):
@@ -90,29 +91,25 @@ def interpret_params(interpret):
 
 
 def check_kernel_args(q, cache_kv, kv_lens, selected, page_indices, cu_q_lens, cu_kv_lens,
-                      distribution, *, sm_scale, pages_per_seq, v_dim, selected_name) -> str:
+                      distribution, *, sm_scale, pages_per_seq, v_dim,
+                      selected_name) -> CacheFormat:
     """The reference's checks (a packed cache is checked as the bf16 cache it holds) plus the
-    kernel's: D a multiple of 128. Returns the cache format: "f32", "bf16" or "packed"."""
+    kernel's: D a multiple of 128. Returns the cache's ``CacheFormat``."""
     plain = cache_kv
-    if packed_cache.is_packed(cache_kv):
-        if np.ndim(cache_kv) != 3:
-            raise ValueError(f"cache_kv must have rank 3, got shape {tuple(np.shape(cache_kv))}")
-        p, ps, w = np.shape(cache_kv)
-        dim = np.shape(q)[-1]
-        if w != packed_cache.packed_words(dim):
-            raise ValueError(f"packed cache_kv.shape[2] must equal packed_words(q.shape[2]="
-                             f"{dim}) = {packed_cache.packed_words(dim)}, got {w}")
-        plain = jax.ShapeDtypeStruct((p, ps, dim), jnp.bfloat16)
+    if np.ndim(cache_kv) != 3:
+        raise ValueError(f"cache_kv must have rank 3, got shape {tuple(np.shape(cache_kv))}")
+    fmt = CacheFormat.of(cache_kv, "cache_kv")
+    dim = np.shape(q)[-1]
+    if fmt.packed:
+        check_packed_width("cache_kv", cache_kv, dim)
+        plain = jax.ShapeDtypeStruct((*np.shape(cache_kv)[:2], dim), fmt.value_dtype)
     check_mla_args(q, plain, kv_lens, selected, page_indices, cu_q_lens, cu_kv_lens,
                    distribution, sm_scale=sm_scale, pages_per_seq=pages_per_seq, v_dim=v_dim,
                    selected_name=selected_name)
-    dim = np.shape(q)[-1]
     if dim % mla_blocks.LANES:
         raise ValueError(f"the latent dim q.shape[2] must be a multiple of {mla_blocks.LANES} "
                          f"(pad 576 -> 640 with zeros), got {dim}")
-    if packed_cache.is_packed(cache_kv):
-        return "packed"
-    return "f32" if jnp.result_type(cache_kv) == jnp.float32 else "bf16"
+    return fmt
 
 
 # ----------------------------------------------------------------------------- kernel body
@@ -327,14 +324,15 @@ def _kernel(info_ref, table_ref, q_ref, meta_hbm, cache_hbm, out_ref, *refs, mod
 
 
 def block_shape(mode, *, heads, dim, v_dim, page_size, units, meta_len, q_dtype, fmt):
-    """The static sizes the kernel allocates (for ``mla_blocks.vmem_bytes``)."""
-    f32 = jnp.dtype(q_dtype) == jnp.float32 or fmt == "f32"
-    words = packed_cache.packed_words(dim) if fmt == "packed" else dim
+    """The static sizes the kernel allocates (for ``mla_blocks.vmem_bytes``); ``fmt`` a
+    ``CacheFormat`` (or its short name)."""
+    fmt = CacheFormat.named(fmt)
+    compute = jnp.promote_types(jnp.dtype(q_dtype), fmt.value_dtype)
     return mla_blocks.MlaBlockShape(
-        heads=heads, q_words=dim, num_q_parts=1, q_itemsize=4 if f32 else 2,
-        block_rows=units * (1 if mode == "token" else page_size), cache_words=words,
-        cache_itemsize=2 if fmt == "bf16" else 4, out_cols=v_dim, meta_words=meta_len,
-        unpacked_parts=2 if fmt == "packed" else 1)
+        heads=heads, q_words=dim, num_q_parts=1, q_itemsize=jnp.dtype(compute).itemsize,
+        block_rows=units * (1 if mode == "token" else page_size),
+        cache_words=fmt.row_words(dim), cache_itemsize=fmt.storage_dtype.itemsize,
+        out_cols=v_dim, meta_words=meta_len, unpacked_parts=2 if fmt.packed else 1)
 
 
 def gather_attend(q, cache, entries, info, table, *, mode, fmt, units, pages_per_seq,
@@ -346,7 +344,7 @@ def gather_attend(q, cache, entries, info, table, *, mode, fmt, units, pages_per
 
     Returns ``q.dtype[T, H, v_dim]`` and ``f32[T, H, 1]`` (or None).
     """
-    packed = fmt == "packed"
+    packed = fmt.packed
     num_rows, heads, dim = q.shape
     num_pages, page_size, words = cache.shape
     k = entries.shape[1]
@@ -396,9 +394,9 @@ def _chip_vmem() -> int | None:
     return aot.chip_info(chip).vmem_capacity_bytes if chip else None
 
 
-def compute_query(q, fmt):
+def compute_query(q, fmt: CacheFormat):
     """The query in the compute dtype: f32 when the query or the cache is f32, else bf16."""
-    return q.astype(jnp.float32) if fmt == "f32" else q
+    return q.astype(jnp.promote_types(q.dtype, fmt.value_dtype))
 
 
 def finish(out, lse, return_lse):
@@ -478,13 +476,13 @@ def sparse_mla(
                             cu_kv_lens, distribution, sm_scale=sm_scale,
                             pages_per_seq=pages_per_seq, v_dim=v_dim,
                             selected_name="topk_indices")
-    if fmt == "bf16":  # slow path: a full copy of the cache into the packed format
+    if fmt is CacheFormat.BF16:  # slow path: a full copy of the cache into the packed format
         if not interpret:  # on a TPU this is a full-cache copy per call: say so once per trace
             warnings.warn("sparse_mla: a plain bf16 cache is packed into u32 words on every "
                           "call (a full copy of the cache); store it packed "
                           "(reference.packed_cache.pack_cache, or dsa_jax.PagedLayout("
                           "packed_latent=True))", PerformanceWarning, stacklevel=2)
-        cache_kv, fmt = packed_cache.pack_cache(cache_kv), "packed"
+        cache_kv, fmt = packed_cache.pack_cache(cache_kv), CacheFormat.PACKED_BF16
     page_size = cache_kv.shape[1]
     k = topk_indices.shape[1]
     units = mla_blocks.token_block(k, aot.detect_chip(), tokens_per_block)
@@ -512,7 +510,7 @@ def prefetch_bytes(*, rows: int, table_words: int) -> int:
 
 
 def mla_traffic(*, rows: int, heads: int, dim: int, v_dim: int, selected_rows: int,
-                fmt: str, q_itemsize: int, meta_words: int, prep_bytes: int,
+                fmt: CacheFormat | str, q_itemsize: int, meta_words: int, prep_bytes: int,
                 table_words: int, shape: mla_blocks.MlaBlockShape) -> aot.Traffic:
     """Modelled HBM traffic of one call where every query row selects ``selected_rows`` valid
     cache rows. The minimum moves each selected row once at the plain dtype and D features
@@ -520,12 +518,10 @@ def mla_traffic(*, rows: int, heads: int, dim: int, v_dim: int, selected_rows: i
     its ``packed_words(D)`` words (Mosaic moves rows whole; see ``reference.packed_cache``),
     each row's ``meta_words`` raw entries into SMEM, and the scalar-prefetched row info and
     page table (``table_words``) once. ``prep_bytes`` is the XLA side (``row_info``)."""
-    plain_item = 4 if fmt == "f32" else 2
-    row_bytes = (4 * packed_cache.packed_words(dim) if fmt == "packed"
-                 else dim * plain_item)
+    fmt = CacheFormat.named(fmt)
     q_out = rows * heads * (dim + v_dim) * q_itemsize
-    gathered = rows * selected_rows * row_bytes
-    bytes_min = rows * selected_rows * dim * plain_item + q_out
+    gathered = rows * selected_rows * fmt.row_bytes(dim)
+    bytes_min = rows * selected_rows * fmt.plain_row_bytes(dim) + q_out
     smem = 4 * rows * meta_words + prefetch_bytes(rows=rows, table_words=table_words)
     moved = gathered + q_out + smem + prep_bytes
     flops = 2 * rows * heads * selected_rows * (dim + v_dim)

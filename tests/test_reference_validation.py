@@ -94,3 +94,19 @@ def test_an_f16_cache_is_refused_by_every_path_never_rounded():
         with pytest.raises(ValueError, match="cache_kv has dtype float16"):
             op(jnp.asarray(b.q, jnp.float32), cache16, meta[0], sel, *meta[1:], sm_scale=0.1,
                pages_per_seq=PAGES_PER_SEQ, v_dim=64)
+
+
+def test_cache_formats_are_typed_and_detected_from_the_dtype():
+    from reference.cache_format import CacheFormat
+
+    assert CacheFormat.of(np.zeros((1, 8, 128), np.float32)) is CacheFormat.F32
+    assert CacheFormat.of(jnp.zeros((1, 8, 128), jnp.bfloat16)) is CacheFormat.BF16
+    packed = CacheFormat.of(np.zeros((1, 8, 384), np.uint32))
+    assert packed is CacheFormat.PACKED_BF16 and packed.row_words(640) == 384
+    assert packed.row_bytes(640) == 1536 and packed.plain_row_bytes(640) == 1280
+    assert CacheFormat.named("bf16") is CacheFormat.BF16
+    with pytest.raises(ValueError, match="unknown cache format 'fp4'"):
+        CacheFormat.named("fp4")
+    with pytest.raises(ValueError, match=r"latent has dtype int8, which no cache format "
+                                         r"supports; supported: float32 \(F32\)"):
+        CacheFormat.of(np.zeros((1, 8, 128), np.int8), "latent")
