@@ -8,6 +8,9 @@ writer, the multi-layer DSA step (IndexShare), opt-in checkify validation, mesh 
 - ``dsa_step``: cache update, top-k on full layers, sparse MLA on every layer.
 - ``check_batch`` / ``run_checked``: the runtime rules behind ``validate=True``.
 - ``sharded_dsa_step``: the step on a ``jax.sharding.Mesh`` (data x model).
+- ``IndexerBlocks`` / ``MlaBlocks``: typed, validated block configs of the two kernel families
+  (``kernel_options={"blocks": ...}`` on an op; ``indexer_blocks=`` / ``mla_blocks=`` on a step).
+- ``CacheFormat``: a paged cache's storage format (f32, bf16, packed bf16), from its dtype.
 - ``pack_cache`` / ``unpack_cache`` / ``packed_words``: the packed bf16 latent cache the
   token-sparse kernel gathers single rows from (``reference.packed_cache``), and
   ``PerformanceWarning``, emitted when a call takes a documented slow path (a plain bf16 cache
@@ -22,8 +25,11 @@ from dsa_jax.ops import indexer_topk, page_sparse_mla, page_topk, sparse_mla
 from dsa_jax.sharding import sharded_dsa_step
 from dsa_jax.step import BatchMeta, StepInputs, StepResult, dsa_step
 from dsa_jax.validate import check_batch, run_checked
+from pallas_kernels.indexer_blocks import IndexerBlocks
+from pallas_kernels.mla_blocks import MlaBlocks
 from pallas_kernels.sparse_mla import PerformanceWarning
 from reference import build_index_share_map, glm_index_share_pattern
+from reference.cache_format import CacheFormat
 from reference.packed_cache import pack_cache, packed_words, unpack_cache
 from reference.witnesses import (
     MAX_TOPOLOGY_SEGMENTS,
@@ -47,9 +53,12 @@ from reference.witnesses import (
 __all__ = [
     "BACKENDS",
     "BatchMeta",
+    "CacheFormat",
+    "IndexerBlocks",
     "LayoutError",
     "LearnedKeepOutOfRange",
     "MAX_TOPOLOGY_SEGMENTS",
+    "MlaBlocks",
     "PagedLayout",
     "PerformanceWarning",
     "RowsMismatch",

@@ -77,6 +77,9 @@ def split_kernel_options(ops: tuple[str, ...], kernel_options: dict | None) -> d
     its Pallas entry takes (``interpret`` goes to all, ``block_rows`` to the indexer,
     ``tokens_per_block`` to the token MLA...). A knob no op takes raises ``ValueError``."""
     opts = dict(kernel_options or {})
+    if "blocks" in opts:  # one typed config per kernel family: no guessing which op it is for
+        raise ValueError("kernel_options['blocks'] is ambiguous in a step; pass "
+                         "indexer_blocks=IndexerBlocks(...) and/or mla_blocks=MlaBlocks(...)")
     known = {op: kernel_knobs(op) for op in ops}
     unknown = sorted(set(opts) - set().union(*known.values()))
     if unknown:

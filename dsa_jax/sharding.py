@@ -24,9 +24,10 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from dsa_jax import backend as _backend
 from dsa_jax import step as _step_mod
 from dsa_jax.step import BatchMeta, StepInputs, StepResult
+from pallas_kernels.indexer_blocks import IndexerBlocks
+from pallas_kernels.mla_blocks import MlaBlocks
 from reference.selection import DEFAULT_RECALL_TARGET
 
 
@@ -62,20 +63,20 @@ def sharded_dsa_step(mesh: Mesh, inputs: StepInputs, latent_caches, index_caches
                      num_segments: int = 0, granularity: str = "token",
                      one_token_per_seq: bool = False,
                      recall_target: float = DEFAULT_RECALL_TARGET, exact: bool = False,
-                     backend: str | None = None,
-                     kernel_options: dict | None = None) -> StepResult:
+                     backend: str | None = None, kernel_options: dict | None = None,
+                     indexer_blocks: IndexerBlocks | None = None,
+                     mla_blocks: MlaBlocks | None = None) -> StepResult:
     """``dsa_step`` on ``mesh`` (module docstring). Every array has a leading axis of size
     ``mesh.shape[data_axis]``; ``model_axis=None`` keeps heads unsplit. Returns a
     ``StepResult`` with the same leading axis (``out`` split over heads on the model axis)."""
     num_local, heads = int(np.shape(inputs.q_mla)[0]), int(np.shape(inputs.q_mla)[3])
     check_mesh(mesh, data_axis, model_axis, num_local=num_local, heads=heads)
-    if indexer_types is None:
-        indexer_types = ("full",) * int(np.shape(latent_caches)[1])
-    statics = dict(layout=layout, indexer_types=tuple(indexer_types), k=k, sm_scale=sm_scale,
-                   num_segments=num_segments, granularity=granularity,
-                   one_token_per_seq=one_token_per_seq, recall_target=recall_target,
-                   exact=exact, backend=_backend.resolve_backend(backend),
-                   kernel_options=tuple(sorted((kernel_options or {}).items())))
+    statics = _step_mod.step_statics(
+        latent_caches, layout=layout, indexer_types=indexer_types, k=k, sm_scale=sm_scale,
+        num_segments=num_segments, granularity=granularity,
+        one_token_per_seq=one_token_per_seq, recall_target=recall_target, exact=exact,
+        backend=backend, kernel_options=kernel_options, indexer_blocks=indexer_blocks,
+        mla_blocks=mla_blocks, layer_axis=1)
     return _sharded(mesh, data_axis, model_axis, tuple(sorted(statics.items())))(
         StepInputs(*inputs), latent_caches, index_caches, BatchMeta(*meta))
 

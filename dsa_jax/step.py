@@ -35,6 +35,8 @@ from dsa_jax import cache as _cache
 from dsa_jax import ops
 from dsa_jax import validate as _validate
 from dsa_jax.layout import PagedLayout
+from pallas_kernels.indexer_blocks import IndexerBlocks
+from pallas_kernels.mla_blocks import MlaBlocks
 from reference import build_index_share_map, packed_cache
 from reference.selection import DEFAULT_RECALL_TARGET
 
@@ -105,12 +107,37 @@ def check_step_args(inputs: StepInputs, latent_caches, index_caches, *, layout: 
 
 
 _STATICS = ("layout", "indexer_types", "k", "sm_scale", "num_segments", "granularity",
-            "one_token_per_seq", "recall_target", "exact", "backend", "kernel_options")
+            "one_token_per_seq", "recall_target", "exact", "backend", "kernel_options",
+            "indexer_blocks", "mla_blocks")
+
+
+def step_statics(latent_caches, *, layout: PagedLayout, indexer_types, k: int,
+                 sm_scale: float, num_segments: int, granularity: str, one_token_per_seq: bool,
+                 recall_target: float, exact: bool, backend: str | None,
+                 kernel_options: dict | None, indexer_blocks: IndexerBlocks | None,
+                 mla_blocks: MlaBlocks | None, layer_axis: int = 0) -> dict:
+    """The step's static arguments, normalised (hashable; ``backend`` resolved; ``None``
+    layer types = all full, counted on ``latent_caches``' axis ``layer_axis``): the one
+    statics dict of ``dsa_step`` and ``sharded_dsa_step``."""
+    if indexer_types is None:
+        indexer_types = ("full",) * int(np.shape(latent_caches)[layer_axis])
+    for name, blocks, cls in (("indexer_blocks", indexer_blocks, IndexerBlocks),
+                              ("mla_blocks", mla_blocks, MlaBlocks)):
+        if blocks is not None and not isinstance(blocks, cls):
+            raise TypeError(f"{name} must be a {cls.__name__} or None, got "
+                            f"{type(blocks).__name__}")
+    return dict(layout=layout, indexer_types=tuple(indexer_types), k=k, sm_scale=sm_scale,
+                num_segments=num_segments, granularity=granularity,
+                one_token_per_seq=one_token_per_seq, recall_target=recall_target, exact=exact,
+                backend=_backend.resolve_backend(backend),
+                kernel_options=tuple(sorted((kernel_options or {}).items())),
+                indexer_blocks=indexer_blocks, mla_blocks=mla_blocks)
 
 
 def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, *, layout,
               indexer_types, k, sm_scale, num_segments, granularity, one_token_per_seq,
-              recall_target, exact, backend, kernel_options) -> StepResult:
+              recall_target, exact, backend, kernel_options, indexer_blocks=None,
+              mla_blocks=None) -> StepResult:
     """The step, unjitted (``dsa_step`` jits it; ``sharded_dsa_step`` runs it per shard).
     ``backend`` is resolved and ``kernel_options`` a sorted tuple of items."""
     full_slot, src_slot, _ = check_step_args(inputs, latent_caches, index_caches, layout=layout,
@@ -125,6 +152,10 @@ def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, 
     names = (("indexer_topk", "sparse_mla") if granularity == "token"
              else ("page_topk", "page_sparse_mla"))
     topk_opts, mla_opts = _backend.split_kernel_options(names, dict(kernel_options)).values()
+    if indexer_blocks is not None:
+        topk_opts["blocks"] = indexer_blocks
+    if mla_blocks is not None:
+        mla_opts["blocks"] = mla_blocks
     selections, outs = {}, []
     for layer in range(len(indexer_types)):
         new_latent = _pad_last(inputs.new_latent[layer], layout.padded_dim)
@@ -161,7 +192,8 @@ def dsa_step(inputs: StepInputs, latent_caches: jax.Array, index_caches: jax.Arr
              num_segments: int = 0, granularity: str = "token", one_token_per_seq: bool = False,
              recall_target: float = DEFAULT_RECALL_TARGET, exact: bool = False,
              backend: str | None = None, validate: bool = False,
-             kernel_options: dict | None = None) -> StepResult:
+             kernel_options: dict | None = None, indexer_blocks: IndexerBlocks | None = None,
+             mla_blocks: MlaBlocks | None = None) -> StepResult:
     """Run one DSA step over all layers (module docstring); jitted, caches donated.
 
     Args:
@@ -178,17 +210,18 @@ def dsa_step(inputs: StepInputs, latent_caches: jax.Array, index_caches: jax.Arr
       kernel_options: knobs for the Pallas entries (dict of hashable values); each op gets the
         knobs its entry takes (``block_rows``/``block_pages`` the indexer, ``tokens_per_block``
         or ``pages_per_block`` the MLA, ``interpret`` both); a knob none takes is refused.
+      indexer_blocks, mla_blocks: typed block configs (``IndexerBlocks``, ``MlaBlocks``) for the
+        indexer and the MLA kernels, each used by its own kernel only.
 
     Returns:
       ``StepResult(out, topk, latent_caches, index_caches)``.
     """
-    if indexer_types is None:
-        indexer_types = ("full",) * int(np.shape(latent_caches)[0])
-    statics = dict(layout=layout, indexer_types=tuple(indexer_types), k=k, sm_scale=sm_scale,
-                   num_segments=num_segments, granularity=granularity,
-                   one_token_per_seq=one_token_per_seq, recall_target=recall_target,
-                   exact=exact, backend=_backend.resolve_backend(backend),
-                   kernel_options=tuple(sorted((kernel_options or {}).items())))
+    statics = step_statics(latent_caches, layout=layout, indexer_types=indexer_types, k=k,
+                           sm_scale=sm_scale, num_segments=num_segments,
+                           granularity=granularity, one_token_per_seq=one_token_per_seq,
+                           recall_target=recall_target, exact=exact, backend=backend,
+                           kernel_options=kernel_options, indexer_blocks=indexer_blocks,
+                           mla_blocks=mla_blocks)
     meta = BatchMeta(*meta)
     if validate:
         num_rows = int(np.shape(inputs.q_mla)[1])

@@ -110,23 +110,16 @@ class ScoreConfig:
         return -(-self.num_blocks * self.block_pages // LANES) * LANES
 
 
-def _pow2(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
-        raise ValueError(f"{name} must be a power of two >= 1, got {name}={value!r}")
-    return value
-
-
 def resolve_blocks(blocks: IndexerBlocks | None, *, block_rows: int | None,
                    block_pages: int | None, chip: str | None, one_token_per_seq: bool,
                    pages_per_seq: int) -> IndexerBlocks:
-    """Table defaults overridden by explicit knobs, clamped to the problem, validated."""
-    base = blocks or default_blocks(chip, one_token_per_seq=one_token_per_seq)
-    r = _pow2("block_rows", base.block_rows if block_rows is None else block_rows)
-    p = _pow2("block_pages", base.block_pages if block_pages is None else block_pages)
-    if p > LANES:
-        raise ValueError(f"block_pages={p} must be <= {LANES} (page scores fill one lane group)")
-    p = min(p, 1 << (pages_per_seq - 1).bit_length())  # no stage wider than the sequence
-    return IndexerBlocks(r, p)
+    """``blocks``, then the explicit knobs, over the table defaults; clamped to the problem."""
+    if blocks is not None and not isinstance(blocks, IndexerBlocks):
+        raise TypeError(f"blocks must be an IndexerBlocks, got {type(blocks).__name__}")
+    base = default_blocks(chip, one_token_per_seq=one_token_per_seq)
+    picked = IndexerBlocks(block_rows, block_pages).over((blocks or IndexerBlocks()).over(base))
+    p = min(picked.block_pages, 1 << (pages_per_seq - 1).bit_length())  # no stage past the seq
+    return IndexerBlocks(picked.block_rows, p)
 
 
 def row_ladder(block_rows: int, rows: int, one_token_per_seq: bool) -> tuple[int, ...]:

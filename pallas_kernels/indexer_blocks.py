@@ -31,10 +31,28 @@ SUBLANES = 8
 
 @dataclass(frozen=True)
 class IndexerBlocks:
-    """``block_rows`` (query rows per step, power of two), ``block_pages`` (pages per stage)."""
+    """The indexer kernel's blocks: ``block_rows`` (query rows per step) and ``block_pages``
+    (key pages per stage), each a power of two (``block_pages <= 128``), or ``None`` for the
+    chip's table default. Built valid or not at all (``ValueError`` naming the field)."""
 
-    block_rows: int
-    block_pages: int
+    block_rows: int | None = None
+    block_pages: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_rows", "block_pages"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 1, got {name}={v!r}")
+        if self.block_pages is not None and self.block_pages > LANES:
+            raise ValueError(f"block_pages={self.block_pages} must be <= {LANES} (page scores "
+                             "fill one lane group)")
+
+    def over(self, base: IndexerBlocks) -> IndexerBlocks:
+        """These blocks with ``base``'s values where a field is ``None``."""
+        return IndexerBlocks(base.block_rows if self.block_rows is None else self.block_rows,
+                             base.block_pages if self.block_pages is None else self.block_pages)
 
 
 # chip -> (decode blocks, general blocks). Same across generations today: decode is HBM-bound

@@ -25,13 +25,14 @@ from reference import selection
 from reference._indexer_args import check_indexer_args
 
 _STATICS = ("k", "pages_per_seq", "one_token_per_seq", "num_segments", "recall_target", "exact",
-            "block_rows", "block_pages", "chip", "score_chunk_bytes", "vmem_limit_bytes",
+            "block_rows", "block_pages", "blocks", "chip", "score_chunk_bytes", "vmem_limit_bytes",
             "interpret")
 
 
-def _blocks(chip, block_rows, block_pages, one_token_per_seq, pages_per_seq) -> IndexerBlocks:
+def _blocks(chip, blocks, block_rows, block_pages, one_token_per_seq,
+            pages_per_seq) -> IndexerBlocks:
     chip = aot.check_chip(chip) if chip is not None else isk.device_chip()
-    return isk.resolve_blocks(None, block_rows=block_rows, block_pages=block_pages, chip=chip,
+    return isk.resolve_blocks(blocks, block_rows=block_rows, block_pages=block_pages, chip=chip,
                               one_token_per_seq=one_token_per_seq, pages_per_seq=pages_per_seq)
 
 
@@ -54,6 +55,7 @@ def streamindex_topk(
     exact: bool = False,
     block_rows: int | None = None,
     block_pages: int | None = None,
+    blocks: IndexerBlocks | None = None,
     chip: str | None = None,
     score_chunk_bytes: int = isk.SCORE_CHUNK_BYTES,
     vmem_limit_bytes: int | None = None,
@@ -64,10 +66,11 @@ def streamindex_topk(
     Args:
       k, pages_per_seq, one_token_per_seq, num_segments, recall_target, exact: as in
         ``streamindex_topk_ref`` (witness context length: ``min(abs_pos + 1, kv_len)``).
-      block_rows, block_pages: kernel blocks (``indexer_blocks``); ``None`` takes the table
-        default for ``chip``. ``block_rows`` is the top of the row-block ladder ``block_rows,
-        block_rows/4, ..., 1`` (a sequence's remainder rows take the smallest level that holds
-        them: decode rows of a mixed batch are 1-row blocks).
+      block_rows, block_pages: kernel blocks (``indexer_blocks``); ``None`` takes ``blocks``'
+        field, else the table default for ``chip``. ``block_rows`` is the top of the row-block
+        ladder ``block_rows, block_rows/4, ..., 1`` (a sequence's remainder rows take the
+        smallest level that holds them: decode rows of a mixed batch are 1-row blocks).
+      blocks: an ``IndexerBlocks`` (typed, validated; ``None`` fields take the table default).
       chip: ``"v5e" | "v6e" | "tpu7x"`` for the block table; ``None`` detects it (fallback
         table off-TPU).
       score_chunk_bytes: bound on one call's f32 score block (module docstring).
@@ -82,7 +85,7 @@ def streamindex_topk(
                        distribution, pages_per_seq=pages_per_seq,
                        one_token_per_seq=one_token_per_seq)
     selection.check_selection_args(k, recall_target, exact, num_segments)
-    blocks = _blocks(chip, block_rows, block_pages, one_token_per_seq, pages_per_seq)
+    blocks = _blocks(chip, blocks, block_rows, block_pages, one_token_per_seq, pages_per_seq)
     isk.check_kernel_knobs(score_chunk_bytes, vmem_limit_bytes)
 
     def finish(scores, row_ok, abs_pos, kv_eff):
@@ -99,19 +102,20 @@ def streamindex_topk(
 
 
 @functools.partial(jax.jit, static_argnames=("pages_per_seq", "one_token_per_seq", "page_mode",
-                                             "block_rows", "block_pages", "chip", "interpret"))
+                                             "block_rows", "block_pages", "blocks", "chip",
+                                             "interpret"))
 def streamindex_scores(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                        distribution, *, pages_per_seq: int, one_token_per_seq: bool = False,
                        page_mode: bool = False, block_rows: int | None = None,
-                       block_pages: int | None = None, chip: str | None = None,
-                       interpret=False) -> jax.Array:
+                       block_pages: int | None = None, blocks: IndexerBlocks | None = None,
+                       chip: str | None = None, interpret=False) -> jax.Array:
     """The kernel's scores alone (tests, debugging): token mode ``f32[T, pages_per_seq *
     page_size]``, page mode ``f32[T, pages_per_seq]``; ``-inf`` for non-candidates and rows
     outside every sequence. Materialises ``[T, capacity]``: not for long prefill."""
     check_indexer_args(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                        distribution, pages_per_seq=pages_per_seq,
                        one_token_per_seq=one_token_per_seq)
-    blocks = _blocks(chip, block_rows, block_pages, one_token_per_seq, pages_per_seq)
+    blocks = _blocks(chip, blocks, block_rows, block_pages, one_token_per_seq, pages_per_seq)
     width = pages_per_seq * (1 if page_mode else cache_kv.shape[1])
     return isk.score_and_select(
         q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,

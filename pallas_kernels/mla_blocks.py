@@ -28,6 +28,33 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+@dataclass(frozen=True)
+class MlaBlocks:
+    """The sparse MLA kernels' blocks: ``tokens_per_block`` (cache rows per gathered block of
+    ``sparse_mla``, a positive multiple of 8) and ``pages_per_block`` (whole pages per block of
+    ``page_sparse_mla``, positive); ``None`` takes the chip's table default. Built valid or not
+    at all (``ValueError`` naming the field)."""
+
+    tokens_per_block: int | None = None
+    pages_per_block: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, multiple in (("tokens_per_block", SUBLANES), ("pages_per_block", 1)):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v % multiple:
+                raise ValueError(f"{name} must be a positive multiple of {multiple}, got "
+                                 f"{name}={v!r}")
+
+
+def pick(blocks: MlaBlocks | None, name: str, explicit: int | None) -> int | None:
+    """The explicit knob, else ``blocks``' field ``name`` (either may be ``None``)."""
+    if blocks is not None and not isinstance(blocks, MlaBlocks):
+        raise TypeError(f"blocks must be an MlaBlocks, got {type(blocks).__name__}")
+    return explicit if explicit is not None else getattr(blocks or MlaBlocks(), name)
+
+
 def tokens_per_block(chip: str | None) -> int:
     """The table's rows per block for ``chip`` (``None`` or unknown: the default)."""
     return TOKENS_PER_BLOCK.get(chip or "", DEFAULT_TOKENS_PER_BLOCK)

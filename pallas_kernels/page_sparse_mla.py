@@ -45,7 +45,7 @@ from pallas_kernels.sparse_mla import (
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "pages_per_seq", "v_dim", "return_lse", "pages_per_block",
+    "sm_scale", "pages_per_seq", "v_dim", "return_lse", "pages_per_block", "blocks",
     "vmem_limit_bytes", "interpret"))
 def page_sparse_mla(
     q: jax.Array,  # f32|bf16[T, H, D]
@@ -62,6 +62,7 @@ def page_sparse_mla(
     v_dim: int,
     return_lse: bool = False,
     pages_per_block: int | None = None,
+    blocks: mla_blocks.MlaBlocks | None = None,
     vmem_limit_bytes: int | None = None,
     interpret=False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -71,7 +72,9 @@ def page_sparse_mla(
       q .. distribution: as ``reference.page_sparse_mla_ref``; ``cache_kv`` may also be the
         packed bf16 cache of ``reference.packed_cache.pack_cache``.
       sm_scale, pages_per_seq, v_dim, return_lse: as the reference.
-      pages_per_block: pages gathered per block; default ``mla_blocks.page_block``.
+      pages_per_block: pages gathered per block; default from ``blocks``, else
+        ``mla_blocks.page_block``.
+      blocks: an ``MlaBlocks`` (typed, validated; its ``pages_per_block`` is used here).
       vmem_limit_bytes: scoped VMEM limit; default from ``mla_blocks.vmem_limit``.
       interpret: False (compile), True (strict interpret mode) or a ``pltpu.InterpretParams``.
 
@@ -84,7 +87,8 @@ def page_sparse_mla(
                             selected_name="topk_pages")
     page_size = cache_kv.shape[1]
     k_pages = topk_pages.shape[1]
-    units = mla_blocks.page_block(k_pages, page_size, aot.detect_chip(), pages_per_block)
+    units = mla_blocks.page_block(k_pages, page_size, aot.detect_chip(),
+                                  mla_blocks.pick(blocks, "pages_per_block", pages_per_block))
     info = row_info(topk_pages, kv_lens, cu_q_lens, cu_kv_lens, distribution, mode="page",
                     page_size=page_size, pages_per_seq=pages_per_seq)
     out, lse = gather_attend(compute_query(q, fmt), cache_kv, topk_pages.astype(jnp.int32),

@@ -18,13 +18,14 @@ import jax.numpy as jnp
 
 from pallas_kernels import aot
 from pallas_kernels import index_score_kernel as isk
+from pallas_kernels.indexer_blocks import IndexerBlocks
 from pallas_kernels.indexer_topk import _blocks
 from reference import selection
 from reference._indexer_args import check_indexer_args
 from reference.page_topk import causal_page_count
 
 _STATICS = ("k_pages", "pages_per_seq", "one_token_per_seq", "num_segments", "recall_target",
-            "exact", "block_rows", "block_pages", "chip", "score_chunk_bytes",
+            "exact", "block_rows", "block_pages", "blocks", "chip", "score_chunk_bytes",
             "vmem_limit_bytes", "interpret")
 
 
@@ -47,6 +48,7 @@ def streamindex_page_topk(
     exact: bool = False,
     block_rows: int | None = None,
     block_pages: int | None = None,
+    blocks: IndexerBlocks | None = None,
     chip: str | None = None,
     score_chunk_bytes: int = isk.SCORE_CHUNK_BYTES,
     vmem_limit_bytes: int | None = None,
@@ -66,7 +68,7 @@ def streamindex_page_topk(
                        one_token_per_seq=one_token_per_seq)
     selection.check_selection_args(k_pages, recall_target, exact, num_segments,
                                    k_name="k_pages")
-    blocks = _blocks(chip, block_rows, block_pages, one_token_per_seq, pages_per_seq)
+    blocks = _blocks(chip, blocks, block_rows, block_pages, one_token_per_seq, pages_per_seq)
     isk.check_kernel_knobs(score_chunk_bytes, vmem_limit_bytes)
     page_size = cache_kv.shape[1]
 

@@ -437,7 +437,7 @@ def row_info(entries, kv_lens, cu_q_lens, cu_kv_lens, distribution, *, mode: str
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "pages_per_seq", "v_dim", "return_lse", "tokens_per_block",
+    "sm_scale", "pages_per_seq", "v_dim", "return_lse", "tokens_per_block", "blocks",
     "vmem_limit_bytes", "interpret"))
 def sparse_mla(
     q: jax.Array,  # f32|bf16[T, H, D]
@@ -454,6 +454,7 @@ def sparse_mla(
     v_dim: int,
     return_lse: bool = False,
     tokens_per_block: int | None = None,
+    blocks: mla_blocks.MlaBlocks | None = None,
     vmem_limit_bytes: int | None = None,
     interpret=False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -465,7 +466,8 @@ def sparse_mla(
         (the fast bf16 path); a plain bf16 cache is packed per call (a full cache copy).
       sm_scale, pages_per_seq, v_dim, return_lse: as the reference.
       tokens_per_block: cache rows per gathered block (multiple of 8); default from
-        ``mla_blocks.TOKENS_PER_BLOCK`` for the detected chip.
+        ``blocks``, else ``mla_blocks.TOKENS_PER_BLOCK`` for the detected chip.
+      blocks: an ``MlaBlocks`` (typed, validated; its ``tokens_per_block`` is used here).
       vmem_limit_bytes: scoped VMEM limit; default from ``mla_blocks.vmem_limit``.
       interpret: False (compile), True (strict interpret mode) or a ``pltpu.InterpretParams``.
 
@@ -485,7 +487,8 @@ def sparse_mla(
         cache_kv, fmt = packed_cache.pack_cache(cache_kv), CacheFormat.PACKED_BF16
     page_size = cache_kv.shape[1]
     k = topk_indices.shape[1]
-    units = mla_blocks.token_block(k, aot.detect_chip(), tokens_per_block)
+    units = mla_blocks.token_block(k, aot.detect_chip(),
+                                   mla_blocks.pick(blocks, "tokens_per_block", tokens_per_block))
     info = row_info(topk_indices, kv_lens, cu_q_lens, cu_kv_lens, distribution, mode="token",
                     page_size=page_size, pages_per_seq=pages_per_seq)
     out, lse = gather_attend(compute_query(q, fmt), cache_kv, topk_indices.astype(jnp.int32),

@@ -227,7 +227,7 @@ def test_step_refusals_name_the_numbers():
     with pytest.raises(ValueError, match=r"kernel_options \['tile'\] are not knobs of any"):
         _step(b, inputs, latent, index, backend="pallas", kernel_options={"tile": 8})
     with pytest.raises(ValueError, match=r"\['block_rows'\] are not knobs of the Pallas "
-                                         r"sparse_mla; its knobs: \['interpret'"):
+                                         r"sparse_mla; its knobs: \['blocks', 'interpret'"):
         dsa_jax.sparse_mla(*_mla_args(b), sm_scale=SM_SCALE, pages_per_seq=LAYOUT.pages_per_seq,
                            v_dim=LAYOUT.v_dim, kernel_options={"block_rows": 4})
 
