@@ -112,13 +112,29 @@ class ScoreConfig:
 
 def resolve_blocks(blocks: IndexerBlocks | None, *, block_rows: int | None,
                    block_pages: int | None, chip: str | None, one_token_per_seq: bool,
-                   pages_per_seq: int) -> IndexerBlocks:
-    """``blocks``, then the explicit knobs, over the table defaults; clamped to the problem."""
+                   pages_per_seq: int, page_size: int | None = None, page_mode: bool = False,
+                   mosaic: bool = False) -> IndexerBlocks:
+    """``blocks``, then the explicit knobs, over the table defaults; clamped to the problem.
+
+    ``mosaic`` (compiling for a TPU, not interpreting): in token mode a stage's scores are
+    stored at lane offset ``stage * P * page_size`` of the row buffer, which Mosaic compiles
+    only when ``P * page_size`` is a multiple of 128 (measured over 300 AOT compiles on v5e,
+    v6e and tpu7x by ``scripts/compile_grid.py``: every narrower stage failed with
+    "cannot statically prove that index in dimension 2 is a multiple of 128", every whole-lane
+    stage compiled). So ``P`` is doubled until it is: pages past an item's need are never
+    fetched (their scores are ``-inf``), so a wider stage costs MXU work on at most 127
+    tokens per item and no HBM traffic. Page mode stores per-page maxima into aligned 128-lane
+    groups and needs no widening."""
     if blocks is not None and not isinstance(blocks, IndexerBlocks):
         raise TypeError(f"blocks must be an IndexerBlocks, got {type(blocks).__name__}")
     base = default_blocks(chip, one_token_per_seq=one_token_per_seq)
     picked = IndexerBlocks(block_rows, block_pages).over((blocks or IndexerBlocks()).over(base))
     p = min(picked.block_pages, 1 << (pages_per_seq - 1).bit_length())  # no stage past the seq
+    if mosaic and not page_mode:
+        if page_size is None:
+            raise ValueError("resolve_blocks(mosaic=True) needs page_size")
+        while (p * page_size) % LANES and p < LANES:  # p = 128 always works
+            p *= 2
     return IndexerBlocks(picked.block_rows, p)
 
 
@@ -698,7 +714,8 @@ def gate_cases(kernel: str, entry, k_name: str, *, page_mode: bool,
                                                                   key_dtype)).itemsize,
                            blocks=resolve_blocks(None, block_rows=None, block_pages=None,
                                                  chip=chip, one_token_per_seq=otp,
-                                                 pages_per_seq=pps),
+                                                 pages_per_seq=pps, page_size=GATE_PAGE,
+                                                 page_mode=page_mode, mosaic=True),
                            page_mode=page_mode, one_token_per_seq=otp)
 
         tags = ("decode",) if otp else ("mixed",) if name.startswith("mixed") else ("prefill",)

@@ -29,10 +29,12 @@ _STATICS = ("k", "pages_per_seq", "one_token_per_seq", "num_segments", "recall_t
             "interpret")
 
 
-def _blocks(chip, blocks, block_rows, block_pages, one_token_per_seq,
-            pages_per_seq) -> IndexerBlocks:
+def _blocks(chip, blocks, block_rows, block_pages, one_token_per_seq, pages_per_seq, *,
+            page_size: int, page_mode: bool, interpret) -> IndexerBlocks:
     chip = aot.check_chip(chip) if chip is not None else isk.device_chip()
     return isk.resolve_blocks(blocks, block_rows=block_rows, block_pages=block_pages, chip=chip,
+                              page_size=page_size, page_mode=page_mode,
+                              mosaic=interpret is False,
                               one_token_per_seq=one_token_per_seq, pages_per_seq=pages_per_seq)
 
 
@@ -85,7 +87,8 @@ def streamindex_topk(
                        distribution, pages_per_seq=pages_per_seq,
                        one_token_per_seq=one_token_per_seq)
     selection.check_selection_args(k, recall_target, exact, num_segments)
-    blocks = _blocks(chip, blocks, block_rows, block_pages, one_token_per_seq, pages_per_seq)
+    blocks = _blocks(chip, blocks, block_rows, block_pages, one_token_per_seq, pages_per_seq,
+                     page_size=cache_kv.shape[1], page_mode=False, interpret=interpret)
     isk.check_kernel_knobs(score_chunk_bytes, vmem_limit_bytes)
 
     def finish(scores, row_ok, abs_pos, kv_eff):
@@ -115,7 +118,8 @@ def streamindex_scores(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, 
     check_indexer_args(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                        distribution, pages_per_seq=pages_per_seq,
                        one_token_per_seq=one_token_per_seq)
-    blocks = _blocks(chip, blocks, block_rows, block_pages, one_token_per_seq, pages_per_seq)
+    blocks = _blocks(chip, blocks, block_rows, block_pages, one_token_per_seq, pages_per_seq,
+                     page_size=cache_kv.shape[1], page_mode=page_mode, interpret=interpret)
     width = pages_per_seq * (1 if page_mode else cache_kv.shape[1])
     return isk.score_and_select(
         q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,

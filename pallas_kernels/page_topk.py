@@ -68,7 +68,8 @@ def streamindex_page_topk(
                        one_token_per_seq=one_token_per_seq)
     selection.check_selection_args(k_pages, recall_target, exact, num_segments,
                                    k_name="k_pages")
-    blocks = _blocks(chip, blocks, block_rows, block_pages, one_token_per_seq, pages_per_seq)
+    blocks = _blocks(chip, blocks, block_rows, block_pages, one_token_per_seq, pages_per_seq,
+                     page_size=cache_kv.shape[1], page_mode=True, interpret=interpret)
     isk.check_kernel_knobs(score_chunk_bytes, vmem_limit_bytes)
     page_size = cache_kv.shape[1]
 
