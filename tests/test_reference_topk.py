@@ -106,30 +106,6 @@ def test_kv_len_past_capacity_is_clipped_to_capacity():
     assert idx[1].max() < PAGE_SIZE * PAGES_PER_SEQ and np.sum(idx[1] >= 0) == 64
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_random_ragged_batches(seed):
-    """Random mixes of decode, MTP and prefill sequences, padding rows and inactive slots,
-    random page sizes; T is fixed so one compile serves every seed."""
-    from reference.synthetic import make_ragged_batch
-
-    rng = np.random.default_rng(100 + seed)
-    page_size = int(rng.choice([4, 8]))
-    pages_per_seq = 48 // page_size
-    num_rows, q_lens = 24, []
-    while sum(q_lens) < num_rows - 4 and len(q_lens) < 5:
-        q_lens.append(int(rng.choice([1, 1, 2, 4, 9])))
-    q_lens[-1] = min(q_lens[-1], num_rows - sum(q_lens[:-1]))
-    kv_lens = [int(rng.integers(ql, 49)) for ql in q_lens]
-    b = make_ragged_batch(rng, q_lens=q_lens, kv_lens=kv_lens, page_size=page_size,
-                          pages_per_seq=pages_per_seq, num_heads=3, dim=8,
-                          pad_rows=num_rows - sum(q_lens), pad_seqs=6 - len(q_lens))
-    k = int(rng.integers(1, 40))
-    check_token_topk(streamindex_topk_ref(*b.args(), k=k, pages_per_seq=pages_per_seq), b, k)
-    kp = int(rng.integers(1, 8))
-    check_page_topk(streamindex_page_topk_ref(*b.args(), k_pages=kp,
-                                              pages_per_seq=pages_per_seq), b, kp)
-
-
 @pytest.mark.parametrize("page_level", [False, True])
 def test_witnesses_are_merged_with_each_rows_causal_context(page_level):
     from reference.page_topk import causal_page_count
