@@ -29,7 +29,7 @@ def test_compiles(case, chip):
     case.compile(chip)  # raises CompileError naming chip, shape and Mosaic's message
     t = case.traffic(chip)
     assert t.vmem_bytes < aot.chip_info(chip).vmem_capacity_bytes
-    assert t.roofline_seconds(chip) > 0
+    assert t.bytes_min <= t.bytes_moved  # the model never moves less than the minimum
 
 
 @pytest.mark.parametrize("chip", sorted(aot.CHIPS))
