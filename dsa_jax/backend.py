@@ -60,16 +60,16 @@ def resolve_backend(backend: str | None) -> str:
     return backend
 
 
-# The arguments every op's reference takes; the Pallas entries' other keywords are knobs.
-_OP_ARGS = frozenset(("k", "k_pages", "pages_per_seq", "one_token_per_seq", "num_segments",
-                      "recall_target", "exact", "sm_scale", "v_dim", "return_lse"))
+def _keyword_only(fn) -> frozenset[str]:
+    return frozenset(p.name for p in inspect.signature(fn).parameters.values()
+                     if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
 def kernel_knobs(op: str) -> frozenset[str]:
-    """The keyword knobs of ``op``'s Pallas entry (block sizes, ``chip``, ``interpret``...)."""
-    params = inspect.signature(OPS[op][1]).parameters.values()
-    return frozenset(p.name for p in params
-                     if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in _OP_ARGS)
+    """The keyword knobs of ``op``'s Pallas entry (block sizes, ``chip``, ``interpret``...):
+    its keyword-only parameters that the reference does not take."""
+    reference_fn, pallas_fn = OPS[op]
+    return _keyword_only(pallas_fn) - _keyword_only(reference_fn)
 
 
 def split_kernel_options(ops: tuple[str, ...], kernel_options: dict | None) -> dict[str, dict]:

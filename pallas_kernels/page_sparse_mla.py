@@ -33,15 +33,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import aot, mla_blocks, tpu
+from pallas_kernels import aot, mla_blocks
 from pallas_kernels import sparse_mla as smla
-from pallas_kernels.sparse_mla import (
-    check_kernel_args,
-    compute_query,
-    finish,
-    gather_attend,
-    row_info,
-)
+from pallas_kernels.sparse_mla import attend_entries, check_kernel_args
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -85,18 +79,13 @@ def page_sparse_mla(
                             cu_kv_lens, distribution, sm_scale=sm_scale,
                             pages_per_seq=pages_per_seq, v_dim=v_dim,
                             selected_name="topk_pages")
-    page_size = cache_kv.shape[1]
-    k_pages = topk_pages.shape[1]
-    units = mla_blocks.page_block(k_pages, page_size, aot.detect_chip(),
+    units = mla_blocks.page_block(topk_pages.shape[1], cache_kv.shape[1], aot.detect_chip(),
                                   mla_blocks.pick(blocks, "pages_per_block", pages_per_block))
-    info = row_info(topk_pages, kv_lens, cu_q_lens, cu_kv_lens, distribution, mode="page",
-                    page_size=page_size, pages_per_seq=pages_per_seq)
-    out, lse = gather_attend(compute_query(q, fmt), cache_kv, topk_pages.astype(jnp.int32),
-                             info, tpu.smem_page_table(page_indices), mode="page", fmt=fmt,
-                             units=units, pages_per_seq=pages_per_seq, sm_scale=sm_scale,
-                             v_dim=v_dim, return_lse=return_lse,
-                             vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
-    return finish(out.astype(q.dtype), lse, return_lse)
+    return attend_entries(q, cache_kv, kv_lens, topk_pages, page_indices, cu_q_lens,
+                          cu_kv_lens, distribution, mode="page", fmt=fmt, units=units,
+                          pages_per_seq=pages_per_seq, sm_scale=sm_scale, v_dim=v_dim,
+                          return_lse=return_lse, vmem_limit_bytes=vmem_limit_bytes,
+                          interpret=interpret)
 
 
 # ----------------------------------------------------------------------------- cost model

@@ -74,6 +74,9 @@ class PerformanceWarning(UserWarning):
     """A call that is correct but takes a documented slow path."""
 
 
+# ``row_info`` fields, one i32 row of ROW_INFO_WORDS per query row (scalar-prefetched).
+_COUNT, _END, _SLOT0, _LIMIT, ROW_INFO_WORDS = range(5)
+
 STRICT_INTERPRET = dict(detect_races=True, uninitialized_memory="nan",
                         out_of_bounds_reads="raise")
 
@@ -229,8 +232,9 @@ def _kernel(info_ref, table_ref, q_ref, meta_hbm, cache_hbm, out_ref, *refs, mod
     def issue(row, buf, first):
         """Walk the row's raw entries from the cursor, DMA the next ``units`` valid ones into
         buffer ``buf`` (densely), stop at the walk end; record how many were issued."""
-        info = (info_ref[row * 4 + 2], info_ref[row * 4 + 3])
-        end = info_ref[row * 4 + 1]
+        at = row * ROW_INFO_WORDS
+        info = (info_ref[at + _SLOT0], info_ref[at + _LIMIT])
+        end = info_ref[at + _END]
 
         def body(c):
             cur, n = c
@@ -273,7 +277,7 @@ def _kernel(info_ref, table_ref, q_ref, meta_hbm, cache_hbm, out_ref, *refs, mod
     qs = [q[:, lo:hi] for _, lo, hi, _, _ in segs]
     vsegs = [(i, vlo, vhi) for i, _, _, vlo, vhi in segs if vhi > vlo]
     heads = q.shape[0]
-    num_blocks = jnp.maximum((info_ref[t * 4] + units - 1) // units, 1)
+    num_blocks = jnp.maximum((info_ref[t * ROW_INFO_WORDS + _COUNT] + units - 1) // units, 1)
     base = parity[0]
 
     def block(j, carry):
@@ -399,7 +403,21 @@ def compute_query(q, fmt: CacheFormat):
     return q.astype(jnp.promote_types(q.dtype, fmt.value_dtype))
 
 
-def finish(out, lse, return_lse):
+def attend_entries(q, cache_kv, kv_lens, entries, page_indices, cu_q_lens, cu_kv_lens,
+                   distribution, *, mode: str, fmt: CacheFormat, units: int,
+                   pages_per_seq: int, sm_scale: float, v_dim: int, return_lse: bool,
+                   vmem_limit_bytes: int | None, interpret):
+    """What both entries do after their checks and block choice: ``row_info`` in XLA, the
+    kernel over the raw ``entries`` (token offsets or page numbers) and the page table, then the
+    output in ``q``'s dtype (and the LSE ``f32[T, H]`` when ``return_lse``)."""
+    info = row_info(entries, kv_lens, cu_q_lens, cu_kv_lens, distribution, mode=mode,
+                    page_size=cache_kv.shape[1], pages_per_seq=pages_per_seq)
+    out, lse = gather_attend(compute_query(q, fmt), cache_kv, entries.astype(jnp.int32), info,
+                             tpu.smem_page_table(page_indices), mode=mode, fmt=fmt,
+                             units=units, pages_per_seq=pages_per_seq, sm_scale=sm_scale,
+                             v_dim=v_dim, return_lse=return_lse,
+                             vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
+    out = out.astype(q.dtype)
     return (out, lse[..., 0]) if return_lse else out
 
 
@@ -430,7 +448,8 @@ def row_info(entries, kv_lens, cu_q_lens, cu_kv_lens, distribution, *, mode: str
     end = jnp.max(jnp.where(ok, jnp.arange(1, k + 1, dtype=jnp.int32)[None, :], 0), axis=1,
                   initial=0)
     slot0 = cu_kv_lens[rows.seq] // page_size
-    return jnp.stack([count, end, slot0, limit], axis=1).astype(jnp.int32)
+    fields = {_COUNT: count, _END: end, _SLOT0: slot0, _LIMIT: limit}  # the kernel's layout
+    return jnp.stack([fields[i] for i in range(ROW_INFO_WORDS)], axis=1).astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -485,18 +504,13 @@ def sparse_mla(
                           "(reference.packed_cache.pack_cache, or dsa_jax.PagedLayout("
                           "packed_latent=True))", PerformanceWarning, stacklevel=2)
         cache_kv, fmt = packed_cache.pack_cache(cache_kv), CacheFormat.PACKED_BF16
-    page_size = cache_kv.shape[1]
-    k = topk_indices.shape[1]
-    units = mla_blocks.token_block(k, aot.detect_chip(),
+    units = mla_blocks.token_block(topk_indices.shape[1], aot.detect_chip(),
                                    mla_blocks.pick(blocks, "tokens_per_block", tokens_per_block))
-    info = row_info(topk_indices, kv_lens, cu_q_lens, cu_kv_lens, distribution, mode="token",
-                    page_size=page_size, pages_per_seq=pages_per_seq)
-    out, lse = gather_attend(compute_query(q, fmt), cache_kv, topk_indices.astype(jnp.int32),
-                             info, tpu.smem_page_table(page_indices), mode="token", fmt=fmt,
-                             units=units, pages_per_seq=pages_per_seq, sm_scale=sm_scale,
-                             v_dim=v_dim, return_lse=return_lse,
-                             vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
-    return finish(out.astype(q.dtype), lse, return_lse)
+    return attend_entries(q, cache_kv, kv_lens, topk_indices, page_indices, cu_q_lens,
+                          cu_kv_lens, distribution, mode="token", fmt=fmt, units=units,
+                          pages_per_seq=pages_per_seq, sm_scale=sm_scale, v_dim=v_dim,
+                          return_lse=return_lse, vmem_limit_bytes=vmem_limit_bytes,
+                          interpret=interpret)
 
 
 # ----------------------------------------------------------------------------- cost model
@@ -504,7 +518,6 @@ def sparse_mla(
 # XLA index preparation (``row_info``) per top-k entry: each entry is read once (the row
 # reductions fuse into that read); the per-row outputs are noise beside it.
 PREP_BYTES_PER_ENTRY = 4
-ROW_INFO_WORDS = 4  # i32 words of ``row_info`` per query row (scalar-prefetched)
 
 
 def prefetch_bytes(*, rows: int, table_words: int) -> int:

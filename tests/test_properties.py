@@ -236,34 +236,33 @@ def test_reference_page_topk_selects_the_top_pages_by_max_token_score(
 REF_SM_SCALE, REF_V_DIM = 0.35, 12
 
 
+def _check_reference_mla(op, spec: BatchSpec, dtype, data, *, page: bool):
+    """One property for both references: softmax attention over the valid entries (tokens, or
+    the causal tokens of the valid pages), against the float64 oracle, rerun bitwise."""
+    b = spec.build()
+    sel = (data.draw(page_selections(b, 3), label="topk_pages") if page
+           else data.draw(token_selections(b, 16), label="topk_indices"))
+    args = mla_args(b, sel, dtype=dtype)
+    out, lse = run_twice(op, *args, sm_scale=REF_SM_SCALE, pages_per_seq=b.pages_per_seq,
+                         v_dim=REF_V_DIM, return_lse=True)
+    assert out.dtype == dtype
+    check_mla(out, lse, b, sel, q=f32_view(args[0]), cache=f32_view(args[1]),
+              sm_scale=REF_SM_SCALE, v_dim=REF_V_DIM, page=page,
+              tol=F32_TOL if dtype == jnp.float32 else REF_BF16_TOL)
+
+
 @REFERENCE_SETTINGS
 @given(spec=_ref_specs(), dtype=DTYPES, data=st.data())
 def test_reference_sparse_mla_is_softmax_attention_over_the_valid_entries(
         spec: BatchSpec, dtype, data):
-    b, k = spec.build(), 16
-    sel = data.draw(token_selections(b, k), label="topk_indices")
-    args = mla_args(b, sel, dtype=dtype)
-    out, lse = run_twice(reference.sparse_mla_ref, *args, sm_scale=REF_SM_SCALE,
-                         pages_per_seq=b.pages_per_seq, v_dim=REF_V_DIM, return_lse=True)
-    assert out.dtype == dtype
-    check_mla(out, lse, b, sel, q=f32_view(args[0]), cache=f32_view(args[1]),
-              sm_scale=REF_SM_SCALE, v_dim=REF_V_DIM, page=False,
-              tol=F32_TOL if dtype == jnp.float32 else REF_BF16_TOL)
+    _check_reference_mla(reference.sparse_mla_ref, spec, dtype, data, page=False)
 
 
 @REFERENCE_SETTINGS
 @given(spec=_ref_specs(), dtype=DTYPES, data=st.data())
 def test_reference_page_sparse_mla_attends_the_causal_tokens_of_the_valid_pages(
         spec: BatchSpec, dtype, data):
-    b, k_pages = spec.build(), 3
-    sel = data.draw(page_selections(b, k_pages), label="topk_pages")
-    args = mla_args(b, sel, dtype=dtype)
-    out, lse = run_twice(reference.page_sparse_mla_ref, *args, sm_scale=REF_SM_SCALE,
-                         pages_per_seq=b.pages_per_seq, v_dim=REF_V_DIM, return_lse=True)
-    assert out.dtype == dtype
-    check_mla(out, lse, b, sel, q=f32_view(args[0]), cache=f32_view(args[1]),
-              sm_scale=REF_SM_SCALE, v_dim=REF_V_DIM, page=True,
-              tol=F32_TOL if dtype == jnp.float32 else REF_BF16_TOL)
+    _check_reference_mla(reference.page_sparse_mla_ref, spec, dtype, data, page=True)
 
 
 def write_destinations(b) -> dict[int, tuple[int, int]]:
