@@ -25,9 +25,7 @@ from dsa_jax.ops import indexer_topk, page_sparse_mla, page_topk, sparse_mla
 from dsa_jax.sharding import sharded_dsa_step
 from dsa_jax.step import BatchMeta, StepInputs, StepResult, dsa_step
 from dsa_jax.validate import check_batch, run_checked
-from pallas_kernels.indexer_blocks import IndexerBlocks
-from pallas_kernels.mla_blocks import MlaBlocks
-from pallas_kernels.sparse_mla import PerformanceWarning
+from pallas_kernels import IndexerBlocks, MlaBlocks, PerformanceWarning
 from reference import build_index_share_map, glm_index_share_pattern
 from reference.cache_format import CacheFormat
 from reference.packed_cache import pack_cache, packed_words, unpack_cache

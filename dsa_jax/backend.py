@@ -16,10 +16,7 @@ import os
 
 import jax
 
-from pallas_kernels.indexer_topk import streamindex_topk
-from pallas_kernels.page_sparse_mla import page_sparse_mla
-from pallas_kernels.page_topk import streamindex_page_topk
-from pallas_kernels.sparse_mla import sparse_mla
+from pallas_kernels import page_sparse_mla, sparse_mla, streamindex_page_topk, streamindex_topk
 from reference import (
     page_sparse_mla_ref,
     sparse_mla_ref,

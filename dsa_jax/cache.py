@@ -33,16 +33,17 @@ def write_slots(layout: PagedLayout, num_rows: int, num_pages: int, kv_lens, pag
                 cu_q_lens, cu_kv_lens, distribution):
     """``(page_id i32[T], offset i32[T])`` of each row's new token; ``page_id == num_pages``
     for a dropped row (module docstring)."""
-    rows = batch.row_facts(num_rows, kv_lens, cu_q_lens, distribution)
+    return batch_write_slots(layout.batch(num_pages, kv_lens, page_indices, cu_q_lens,
+                                          cu_kv_lens, distribution), num_rows)
+
+
+def batch_write_slots(b: batch.RaggedBatch, num_rows: int):
+    """``write_slots`` of a ``RaggedBatch`` (the drop rule of the module docstring)."""
+    rows = b.rows(num_rows)
     pos = rows.abs_pos
-    ok = rows.in_seq & (pos >= 0) & (pos < layout.capacity_tokens)
-    safe_pos = jnp.where(ok, pos, 0)
-    slot = cu_kv_lens[rows.seq] // layout.page_size + safe_pos // layout.page_size
-    ok &= (slot >= 0) & (slot < page_indices.shape[0])
-    page_id = jnp.take(page_indices, jnp.where(ok, slot, 0), axis=0)
-    ok &= (page_id >= 0) & (page_id < num_pages)
-    page_id = jnp.where(ok, page_id, num_pages).astype(jnp.int32)
-    return page_id, (safe_pos % layout.page_size).astype(jnp.int32)
+    ok = rows.in_seq & (pos >= 0) & (pos < b.capacity_tokens)
+    page_id, offset, ok = b.token_slots(rows.seq, pos, ok)  # the one slot rule
+    return jnp.where(ok, page_id, b.num_pages).astype(jnp.int32), offset.astype(jnp.int32)
 
 
 def _pad_features(name: str, rows, want: int, allowed: tuple[int, ...]):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 import numpy as np
 
-from reference import packed_cache
+from reference import batch, packed_cache
 
 LANES = 128
 
@@ -108,7 +108,15 @@ class PagedLayout:
     @property
     def capacity_tokens(self) -> int:
         """Per-sequence capacity in tokens: ``pages_per_seq * page_size``."""
-        return self.pages_per_seq * self.page_size
+        return batch.capacity_tokens(self.page_size, self.pages_per_seq)
+
+    def batch(self, num_pages: int, kv_lens, page_indices, cu_q_lens, cu_kv_lens,
+              distribution) -> batch.RaggedBatch:
+        """The ``reference.batch.RaggedBatch`` of this layout's caches (``num_pages`` pages)
+        and a step's metadata arrays."""
+        return batch.RaggedBatch(kv_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,
+                                 page_size=self.page_size, pages_per_seq=self.pages_per_seq,
+                                 num_pages=int(num_pages))
 
     def pages_for(self, tokens: int) -> int:
         """Pages holding ``tokens`` tokens: ``ceil(tokens / page_size)``."""

@@ -26,8 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from dsa_jax import step as _step_mod
 from dsa_jax.step import BatchMeta, StepInputs, StepResult
-from pallas_kernels.indexer_blocks import IndexerBlocks
-from pallas_kernels.mla_blocks import MlaBlocks
+from pallas_kernels import IndexerBlocks, MlaBlocks
 from reference.selection import DEFAULT_RECALL_TARGET
 
 

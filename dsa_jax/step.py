@@ -35,8 +35,7 @@ from dsa_jax import cache as _cache
 from dsa_jax import ops
 from dsa_jax import validate as _validate
 from dsa_jax.layout import PagedLayout
-from pallas_kernels.indexer_blocks import IndexerBlocks
-from pallas_kernels.mla_blocks import MlaBlocks
+from pallas_kernels import IndexerBlocks, MlaBlocks
 from reference import build_index_share_map, packed_cache
 from reference.selection import DEFAULT_RECALL_TARGET
 
@@ -143,9 +142,8 @@ def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, 
     full_slot, src_slot, _ = check_step_args(inputs, latent_caches, index_caches, layout=layout,
                                              indexer_types=indexer_types,
                                              granularity=granularity)
-    num_pages = latent_caches.shape[1]
-    num_rows = inputs.q_mla.shape[1]
-    page_id, offset = _cache.write_slots(layout, num_rows, num_pages, *meta)
+    b = layout.batch(latent_caches.shape[1], *meta)  # the one batch every op below reads
+    page_id, offset = _cache.batch_write_slots(b, inputs.q_mla.shape[1])
     topk_op, mla_op = ((ops.indexer_topk, ops.sparse_mla) if granularity == "token"
                        else (ops.page_topk, ops.page_sparse_mla))
     k_name = "k" if granularity == "token" else "k_pages"
@@ -168,15 +166,14 @@ def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, 
             index_caches = index_caches.at[slot, page_id, offset].set(
                 inputs.new_index[slot].astype(index_caches.dtype), mode="drop")
             selections[slot] = topk_op(
-                inputs.q_index[slot], inputs.index_weights[slot], index_caches[slot], *meta,
+                inputs.q_index[slot], inputs.index_weights[slot], index_caches[slot], *b.arrays,
                 **{k_name: k}, pages_per_seq=layout.pages_per_seq,
                 one_token_per_seq=one_token_per_seq, num_segments=num_segments,
                 recall_target=recall_target, exact=exact, backend=backend,
                 kernel_options=topk_opts)
         q = _pad_last(inputs.q_mla[layer], layout.padded_dim)
-        kv_lens, page_indices, cu_q_lens, cu_kv_lens, distribution = meta
-        outs.append(mla_op(q, latent_caches[layer], kv_lens, selections[src_slot[layer]],
-                           page_indices, cu_q_lens, cu_kv_lens, distribution,
+        outs.append(mla_op(q, latent_caches[layer], b.kv_lens, selections[src_slot[layer]],
+                           *b.arrays[1:],
                            sm_scale=sm_scale, pages_per_seq=layout.pages_per_seq,
                            v_dim=layout.v_dim, backend=backend, kernel_options=mla_opts))
     topk = jnp.stack([selections[s] for s in range(len(selections))])

@@ -27,22 +27,23 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
+from reference import batch
+
 
 def _first(bad: jax.Array) -> jax.Array:
     """Index of the first True of ``bad`` (0 if none)."""
     return jnp.argmax(bad).astype(jnp.int32)
 
 
-def check_page_ids(kv_lens, page_indices, cu_kv_lens, distribution, *, page_size: int,
-                   pages_per_seq: int, num_pages: int) -> None:
+def check_page_ids(b: batch.RaggedBatch) -> None:
     """Rule 1: every used page has a slot in the table and an id in ``[0, num_pages)``."""
-    num_seqs = kv_lens.shape[0]
-    active = jnp.arange(num_seqs) < jnp.clip(distribution[2], 0, num_seqs)
-    kv = jnp.clip(kv_lens, 0, pages_per_seq * page_size)
-    used = (kv + page_size - 1) // page_size  # pages, per sequence
+    page_indices, page_size, pages_per_seq = b.page_indices, b.page_size, b.pages_per_seq
+    num_pages = b.num_pages
+    seqs = jnp.arange(b.num_seqs)
+    used = (b.kv_eff(seqs) + page_size - 1) // page_size  # pages, per sequence
     j = jnp.arange(pages_per_seq, dtype=jnp.int32)
-    slot = (cu_kv_lens[:-1] // page_size)[:, None] + j[None, :]  # [S, pages_per_seq]
-    live = active[:, None] & (j[None, :] < used[:, None])
+    slot = b.first_slot(seqs)[:, None] + j[None, :]  # [S, pages_per_seq]: the slot rule
+    live = b.active()[:, None] & (j[None, :] < used[:, None])
     in_table = (slot >= 0) & (slot < page_indices.shape[0])
     bad_slot = (live & ~in_table).reshape(-1)
     f = _first(bad_slot)
@@ -51,8 +52,8 @@ def check_page_ids(kv_lens, page_indices, cu_kv_lens, distribution, *, page_size
                    "{used} pages) but page_indices has only {n} entries",
                    seq=f // pages_per_seq, page=f % pages_per_seq, slot=slot.reshape(-1)[f],
                    used=used[f // pages_per_seq], n=jnp.int32(page_indices.shape[0]))
-    pid = jnp.take(page_indices, jnp.clip(slot, 0, max(page_indices.shape[0] - 1, 0)))
-    bad_pid = (live & in_table & ((pid < 0) | (pid >= num_pages))).reshape(-1)
+    pid, found = batch.lookup_page(page_indices, slot, num_pages)
+    bad_pid = (live & in_table & ~found).reshape(-1)
     g = _first(bad_pid)
     checkify.check(~jnp.any(bad_pid),
                    "page id out of range: sequence {seq} page {page}: page_indices[{slot}] = "
@@ -61,18 +62,16 @@ def check_page_ids(kv_lens, page_indices, cu_kv_lens, distribution, *, page_size
                    pid=pid.reshape(-1)[g], num_pages=jnp.int32(num_pages))
 
 
-def check_capacity(kv_lens, distribution, *, page_size: int, pages_per_seq: int) -> None:
+def check_capacity(b: batch.RaggedBatch) -> None:
     """Rule 2: active ``kv_len`` within ``[0, capacity_tokens]``."""
-    num_seqs = kv_lens.shape[0]
-    cap = pages_per_seq * page_size
-    active = jnp.arange(num_seqs) < jnp.clip(distribution[2], 0, num_seqs)
-    bad = active & ((kv_lens > cap) | (kv_lens < 0))
+    kv_lens, cap = b.kv_lens, b.capacity_tokens
+    bad = b.active() & ((kv_lens > cap) | (kv_lens < 0))
     i = _first(bad)
     checkify.check(~jnp.any(bad),
                    "kv_len past capacity: sequence {seq} has kv_len={kv} tokens, capacity_tokens"
                    " = pages_per_seq {pages} x page_size {ps} = {cap}",
-                   seq=i, kv=kv_lens[i], pages=jnp.int32(pages_per_seq),
-                   ps=jnp.int32(page_size), cap=jnp.int32(cap))
+                   seq=i, kv=kv_lens[i], pages=jnp.int32(b.pages_per_seq),
+                   ps=jnp.int32(b.page_size), cap=jnp.int32(cap))
 
 
 def check_monotone(cu_q_lens, cu_kv_lens, *, page_size: int) -> None:
@@ -125,13 +124,13 @@ def check_distribution(num_rows: int, kv_lens, cu_q_lens, distribution) -> None:
 def check_batch(num_rows: int, kv_lens, page_indices, cu_q_lens, cu_kv_lens, distribution, *,
                 page_size: int, pages_per_seq: int, num_pages: int) -> None:
     """All four rules (module docstring); call inside a ``checkify``-wrapped function."""
-    kv_lens, page_indices, cu_q_lens, cu_kv_lens, distribution = (
-        jnp.asarray(x) for x in (kv_lens, page_indices, cu_q_lens, cu_kv_lens, distribution))
-    check_monotone(cu_q_lens, cu_kv_lens, page_size=page_size)
-    check_distribution(num_rows, kv_lens, cu_q_lens, distribution)
-    check_capacity(kv_lens, distribution, page_size=page_size, pages_per_seq=pages_per_seq)
-    check_page_ids(kv_lens, page_indices, cu_kv_lens, distribution, page_size=page_size,
-                   pages_per_seq=pages_per_seq, num_pages=num_pages)
+    b = batch.RaggedBatch(*(jnp.asarray(x) for x in (kv_lens, page_indices, cu_q_lens,
+                                                     cu_kv_lens, distribution)),
+                          page_size=page_size, pages_per_seq=pages_per_seq, num_pages=num_pages)
+    check_monotone(b.cu_q_lens, b.cu_kv_lens, page_size=page_size)
+    check_distribution(num_rows, b.kv_lens, b.cu_q_lens, b.distribution)
+    check_capacity(b)
+    check_page_ids(b)
 
 
 def run_checked(fn, *args):

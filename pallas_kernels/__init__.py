@@ -1,13 +1,22 @@
-"""Pallas TPU kernels for DeepSeek Sparse Attention.
+"""Pallas TPU kernels for DeepSeek Sparse Attention, one folder per op family:
 
-Each entry takes the matching reference's arguments plus kernel knobs and ``interpret=``
-(False, True or a ``pltpu.InterpretParams``); selection reuses ``reference.selection``.
+- ``pallas_kernels.indexer``: the lightning-indexer score kernel behind token and page top-k;
+- ``pallas_kernels.mla``: the sparse MLA gather kernel behind token and page sparse MLA;
+- ``pallas_kernels.tpu``: lanes, chip detection, the VMEM policy, what ``interpret=True`` means;
+- ``pallas_kernels.aot``: AOT Mosaic compiles for v5e / v6e / tpu7x without a TPU.
+
+Each entry takes the matching reference's arguments plus kernel knobs (typed block configs
+``IndexerBlocks`` / ``MlaBlocks``) and ``interpret=`` (False: compile; True: the strict
+interpreter; or a ``pltpu.InterpretParams``); selection reuses ``reference.selection``.
 """
 
-from pallas_kernels.indexer_topk import streamindex_scores, streamindex_topk
-from pallas_kernels.page_sparse_mla import page_sparse_mla
-from pallas_kernels.page_topk import streamindex_page_topk
-from pallas_kernels.sparse_mla import sparse_mla
+from pallas_kernels.indexer import (
+                                    IndexerBlocks,
+                                    streamindex_page_topk,
+                                    streamindex_scores,
+                                    streamindex_topk,
+)
+from pallas_kernels.mla import MlaBlocks, PerformanceWarning, page_sparse_mla, sparse_mla
 
-__all__ = ["page_sparse_mla", "sparse_mla", "streamindex_page_topk", "streamindex_scores",
-           "streamindex_topk"]
+__all__ = ["IndexerBlocks", "MlaBlocks", "PerformanceWarning", "page_sparse_mla", "sparse_mla",
+           "streamindex_page_topk", "streamindex_scores", "streamindex_topk"]

@@ -59,21 +59,6 @@ def chip_info(chip: str):
     return pltpu.get_tpu_info_for_chip(CHIPS[check_chip(chip)][1], 1)
 
 
-def detect_chip() -> str | None:
-    """The chip of the default backend when it is a TPU we know, else None."""
-    try:
-        dev = jax.devices()[0]
-    except RuntimeError:
-        return None
-    if dev.platform != "tpu":
-        return None
-    kind = dev.device_kind.lower()
-    for chip, tag in (("v5e", "v5 lite"), ("v6e", "v6 lite"), ("tpu7x", "7x")):
-        if tag in kind:
-            return chip
-    return None
-
-
 def aot_compile(fn: Callable, specs: list[jax.ShapeDtypeStruct], chip: str, case: str = ""):
     """Compile ``fn(*specs)`` for ``chip``; return the compiled object or raise CompileError."""
     dev = topology_device(chip)

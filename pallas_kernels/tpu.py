@@ -1,4 +1,11 @@
-"""Facts about TPUs shared by the kernels and the command-line tools.
+"""Facts about TPUs shared by every kernel and the command-line tools, each declared once.
+
+- Layout: ``LANES`` / ``SUBLANES``, ``round_up``, ``tile_bytes`` (VMEM padding).
+- Chip detection: ``device_chip`` (honours ``jax.default_device``, so an AOT compile inside
+  ``jax.default_device(topology device)`` sees the chip it compiles for) and ``resolve_chip``.
+- The VMEM policy: ``vmem_limit`` (one rule for every kernel) and ``chip_vmem``.
+- What ``interpret=True`` means: ``interpret_params`` (the strict interpreter, one meaning for
+  every kernel: race detection, NaN-filled uninitialised memory, out-of-bounds reads raise).
 
 - ``skip_tpu_probe_without_tpu``: on a machine with libtpu installed (the ``tpu`` extra, for AOT
   compiles) but no TPU attached, JAX's first backend query initialises libtpu, which prints a
@@ -20,6 +27,9 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import aot
 
 
 def smem_page_table(page_indices: jax.Array) -> jax.Array:
@@ -54,3 +64,99 @@ def skip_tpu_probe_without_tpu() -> bool:
         return False
     jax.config.update("jax_platforms", "cpu")
     return True
+
+
+# ----------------------------------------------------------------------------- layout facts
+
+LANES = 128  # last-dim tile of every TPU generation (vregs are [8, 128] x 32-bit)
+SUBLANES = 8  # second-to-last dim tile for 32-bit values (16 for bf16, 32 for 8-bit)
+
+
+def round_up(x: int, multiple: int) -> int:
+    """``x`` rounded up to a multiple of ``multiple``."""
+    return -(-x // multiple) * multiple
+
+
+def tile_bytes(rows: int, cols: int, itemsize: int) -> int:
+    """VMEM bytes of a 2-D ``[rows, cols]`` buffer padded to ``(8 * 4 / itemsize, 128)`` tiles."""
+    return round_up(rows, SUBLANES * 4 // itemsize) * round_up(cols, LANES) * itemsize
+
+
+# ----------------------------------------------------------------------------- chip detection
+
+# ``device_kind`` substring -> our chip name (the names ``pallas_kernels.aot.CHIPS`` compiles for)
+_KIND_TAGS = (("v5e", "v5 lite"), ("v6e", "v6 lite"), ("tpu7x", "7x"))
+
+
+def chip_of(device) -> str | None:
+    """Our name of ``device``'s chip when it is a TPU we know, else None."""
+    if device is None or getattr(device, "platform", "") != "tpu":
+        return None
+    kind = device.device_kind.lower()
+    return next((chip for chip, tag in _KIND_TAGS if tag in kind), None)
+
+
+def device_chip() -> str | None:
+    """The chip Pallas compiles for: ``jax.default_device`` when set (an AOT topology device
+    included), else the default backend's first device; None off TPU. Every kernel's block
+    table and VMEM cap follow this one answer."""
+    dev = jax.config.jax_default_device
+    if dev is None:
+        try:
+            dev = jax.devices()[0]
+        except RuntimeError:
+            return None
+    return chip_of(dev)
+
+
+def resolve_chip(chip: str | None) -> str | None:
+    """An explicit ``chip`` (checked against the known chips), else ``device_chip()``."""
+    return aot.check_chip(chip) if chip is not None else device_chip()
+
+
+# ----------------------------------------------------------------------------- VMEM policy
+
+
+def chip_vmem(chip: str | None) -> int | None:
+    """VMEM bytes of ``chip`` (``pltpu.get_tpu_info_for_chip``), None when unknown."""
+    return aot.chip_info(chip).vmem_capacity_bytes if chip in aot.CHIPS else None
+
+
+MIN_VMEM_LIMIT = 32 << 20  # every chip's scoped default is 16 or 32 MiB; never ask for less
+
+
+def vmem_limit(estimate: int, chip: str | None, override: int | None = None) -> int:
+    """The scoped VMEM limit a kernel requests (one policy for every kernel): ``override`` when
+    given, else twice the kernel's own estimate (Mosaic's temporaries are not in it), at least
+    32 MiB, and at most 3/4 of the chip's VMEM when the chip is known."""
+    if override is not None:
+        return int(override)
+    want = max(MIN_VMEM_LIMIT, 2 * estimate)
+    capacity = chip_vmem(chip)
+    return min(want, capacity * 3 // 4) if capacity else want
+
+
+def check_vmem_limit(vmem_limit_bytes) -> None:
+    """``vmem_limit_bytes`` is None or a positive int (``ValueError`` naming the value)."""
+    v = vmem_limit_bytes
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+        raise ValueError(f"vmem_limit_bytes must be a positive int or None, got "
+                         f"vmem_limit_bytes={v!r}")
+
+
+# ----------------------------------------------------------------------------- interpret mode
+
+# What ``interpret=True`` means for every kernel: the Pallas TPU interpreter with race
+# detection, NaN-filled uninitialised memory and out-of-bounds reads raising.
+STRICT_INTERPRET = dict(detect_races=True, uninitialized_memory="nan",
+                        out_of_bounds_reads="raise")
+
+
+def interpret_params(interpret):
+    """``False`` -> compile with Mosaic; ``True`` -> the strict ``InterpretParams``
+    (``STRICT_INTERPRET``); an ``InterpretParams`` as given. Anything else: ``TypeError``."""
+    if interpret is True:
+        return pltpu.InterpretParams(**STRICT_INTERPRET)
+    if interpret is False or isinstance(interpret, pltpu.InterpretParams):
+        return interpret
+    raise TypeError(f"interpret must be a bool or pltpu.InterpretParams, got {interpret!r}")

@@ -27,25 +27,19 @@ from reference import batch, packed_cache
 GATHER_BLOCK_BYTES = 64 * 1024 * 1024
 
 
-def token_slots(idx, rows: batch.RowFacts, kv_lens, page_indices, cu_kv_lens, *,
-                page_size: int, pages_per_seq: int, num_pages: int, causal: bool):
-    """Flat cache slots (``page_id * page_size + offset``) of ``idx i32[R, n]``.
+def token_slots(idx, rows: batch.RowFacts, b: batch.RaggedBatch, *, causal: bool):
+    """Flat cache slots (``page_id * page_size + offset``) of ``idx i32[R, n]``, sequence-local
+    token offsets of the rows' sequences (``b.token_slots`` is the rule).
 
     Returns (slots i32[R, n], valid bool[R, n]); invalid slots are ``num_pages * page_size``
     (one past the end, so a fill-mode gather reads nothing).
     """
-    cap = batch.capacity_tokens(page_size, pages_per_seq)
-    kv_len = jnp.clip(kv_lens[rows.seq], 0, cap)[:, None]
-    valid = rows.in_seq[:, None] & (idx >= 0) & (idx < kv_len)
+    valid = rows.in_seq[:, None] & (idx >= 0) & (idx < b.kv_eff(rows.seq)[:, None])
     if causal:
         valid &= idx <= rows.abs_pos[:, None]
-    safe_idx = jnp.where(valid, idx, 0)
-    slot = (cu_kv_lens[rows.seq] // page_size)[:, None] + safe_idx // page_size
-    valid &= (slot >= 0) & (slot < page_indices.shape[0])
-    pid = jnp.take(page_indices, jnp.where(valid, slot, 0), axis=0)
-    valid &= (pid >= 0) & (pid < num_pages)
-    flat = pid * page_size + safe_idx % page_size
-    return jnp.where(valid, flat, num_pages * page_size).astype(jnp.int32), valid
+    pid, offset, valid = b.token_slots(rows.seq[:, None], idx, valid)
+    flat = pid * b.page_size + offset
+    return jnp.where(valid, flat, b.num_pages * b.page_size).astype(jnp.int32), valid
 
 
 def _attend_rows(q, rows_kv, valid, *, sm_scale: float, v_dim: int):

@@ -1,4 +1,12 @@
-"""The ragged paged batch: the one place that turns its metadata into per-row and per-page facts.
+"""The ragged paged batch: ``RaggedBatch``, the one type that carries a batch's metadata and
+the one place that turns it into per-row, per-page and per-token facts.
+
+Every op builds one from its arguments (the seed-compatible signatures stay) and asks it:
+capacity (``capacity_tokens``), active sequences (``num_active`` / ``active``), row facts
+(``rows``), and the token -> page slot -> page id rule with its validity (``page_ids``,
+``token_slots``, ``seq_pages``). The rule's last step, ``lookup_page``, is also what the Pallas
+kernels run on the scalar core against the page table in SMEM (it works on an array and on a
+ref), so the rule is written once.
 
 Conventions (the seed's; see ``shared/SPEC.md``):
 
@@ -27,6 +35,7 @@ Masking rules for runtime values jit cannot refuse (documented once, here):
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -43,6 +52,19 @@ def num_active_seqs(distribution: jax.Array, num_seqs: int) -> jax.Array:
     return jnp.clip(distribution[2], 0, num_seqs).astype(jnp.int32)
 
 
+def lookup_page(table, slot, num_pages: int):
+    """The page id at ``table[slot]`` and whether it is valid: the slot lies inside the table and
+    the id inside ``[0, num_pages)``. ``table``: ``i32[N]`` (an array, or the page table as a
+    Pallas SMEM ref read with a scalar ``slot`` on the scalar core); ``slot``: i32 (any shape).
+    Returns ``(page_id, ok)``; ``page_id`` is a real table entry or -1 where not ``ok``."""
+    n = table.shape[0]
+    if n == 0:
+        return jnp.full(jnp.shape(slot), -1, jnp.int32), jnp.zeros(jnp.shape(slot), bool)
+    in_table = (slot >= 0) & (slot < n)
+    pid = table[jnp.clip(slot, 0, n - 1)]
+    return pid, in_table & (pid >= 0) & (pid < num_pages)
+
+
 class SeqPages(NamedTuple):
     """One sequence's pages. ``page_ids i32[pages_per_seq]`` (``num_pages`` where invalid, so a
     ``mode="fill"`` gather reads nothing), ``token_ok bool[capacity_tokens]``, ``kv_len`` the
@@ -51,31 +73,6 @@ class SeqPages(NamedTuple):
     page_ids: jax.Array
     token_ok: jax.Array
     kv_len: jax.Array
-
-
-def seq_pages(seq_id, kv_lens, page_indices, cu_kv_lens, *, page_size: int,
-              pages_per_seq: int, num_pages: int) -> SeqPages:
-    """Page ids and token validity of sequence ``seq_id`` (traced scalar)."""
-    cap = capacity_tokens(page_size, pages_per_seq)
-    kv_len = jnp.clip(kv_lens[seq_id], 0, cap)
-    used_pages = (kv_len + page_size - 1) // page_size
-    j = jnp.arange(pages_per_seq, dtype=jnp.int32)
-    slot = cu_kv_lens[seq_id] // page_size + j
-    in_table = (j < used_pages) & (slot >= 0) & (slot < page_indices.shape[0])
-    pid = jnp.take(page_indices, jnp.where(in_table, slot, 0), axis=0)
-    page_ok = in_table & (pid >= 0) & (pid < num_pages)
-    pos = jnp.arange(cap, dtype=jnp.int32)
-    token_ok = jnp.repeat(page_ok, page_size) & (pos < kv_len)
-    return SeqPages(jnp.where(page_ok, pid, num_pages).astype(jnp.int32), token_ok, kv_len)
-
-
-def gather_pages(cache: jax.Array, page_ids: jax.Array) -> jax.Array:
-    """``cache[page_ids]`` flattened to tokens, zeros (no read) for ids ``== num_pages``.
-
-    cache: ``[num_pages, page_size, D]``; page_ids: ``i32[n]`` -> ``[n * page_size, D]``.
-    """
-    pages = jnp.take(cache, page_ids, axis=0, mode="fill", fill_value=0)
-    return pages.reshape(-1, cache.shape[-1])
 
 
 class RowFacts(NamedTuple):
@@ -88,11 +85,121 @@ class RowFacts(NamedTuple):
     abs_pos: jax.Array
 
 
-def row_facts(num_rows: int, kv_lens, cu_q_lens, distribution) -> RowFacts:
-    """Map each of ``num_rows`` query rows to its sequence and absolute position.
+@dataclasses.dataclass(frozen=True)
+class RaggedBatch:
+    """A ragged paged batch (a pytree: the five arrays are leaves, the three sizes static).
 
-    Token ``j`` of sequence ``i`` sits at ``kv_len - (q_end - q_start) + (j - q_start)``.
+    ``kv_lens i32[S]``, ``page_indices i32[N]``, ``cu_q_lens i32[S+1]``, ``cu_kv_lens i32[S+1]``,
+    ``distribution i32[3]`` as in the module docstring; ``page_size`` (tokens per page, read from
+    the cache's dim 1 by ``of``), ``pages_per_seq``, ``num_pages`` (the cache's dim 0)."""
+
+    kv_lens: jax.Array
+    page_indices: jax.Array
+    cu_q_lens: jax.Array
+    cu_kv_lens: jax.Array
+    distribution: jax.Array
+    page_size: int
+    pages_per_seq: int
+    num_pages: int
+
+    @classmethod
+    def of(cls, cache, kv_lens, page_indices, cu_q_lens, cu_kv_lens, distribution, *,
+           pages_per_seq: int) -> RaggedBatch:
+        """The batch of a cache ``[num_pages, page_size, W]`` and the seed's metadata arrays."""
+        num_pages, page_size = cache.shape[0], cache.shape[1]
+        return cls(kv_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,
+                   page_size=int(page_size), pages_per_seq=int(pages_per_seq),
+                   num_pages=int(num_pages))
+
+    @property
+    def arrays(self) -> tuple[jax.Array, ...]:
+        """``(kv_lens, page_indices, cu_q_lens, cu_kv_lens, distribution)``: the seed's order."""
+        return (self.kv_lens, self.page_indices, self.cu_q_lens, self.cu_kv_lens,
+                self.distribution)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Per-sequence capacity in tokens (``pages_per_seq * page_size``)."""
+        return capacity_tokens(self.page_size, self.pages_per_seq)
+
+    @property
+    def num_seqs(self) -> int:
+        """``S``: sequence slots, active or not (static)."""
+        return self.kv_lens.shape[0]
+
+    def num_active(self) -> jax.Array:
+        """Active sequences (``distribution[2]`` clipped to ``[0, S]``), i32 scalar."""
+        return num_active_seqs(self.distribution, self.num_seqs)
+
+    def active(self) -> jax.Array:
+        """``bool[S]``: which sequence slots are active."""
+        return jnp.arange(self.num_seqs) < self.num_active()
+
+    def kv_eff(self, seq) -> jax.Array:
+        """Effective kv length ``min(kv_len, capacity_tokens)`` (at least 0) of ``seq``."""
+        return jnp.clip(self.kv_lens[seq], 0, self.capacity_tokens)
+
+    def first_slot(self, seq) -> jax.Array:
+        """The page-table slot of ``seq``'s first page: ``cu_kv_lens[seq] // page_size`` (a
+        token count divided by tokens per page is a count of slots)."""
+        return self.cu_kv_lens[seq] // self.page_size
+
+    def page_ids(self, seq, page, ok):
+        """Page ids of sequence-local ``page`` numbers of ``seq`` where ``ok`` (broadcasting):
+        the slot rule ``slot = first_slot(seq) + page`` then ``lookup_page``. Returns
+        ``(page_id, ok)``; a page not ``ok`` on entry is never looked up (slot of page 0)."""
+        slot = self.first_slot(seq) + jnp.where(ok, page, 0)
+        pid, found = lookup_page(self.page_indices, slot, self.num_pages)
+        return pid, ok & found
+
+    def token_slots(self, seq, pos, ok):
+        """Where token ``pos`` of ``seq`` lives, for ``ok`` tokens the caller has checked
+        against ``kv_len`` / capacity: ``(page_id, offset, ok)`` with ``offset = pos %
+        page_size`` and ``ok`` false where the page slot or id is out of range."""
+        safe = jnp.where(ok, pos, 0)
+        pid, ok = self.page_ids(seq, safe // self.page_size, ok)
+        return pid, safe % self.page_size, ok
+
+    def seq_pages(self, seq) -> SeqPages:
+        """Page ids and token validity of sequence ``seq`` (traced scalar): its
+        ``ceil(kv_eff / page_size)`` used pages, looked up by the slot rule."""
+        kv_len = self.kv_eff(seq)
+        used_pages = (kv_len + self.page_size - 1) // self.page_size
+        j = jnp.arange(self.pages_per_seq, dtype=jnp.int32)
+        pid, page_ok = self.page_ids(seq, j, j < used_pages)
+        pos = jnp.arange(self.capacity_tokens, dtype=jnp.int32)
+        token_ok = jnp.repeat(page_ok, self.page_size) & (pos < kv_len)
+        return SeqPages(jnp.where(page_ok, pid, self.num_pages).astype(jnp.int32), token_ok,
+                        kv_len)
+
+    def rows(self, num_rows: int, *, one_token_per_seq: bool = False) -> RowFacts:
+        """Each of ``num_rows`` query rows' sequence, membership and absolute position.
+
+        Token ``j`` of sequence ``i`` sits at ``kv_len - (q_end - q_start) + (j - q_start)``;
+        with ``one_token_per_seq`` row ``i`` is the last token of sequence ``i``."""
+        if one_token_per_seq:
+            return decode_row_facts(num_rows, self.kv_lens, self.distribution)
+        return row_facts(num_rows, self.kv_lens, self.cu_q_lens, self.distribution)
+
+
+jax.tree_util.register_dataclass(
+    RaggedBatch, data_fields=["kv_lens", "page_indices", "cu_q_lens", "cu_kv_lens",
+                              "distribution"],
+    meta_fields=["page_size", "pages_per_seq", "num_pages"])
+
+
+def gather_pages(cache: jax.Array, page_ids: jax.Array) -> jax.Array:
+    """``cache[page_ids]`` flattened to tokens, zeros (no read) for ids ``== num_pages``.
+
+    cache: ``[num_pages, page_size, D]``; page_ids: ``i32[n]`` -> ``[n * page_size, D]``.
     """
+    pages = jnp.take(cache, page_ids, axis=0, mode="fill", fill_value=0)
+    return pages.reshape(-1, cache.shape[-1])
+
+
+def row_facts(num_rows: int, kv_lens, cu_q_lens, distribution) -> RowFacts:
+    """Map each of ``num_rows`` query rows to its sequence and absolute position
+    (``RaggedBatch.rows``)."""
     num_seqs = kv_lens.shape[0]
     rows = jnp.arange(num_rows, dtype=jnp.int32)
     # compare_all: one [T, S] compare-and-count, loop- and gather-free (the default "scan"

@@ -97,16 +97,16 @@ def score_and_select(q, weights, cache, kv_lens, page_indices, cu_q_lens, cu_kv_
     Returns i32[T, out_width].
     """
     num_rows = q.shape[0]
-    num_pages, page_size, _ = cache.shape
-    num_seqs = kv_lens.shape[0]
-    n_active = batch.num_active_seqs(distribution, num_seqs)
+    b = batch.RaggedBatch.of(cache, kv_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,
+                             pages_per_seq=pages_per_seq)
+    num_seqs = b.num_seqs
+    n_active = b.num_active()
     out = jnp.full((num_rows, out_width), -1, dtype=jnp.int32)
-    ladder = (1,) if one_token_per_seq else window_ladder(num_rows, page_size * pages_per_seq)
+    ladder = (1,) if one_token_per_seq else window_ladder(num_rows, b.capacity_tokens)
     ladder_arr = jnp.asarray(ladder, dtype=jnp.int32)
 
     def seq_body(seq_id, out):
-        pages = batch.seq_pages(seq_id, kv_lens, page_indices, cu_kv_lens, page_size=page_size,
-                                pages_per_seq=pages_per_seq, num_pages=num_pages)
+        pages = b.seq_pages(seq_id)
         keys = batch.gather_pages(cache, pages.page_ids)
         if one_token_per_seq:  # row seq_id is the sequence's last token
             q_start, q_end = seq_id, seq_id + 1

@@ -40,11 +40,9 @@ def sparse_mla_ref(
     check_mla_args(q, cache_kv, kv_lens, topk_indices, page_indices, cu_q_lens, cu_kv_lens,
                    distribution, sm_scale=sm_scale, pages_per_seq=pages_per_seq, v_dim=v_dim,
                    selected_name="topk_indices")
-    num_pages, page_size, _ = cache_kv.shape
-    rows = batch.row_facts(q.shape[0], kv_lens, cu_q_lens, distribution)
-    slots, valid = attend.token_slots(topk_indices, rows, kv_lens, page_indices, cu_kv_lens,
-                                      page_size=page_size, pages_per_seq=pages_per_seq,
-                                      num_pages=num_pages, causal=False)
+    b = batch.RaggedBatch.of(cache_kv, kv_lens, page_indices, cu_q_lens, cu_kv_lens,
+                             distribution, pages_per_seq=pages_per_seq)
+    slots, valid = attend.token_slots(topk_indices, b.rows(q.shape[0]), b, causal=False)
     out, lse = attend.attend_selected(q, cache_kv, slots, valid, sm_scale=sm_scale, v_dim=v_dim)
     out = out.astype(q.dtype)
     return (out, lse) if return_lse else out

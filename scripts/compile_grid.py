@@ -21,8 +21,8 @@ sequence's kv_len; capacity = context), q dtype bf16 / f32.
   ``k_pages = min(8, pages_per_seq)``.
 
 "default" blocks are what the entry picks on that chip: the indexer gets ``chip=``; the MLA
-entries read ``pallas_kernels.aot.detect_chip()`` (None on a CPU host), so during a compile this
-script makes it answer the target chip: the chip's block table and VMEM cap apply, as on a TPU.
+entries ask ``pallas_kernels.tpu.device_chip()``, which honours the ``jax.default_device`` the
+AOT compile runs under, so the chip's block table and VMEM cap apply, as on a TPU.
 
 The full product is large (``--full``, per chip: 3,840 per indexer kernel, 6,912 sparse_mla,
 5,184 page_sparse_mla; ~1-2.5 s each, so about a day for three chips); by default a seeded
@@ -39,7 +39,6 @@ Usage: ``python scripts/compile_grid.py [--kernels K1,K2] [--chips v5e,v6e,tpu7x
 # No ``from __future__ import annotations``: the dataclass then needs no sys.modules entry,
 # so a test can load this file by path with importlib alone.
 import argparse
-import contextlib
 import functools
 import itertools
 import json
@@ -245,18 +244,6 @@ def mlir_op(message: str) -> str:
     return ""
 
 
-@contextlib.contextmanager
-def _as_chip(chip: str):
-    """``aot.detect_chip()`` answers ``chip`` meanwhile (the MLA entries' block table and VMEM
-    cap follow it, as they would on that TPU)."""
-    saved = aot.detect_chip
-    aot.detect_chip = lambda: chip
-    try:
-        yield
-    finally:
-        aot.detect_chip = saved
-
-
 def _rejected(exc: BaseException | None) -> bool:
     """The entry's own argument checks refused it: a ValueError / TypeError raised from
     package code (the innermost frame is outside jax), before anything was lowered."""
@@ -282,7 +269,7 @@ def compile_result(c: Combo, chip: str) -> tuple[str, str, str]:
     except (ValueError, TypeError) as e:
         return "rejected", first_line(f"{type(e).__name__}: {e}"), ""
     try:
-        with _as_chip(chip), warnings.catch_warnings():
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the bf16 sparse_mla slow-path warning
             aot.aot_compile(fn, specs, chip, c.label())
     except aot.CompileError as e:

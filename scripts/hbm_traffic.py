@@ -7,8 +7,9 @@ counts are with the minor dim padded to 128 lanes (what TPU tiling moves for an 
 indexer's ``f32[R*H, 1]`` weight column; equal to the logical bytes for every other copy here).
 No TPU is used: this is what the simulated kernel copies, not a hardware measurement.
 
-Model: ``case.model`` is the kernel module's own traffic function (``index_score_kernel.traffic``
-/ ``sparse_mla.mla_traffic``, the functions behind ``compile_cases``) called with this case's
+Model: ``case.model`` is the kernel family's own traffic function
+(``pallas_kernels.indexer.traffic.traffic`` / ``pallas_kernels.mla.traffic.mla_traffic``,
+the functions behind ``compile_cases``) called with this case's
 shapes and blocks. It also prices XLA work outside the ``pallas_call`` (the indexer
 page-score row map, the sparse MLA index preparation); those terms are split out as "XLA side"
 (``*_xla_bytes`` below, one line per model term), because the interpreter counts only the
@@ -22,7 +23,6 @@ Usage: ``python scripts/hbm_traffic.py [--quick] [--out DIR]``
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
@@ -38,17 +38,23 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
+import pallas_kernels  # noqa: E402
 from pallas_kernels import _interpret_counter as counter  # noqa: E402
-from pallas_kernels import aot, mla_blocks  # noqa: E402
-from pallas_kernels import index_score_kernel as isk  # noqa: E402
-from pallas_kernels.indexer_topk import streamindex_topk  # noqa: E402
-from pallas_kernels.page_sparse_mla import PREP_BYTES_PER_PAGE, page_sparse_mla  # noqa: E402
-from pallas_kernels.page_topk import streamindex_page_topk  # noqa: E402
+from pallas_kernels import (  # noqa: E402
+    aot,  # noqa: E402
+    page_sparse_mla,
+    streamindex_page_topk,
+    streamindex_topk,
+)
+from pallas_kernels.indexer import blocks as iblocks  # noqa: E402
+from pallas_kernels.indexer import scoring  # noqa: E402
+from pallas_kernels.indexer import traffic as itraffic  # noqa: E402
+from pallas_kernels.mla import blocks as mblocks  # noqa: E402
+from pallas_kernels.mla import kernel as mkernel  # noqa: E402
+from pallas_kernels.mla import traffic as mtraffic  # noqa: E402
+from pallas_kernels.mla.traffic import PREP_BYTES_PER_PAGE  # noqa: E402
 from reference import packed_cache  # noqa: E402
 from reference.synthetic import make_ragged_batch  # noqa: E402
-
-# the module (the package rebinds the name ``sparse_mla`` to the entry function)
-smla = importlib.import_module("pallas_kernels.sparse_mla")
 
 LABEL = "counted in the Pallas TPU interpreter (simulation)"
 # Plain interpreter: no race detection (the kernels' own tests run the strict one); the counts
@@ -104,17 +110,17 @@ class Case:
 
 
 def indexer_xla_bytes(s: Shape, *, page_mode: bool) -> int:
-    """The XLA term of ``index_score_kernel.traffic``: page mode's row map of the page scores
+    """The XLA term of ``indexer.traffic.traffic``: page mode's row map of the page scores
     (read + write ``f32[T, pages_per_seq]``). q and weights are read by the kernel's own q
     blocks (no per-item gather), so token mode has no XLA side."""
     return 2 * s.rows * s.pages_per_seq * 4 if page_mode else 0
 
 
 def indexer_case(s: Shape, *, page_mode: bool, block_pages: int, block_rows: int,
-                 chunk_bytes: int = isk.SCORE_CHUNK_BYTES, dtype=jnp.bfloat16,
+                 chunk_bytes: int = scoring.SCORE_CHUNK_BYTES, dtype=jnp.bfloat16,
                  seed: int = 0) -> Case:
     b = s.batch(seed)
-    blocks = isk.resolve_blocks(None, block_rows=block_rows, block_pages=block_pages,
+    blocks = iblocks.resolve_blocks(None, block_rows=block_rows, block_pages=block_pages,
                                 chip=None, one_token_per_seq=s.decode,
                                 pages_per_seq=s.pages_per_seq)
     args = (jnp.asarray(b.q, dtype), jnp.asarray(b.weights, jnp.float32),
@@ -129,13 +135,13 @@ def indexer_case(s: Shape, *, page_mode: bool, block_pages: int, block_rows: int
         k = 16
         run = lambda: streamindex_topk(*args, k=k, **knobs)  # noqa: E731
     item = jnp.dtype(dtype).itemsize
-    model = isk.traffic(list(s.q_lens), list(s.kv_lens), heads=s.heads, dim=s.dim,
+    model = itraffic.traffic(list(s.q_lens), list(s.kv_lens), heads=s.heads, dim=s.dim,
                         page_size=s.page_size, pages_per_seq=s.pages_per_seq,
                         key_itemsize=item, q_itemsize=item, blocks=blocks,
                         page_mode=page_mode, one_token_per_seq=s.decode,
                         chunk_bytes=chunk_bytes)
     xla = indexer_xla_bytes(s, page_mode=page_mode)
-    chunked = "" if chunk_bytes == isk.SCORE_CHUNK_BYTES else f" chunk={chunk_bytes}B"
+    chunked = "" if chunk_bytes == scoring.SCORE_CHUNK_BYTES else f" chunk={chunk_bytes}B"
     return Case("streamindex_page_topk" if page_mode else "streamindex_topk", s.name, run,
                 model, xla, f"R={blocks.block_rows} P={blocks.block_pages}{chunked}")
 
@@ -185,7 +191,7 @@ def mla_case(s: Shape, *, page_mode: bool, k: int, block: int, v_dim: int,
     kw = dict(sm_scale=0.125, pages_per_seq=s.pages_per_seq, v_dim=v_dim, interpret=INTERPRET)
     if page_mode:
         sel = jnp.asarray(full_page_topk(s, k, rng))
-        units = mla_blocks.page_block(k, s.page_size, None, block)
+        units = mblocks.page_block(k, s.page_size, None, block)
         fmt, cache, selected, meta_words = "bf16", plain, k * s.page_size, k
         prep = s.rows * k * PREP_BYTES_PER_PAGE
 
@@ -194,19 +200,19 @@ def mla_case(s: Shape, *, page_mode: bool, k: int, block: int, v_dim: int,
                                    pages_per_block=units, **kw)
     else:
         sel = jnp.asarray(full_token_topk(s, k, rng))
-        units = mla_blocks.token_block(k, None, block)
+        units = mblocks.token_block(k, None, block)
         fmt, cache, selected, meta_words = "packed", packed_cache.pack_cache(plain), k, k
-        prep = s.rows * k * smla.PREP_BYTES_PER_ENTRY
+        prep = s.rows * k * mtraffic.PREP_BYTES_PER_ENTRY
 
         def run():
-            return smla.sparse_mla(q, cache, kv_lens, sel, page_indices, cu_q, cu_kv, dist,
-                                   tokens_per_block=units, **kw)
+            return pallas_kernels.sparse_mla(q, cache, kv_lens, sel, page_indices, cu_q, cu_kv,
+                                             dist, tokens_per_block=units, **kw)
 
     mode = "page" if page_mode else "token"
-    shape = smla.block_shape(mode, heads=s.heads, dim=s.dim, v_dim=v_dim,
+    shape = mkernel.block_shape(mode, heads=s.heads, dim=s.dim, v_dim=v_dim,
                              page_size=s.page_size, units=units, meta_len=k,
                              q_dtype=jnp.bfloat16, fmt=fmt)
-    model = smla.mla_traffic(rows=s.rows, heads=s.heads, dim=s.dim, v_dim=v_dim,
+    model = mtraffic.mla_traffic(rows=s.rows, heads=s.heads, dim=s.dim, v_dim=v_dim,
                              selected_rows=selected, fmt=fmt, q_itemsize=2,
                              meta_words=meta_words, prep_bytes=prep,
                              table_words=int(page_indices.shape[0]), shape=shape)
@@ -214,7 +220,7 @@ def mla_case(s: Shape, *, page_mode: bool, k: int, block: int, v_dim: int,
     what = f"k_pages={k} pages/block={units}" if page_mode else f"k={k} rows/block={units}"
     # The interpreter does not count scalar prefetch (row info + page table -> SMEM): priced by
     # the model, set aside here with the XLA side.
-    prefetch = smla.prefetch_bytes(rows=s.rows, table_words=int(page_indices.shape[0]))
+    prefetch = mtraffic.prefetch_bytes(rows=s.rows, table_words=int(page_indices.shape[0]))
     return Case(name, s.name, run, model, prep + prefetch, f"{what} {fmt}")
 
 

@@ -16,8 +16,8 @@ Programs (DeepSeek-V3.2 shapes of the compile gates; ``--quick`` keeps the starr
   ``dsa_jax.update_kv_cache`` (donated)*;
 - ``dsa_jax.indexer_topk`` / ``page_topk`` (backend ``"pallas"`` and ``"reference"``) at
   decode 64x4096*, decode 8x131072, MTP 16x4@4096, prefill 2048@32768, mixed
-  60x1@4096 + 512@32768 (``index_score_kernel.GATE_SHAPES`` plus MTP); the reference is the
-  kernel's modelled key bytes, and "net" subtracts the selection stage's XLA bytes;
+  60x1@4096 + 512@32768 (``pallas_kernels.indexer.compile_cases.GATE_SHAPES`` plus MTP); the
+  reference is the kernel's modelled key bytes, and "net" subtracts the selection stage's XLA bytes;
 - ``dsa_jax.sparse_mla`` / ``page_sparse_mla`` at decode 64x8192 H=128 and H=16*, MTP 16x4@4096
   H=128, prefill 1024@32768 (``sparse_mla.COMPILE_SHAPES`` plus MTP), k = 2048 tokens or 32
   pages of 64; the reference is the kernel's modelled bytes (``compile_cases`` traffic);
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import json
 import os
 import re
@@ -62,12 +61,13 @@ import jax.numpy as jnp  # noqa: E402
 import dsa_jax  # noqa: E402
 from dsa_jax import step as dsa_step_mod  # noqa: E402
 from pallas_kernels import aot, xla_cost  # noqa: E402
-from pallas_kernels import index_score_kernel as isk  # noqa: E402
+from pallas_kernels.indexer import blocks as iblocks  # noqa: E402
+from pallas_kernels.indexer import compile_cases as icases  # noqa: E402
+from pallas_kernels.indexer import scoring, work_list  # noqa: E402
+from pallas_kernels.indexer import traffic as itraffic  # noqa: E402
+from pallas_kernels.mla import compile_cases as mcases  # noqa: E402
 from reference import selection  # noqa: E402
 from reference.witnesses import scatter_topology_witnesses  # noqa: E402
-
-smla = importlib.import_module("pallas_kernels.sparse_mla")
-pmla = importlib.import_module("pallas_kernels.page_sparse_mla")
 
 I32, F32, BF16, U32 = jnp.int32, jnp.float32, jnp.bfloat16, jnp.uint32
 K, K_PAGES, SEGMENTS, RECALL = 2048, 32, 64, selection.DEFAULT_RECALL_TARGET
@@ -195,36 +195,36 @@ def _meta_specs(seqs: int, pages: int) -> list[jax.ShapeDtypeStruct]:
 
 def indexer_key_bytes(q_lens, kv_lens, *, page_mode: bool, one_token_per_seq: bool,
                       chip: str) -> int:
-    """The score kernel's modelled key bytes (the ``keys`` term of ``isk.traffic``: pages
-    needed per work item, replayed with ``isk.replay_items``), bf16 keys, gate dims."""
-    ps, pps = isk.GATE_PAGE, -(-max(kv_lens) // isk.GATE_PAGE)
-    blocks = isk.resolve_blocks(None, block_rows=None, block_pages=None, chip=chip,
+    """The score kernel's modelled key bytes (the ``keys`` term of ``itraffic.traffic``: pages
+    needed per work item, replayed with ``itraffic.replay_items``), bf16 keys, gate dims."""
+    ps, pps = icases.GATE_PAGE, -(-max(kv_lens) // icases.GATE_PAGE)
+    blocks = iblocks.resolve_blocks(None, block_rows=None, block_pages=None, chip=chip,
                                 one_token_per_seq=one_token_per_seq, pages_per_seq=pps)
     total = sum(q_lens)
-    c = isk.chunk_rows(total, pps if page_mode else pps * ps, blocks.block_rows,
-                       isk.SCORE_CHUNK_BYTES)
-    ladder = isk.row_ladder(blocks.block_rows, c, one_token_per_seq)
+    c = scoring.chunk_rows(total, pps if page_mode else pps * ps, blocks.block_rows,
+                       scoring.SCORE_CHUNK_BYTES)
+    ladder = work_list.row_ladder(blocks.block_rows, c, one_token_per_seq)
     pages = 0
     for row0 in sorted({min(i * c, total - c) for i in range(-(-total // c))}):
-        for items in isk.replay_items(q_lens, kv_lens, row0=row0, rows=c, total_rows=total,
+        for items in itraffic.replay_items(q_lens, kv_lens, row0=row0, rows=c, total_rows=total,
                                       ladder=ladder, page_size=ps, capacity=pps * ps):
             pages += sum(p for _, _, p in items)
-    return pages * ps * isk.GATE_DIM * jnp.dtype(BF16).itemsize
+    return pages * ps * icases.GATE_DIM * jnp.dtype(BF16).itemsize
 
 
 def indexer_programs(quick: bool) -> list[Program]:
-    shapes = dict(isk.GATE_SHAPES)
+    shapes = dict(icases.GATE_SHAPES)
     shapes["MTP 16x4@4096"] = MTP
     out = []
     for name, (q_lens, kv_lens, otp) in shapes.items():
         is_quick = name == "decode 64x4096"
         if quick and not is_quick:
             continue
-        specs, pps = isk.gate_specs(q_lens, kv_lens)
+        specs, pps = icases.gate_specs(q_lens, kv_lens)
         rows = max(sum(q_lens), len(q_lens))
         for op, page_mode in (("indexer_topk", False), ("page_topk", True)):
             k = min(K_PAGES, pps) if page_mode else K
-            cols = pps if page_mode else pps * isk.GATE_PAGE
+            cols = pps if page_mode else pps * icases.GATE_PAGE
             stage = stage_program(sum(q_lens), cols, k, is_quick)
             loop_free = otp or name.startswith("MTP")
             if loop_free:
@@ -255,20 +255,17 @@ def indexer_programs(quick: bool) -> list[Program]:
 def _mla_cases() -> list[tuple[str, object, str, int]]:
     """``(op, CompileCase, shape name, rows)`` for the MLA kernels' compile shapes plus MTP."""
     out = []
-    for op, mod in (("sparse_mla", smla), ("page_sparse_mla", pmla)):
-        for case in mod.compile_cases(quick=True):
-            rows = next(r for n, r, *_ in smla.COMPILE_SHAPES if case.shape.startswith(n))
+    for op, cases in (("sparse_mla", mcases.token_cases), ("page_sparse_mla",
+                                                           mcases.page_cases)):
+        for case in cases(quick=True):
+            rows = next(r for n, r, *_ in mcases.COMPILE_SHAPES if case.shape.startswith(n))
             out.append((op, case, case.shape, rows))
     mtp = ("mtp16x4@4096_h128", 64, 16, 4096, 128)
-    token_case = getattr(smla, "_token_case", None)
-    page_case = getattr(pmla, "_page_case", None)
-    if token_case is not None:
-        out.append(("sparse_mla", token_case(f"{mtp[0]}_k{K}_packed", *mtp[1:], K, "packed",
-                                             U32), f"{mtp[0]}_k{K}_packed", 64))
-    if page_case is not None:
-        out.append(("page_sparse_mla", page_case(f"{mtp[0]}_p{K_PAGES}x64_bf16", *mtp[1:],
-                                                 "bf16", BF16), f"{mtp[0]}_p{K_PAGES}x64_bf16",
-                     64))
+    out.append(("sparse_mla", mcases._token_case(f"{mtp[0]}_k{K}_packed", *mtp[1:], K, "packed",
+                                                 U32), f"{mtp[0]}_k{K}_packed", 64))
+    out.append(("page_sparse_mla", mcases._page_case(f"{mtp[0]}_p{K_PAGES}x64_bf16", *mtp[1:],
+                                                     "bf16", BF16),
+                f"{mtp[0]}_p{K_PAGES}x64_bf16", 64))
     return out
 
 
@@ -325,7 +322,7 @@ def step_programs(quick: bool) -> list[Program]:
     seqs, ctx, ps, heads, layers = 64, 4096, 64, 128, ("full", "shared")
     layout = dsa_jax.PagedLayout(page_size=ps, pages_per_seq=ctx // ps, packed_latent=True)
     pages, n, f = seqs * layout.pages_per_seq, len(layers), 1
-    hi, di = isk.GATE_HEADS, layout.index_dim
+    hi, di = icases.GATE_HEADS, layout.index_dim
     specs = [_s((n, seqs, heads, layout.padded_dim), BF16), _s((n, seqs, layout.qk_dim), BF16),
              _s((f, seqs, hi, di), BF16), _s((f, seqs, hi), F32), _s((f, seqs, di), BF16),
              _s((n, *layout.latent_cache_shape(pages)), U32),
@@ -337,7 +334,7 @@ def step_programs(quick: bool) -> list[Program]:
                 continue
             body = functools.partial(
                 dsa_step_mod.step_body, layout=layout, indexer_types=layers,
-                k=K if gran == "token" else K_PAGES, sm_scale=smla.MLA_SCALE, num_segments=0,
+                k=K if gran == "token" else K_PAGES, sm_scale=mcases.MLA_SCALE, num_segments=0,
                 granularity=gran, one_token_per_seq=True, recall_target=RECALL, exact=False,
                 backend=backend,
                 kernel_options=(("interpret", False),) if backend == "pallas" else ())

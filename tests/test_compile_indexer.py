@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from pallas_kernels import aot, indexer_topk, page_topk
+from pallas_kernels import aot, streamindex_topk
+from pallas_kernels.indexer import blocks as iblocks
+from pallas_kernels.indexer import compile_cases as icases
 
-CASES = indexer_topk.compile_cases(quick=True) + page_topk.compile_cases(quick=True)
+CASES = icases.compile_cases(quick=True)
 
 
 @pytest.mark.parametrize("chip", sorted(aot.CHIPS))
@@ -59,7 +61,7 @@ def test_compile_error_names_chip_shape_and_mosaic_message():
 
 # Small pages on a mixed batch (the CLI's `--quick --dsa-use-pallas` uses page 16): token-mode
 # stages narrower than 128 lanes failed Mosaic on every chip (scripts/compile_grid.py); the
-# entry widens them (index_score_kernel.resolve_blocks), so every block choice compiles.
+# entry widens them (pallas_kernels.indexer.blocks.resolve_blocks), so every block choice compiles.
 SMALL_PAGES = [(8, None), (16, None), (16, 2), (32, 1), (64, 1)]
 
 
@@ -68,17 +70,15 @@ SMALL_PAGES = [(8, None), (16, None), (16, 2), (32, 1), (64, 1)]
 def test_token_topk_with_small_pages_compiles_on_a_mixed_batch(chip, page_size, block_pages):
     import functools
 
-    from pallas_kernels import index_score_kernel as isk
-
     q_lens, kv_lens = [1, 1, 1, 32], [300, 77, 512, 512]
-    specs, pps = isk.gate_specs(q_lens, kv_lens, heads=8, page_size=page_size)
-    fn = functools.partial(indexer_topk.streamindex_topk, k=128, pages_per_seq=pps,
+    specs, pps = icases.gate_specs(q_lens, kv_lens, heads=8, page_size=page_size)
+    fn = functools.partial(streamindex_topk, k=128, pages_per_seq=pps,
                            block_pages=block_pages, chip=chip)
     try:
         aot.aot_compile(fn, specs, chip, f"page {page_size} block_pages {block_pages}")
     except aot.CompileError as e:
         pytest.fail(str(e), pytrace=False)
-    widened = isk.resolve_blocks(None, block_rows=None, block_pages=block_pages, chip=chip,
-                                 one_token_per_seq=False, pages_per_seq=pps,
-                                 page_size=page_size, mosaic=True)
+    widened = iblocks.resolve_blocks(None, block_rows=None, block_pages=block_pages, chip=chip,
+                                     one_token_per_seq=False, pages_per_seq=pps,
+                                     page_size=page_size, mosaic=True)
     assert widened.block_pages * page_size % 128 == 0

@@ -15,12 +15,13 @@ from batches import PAGES_PER_SEQ, indexer_args, rounded_to_bf16, scenario
 from jax.experimental.pallas import tpu as pltpu
 from oracle import check_page_topk, check_token_topk, token_candidates
 
-from pallas_kernels import aot
-from pallas_kernels import index_score_kernel as isk
-from pallas_kernels.indexer_blocks import default_blocks, vmem_budget, vmem_estimate
-from pallas_kernels.indexer_topk import streamindex_scores, streamindex_topk
-from pallas_kernels.page_topk import streamindex_page_topk
-from reference import streamindex_page_topk_ref, streamindex_topk_ref
+from pallas_kernels import aot, streamindex_page_topk, streamindex_scores, streamindex_topk
+from pallas_kernels.indexer import blocks as iblocks
+from pallas_kernels.indexer import compile_cases as icases
+from pallas_kernels.indexer import kernel as ikernel
+from pallas_kernels.indexer import work_list
+from pallas_kernels.indexer.blocks import default_blocks, vmem_budget, vmem_estimate
+from reference import batch, streamindex_page_topk_ref, streamindex_topk_ref
 from reference.batch import row_facts
 from reference.synthetic import make_ragged_batch
 
@@ -158,15 +159,16 @@ def _mixed(seed):
 def test_mixed_batch_decode_rows_take_one_row_items():
     b = _mixed(0)
     args = _args(b, jnp.float32)
-    blocks = isk.resolve_blocks(None, block_rows=16, block_pages=2, chip=None,
+    blocks = iblocks.resolve_blocks(None, block_rows=16, block_pages=2, chip=None,
                                 one_token_per_seq=False, pages_per_seq=PAGES_PER_SEQ)
-    cfgs = isk.make_configs(args[0], args[2], rows=28, num_seqs=len(MIXED_Q) + 1,
+    cfgs = ikernel.make_configs(args[0], args[2], rows=28, num_seqs=len(MIXED_Q) + 1,
                             pages_per_seq=PAGES_PER_SEQ, blocks=blocks, page_mode=False,
                             one_token_per_seq=False)
     assert [c.block_rows for c in cfgs] == [1, 4, 16]
     kv, cu_q, dist = (jnp.asarray(x) for x in (b.seq_lens, b.cu_q_lens, b.distribution))
-    items, slot, pos, _ = isk.work_list(kv, cu_q, dist, cu_kv_lens=jnp.asarray(b.cu_kv_lens),
-                                        row0=jnp.int32(0), cfgs=cfgs, one_token_per_seq=False)
+    rb = batch.RaggedBatch.of(args[2], *args[3:], pages_per_seq=PAGES_PER_SEQ)
+    items, slot, pos, _ = work_list.work_list(rb, row0=jnp.int32(0), cfgs=cfgs,
+                                              one_token_per_seq=False)
     starts = np.cumsum([0] + [c.num_items * c.block_rows for c in cfgs])
     level = np.searchsorted(starts, np.asarray(slot), side="right") - 1
     np.testing.assert_array_equal(level, [0] * 6 + [1] * 3 + [2] * 16 + [1] * 3)
@@ -227,13 +229,13 @@ def test_bad_shapes_are_refused_by_name():
 @pytest.mark.parametrize("chip", sorted(aot.CHIPS))
 def test_default_blocks_fit_half_the_vmem_at_every_gate_shape(chip):
     budget = vmem_budget(chip)
-    for name, (_q_lens, kv_lens, otp) in isk.GATE_SHAPES.items():
-        pps = -(-max(kv_lens) // isk.GATE_PAGE)
+    for name, (_q_lens, kv_lens, otp) in icases.GATE_SHAPES.items():
+        pps = -(-max(kv_lens) // icases.GATE_PAGE)
         blocks = default_blocks(chip, one_token_per_seq=otp)
-        assert (blocks.block_pages * isk.GATE_PAGE) % 128 == 0, (chip, name)
+        assert (blocks.block_pages * icases.GATE_PAGE) % 128 == 0, (chip, name)
         for page_mode in (False, True):
             est = vmem_estimate(block_rows=blocks.block_rows, block_pages=blocks.block_pages,
-                                num_heads=isk.GATE_HEADS, dim=isk.GATE_DIM,
-                                page_size=isk.GATE_PAGE, pages_per_seq=pps, key_itemsize=4,
+                                num_heads=icases.GATE_HEADS, dim=icases.GATE_DIM,
+                                page_size=icases.GATE_PAGE, pages_per_seq=pps, key_itemsize=4,
                                 q_itemsize=2, page_mode=page_mode)
             assert est < budget, f"{chip} {name} page_mode={page_mode}: {est} >= {budget}"

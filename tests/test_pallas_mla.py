@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import mla_blocks
-from pallas_kernels.page_sparse_mla import page_sparse_mla
-from pallas_kernels.sparse_mla import sparse_mla
+from pallas_kernels import page_sparse_mla, sparse_mla
+from pallas_kernels.mla import blocks as mla_blocks
 from reference import attend, batch, packed_cache
 from reference.page_sparse_mla import page_sparse_mla_ref
 from reference.sparse_mla import sparse_mla_ref
@@ -220,10 +219,9 @@ def test_reference_gather_accepts_packed_cache():
     b = batches.scenario("mtp", 13, num_heads=2, dim=256)
     q, cache = as_dtype(b, jnp.bfloat16)
     sel = jnp.asarray(junk_token_topk(np.random.default_rng(13), b, 10))
-    rows = batch.row_facts(q.shape[0], b.seq_lens, b.cu_q_lens, b.distribution)
-    slots, valid = attend.token_slots(sel, rows, b.seq_lens, b.page_indices, b.cu_kv_lens,
-                                      page_size=b.page_size, pages_per_seq=b.pages_per_seq,
-                                      num_pages=cache.shape[0], causal=False)
+    rb = batch.RaggedBatch.of(cache, *(jnp.asarray(x) for x in b.meta()),
+                              pages_per_seq=b.pages_per_seq)
+    slots, valid = attend.token_slots(sel, rb.rows(q.shape[0]), rb, causal=False)
     want = attend.attend_selected(q, cache, slots, valid, sm_scale=SCALE, v_dim=200)
     got = attend.attend_selected(q, packed_cache.pack_cache(cache), slots, valid,
                                  sm_scale=SCALE, v_dim=200)
@@ -292,14 +290,15 @@ def test_refuses_bad_block_knobs_and_interpret():
 
 
 def test_vmem_estimate_fits_every_chip_at_the_compile_shapes():
-    from pallas_kernels import aot
-    from pallas_kernels.sparse_mla import block_shape
+    from pallas_kernels import aot, tpu
+    from pallas_kernels.mla.kernel import block_shape
     for chip in aot.CHIPS:
         units = mla_blocks.token_block(2048, chip)
         s = block_shape("token", heads=128, dim=640, v_dim=512, page_size=64, units=units,
                         meta_len=2048, q_dtype=jnp.bfloat16, fmt="packed")
         cap = aot.chip_info(chip).vmem_capacity_bytes
-        assert 2 * mla_blocks.vmem_bytes(s) < mla_blocks.vmem_limit(s, cap, None) <= cap
+        est = mla_blocks.vmem_bytes(s)
+        assert 2 * est <= tpu.vmem_limit(est, chip) <= cap
 
 
 def test_interpret_accepts_custom_params():
@@ -317,7 +316,7 @@ def test_interpret_accepts_custom_params():
 def test_a_plain_bf16_cache_warns_that_it_is_packed_on_every_call():
     import functools
 
-    from pallas_kernels.sparse_mla import PerformanceWarning
+    from pallas_kernels import PerformanceWarning
 
     S = jax.ShapeDtypeStruct
     args = [S((4, 8, 256), jnp.bfloat16), S((9, 16, 256), jnp.bfloat16), S((4,), jnp.int32),

@@ -81,7 +81,7 @@ def test_mla_refuses_bad_input(b, op):
 
 def test_an_f16_cache_is_refused_by_every_path_never_rounded():
     """f16 is neither computed nor silently rounded to bf16 (pack_cache, sparse MLA)."""
-    from pallas_kernels.sparse_mla import sparse_mla
+    from pallas_kernels import sparse_mla
     from reference.packed_cache import pack_cache
 
     b = scenario("mtp", seed=1, dim=128)

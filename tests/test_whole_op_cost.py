@@ -24,7 +24,6 @@ together, reporting every problem it finds.
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 import subprocess
 import sys
@@ -36,8 +35,9 @@ import pytest
 from jax.experimental import pallas as pl
 
 import dsa_jax
-from pallas_kernels import index_score_kernel as isk
 from pallas_kernels import xla_cost
+from pallas_kernels.indexer import compile_cases as icases
+from pallas_kernels.mla import compile_cases as mcases
 from reference import selection
 from reference.witnesses import scatter_topology_witnesses
 
@@ -46,8 +46,6 @@ ROOT = Path(__file__).resolve().parents[1]
 I32, F32 = jnp.int32, jnp.float32
 K, K_PAGES, SEGMENTS = 2048, 32, 64
 
-token_mla = importlib.import_module("pallas_kernels.sparse_mla")
-page_mla = importlib.import_module("pallas_kernels.page_sparse_mla")
 
 
 def _s(shape, dtype):
@@ -170,27 +168,27 @@ def test_negative_or_missing_optimal_seconds_is_none_and_list_costs_are_read():
 
 def _decode_key_bytes(kv_lens) -> int:
     """bf16 indexer keys a decode batch reads: each sequence's pages once."""
-    pages = sum(-(-kv // isk.GATE_PAGE) for kv in kv_lens)
-    return pages * isk.GATE_PAGE * isk.GATE_DIM * jnp.dtype(jnp.bfloat16).itemsize
+    pages = sum(-(-kv // icases.GATE_PAGE) for kv in kv_lens)
+    return pages * icases.GATE_PAGE * icases.GATE_DIM * jnp.dtype(jnp.bfloat16).itemsize
 
 
 def _indexer(op: str, shape: str):
     """(fn, specs, rows, score columns, k) of a pallas indexer op."""
-    q_lens, kv_lens, otp = isk.GATE_SHAPES[shape]
+    q_lens, kv_lens, otp = icases.GATE_SHAPES[shape]
     assert otp, shape  # the gate shapes are pure decode batches
-    specs, pps = isk.gate_specs(q_lens, kv_lens)
+    specs, pps = icases.gate_specs(q_lens, kv_lens)
     page_mode = op == "page_topk"
     k = min(K_PAGES, pps) if page_mode else K
     fn = functools.partial(getattr(dsa_jax, op), **{"k_pages" if page_mode else "k": k},
                            pages_per_seq=pps, one_token_per_seq=True, backend="pallas",
                            kernel_options={"chip": CHIP, "interpret": False})
-    cols = pps if page_mode else pps * isk.GATE_PAGE
+    cols = pps if page_mode else pps * icases.GATE_PAGE
     return fn, specs, len(q_lens), cols, k
 
 
 def _mla_case(op: str, heads: int):
-    mod = token_mla if op == "sparse_mla" else page_mla
-    (case,) = [c for c in mod.compile_cases(quick=True)
+    cases = mcases.token_cases if op == "sparse_mla" else mcases.page_cases
+    (case,) = [c for c in cases(quick=True)
                if c.shape.startswith(f"decode64x8192_h{heads}_")]
     return case
 
@@ -367,7 +365,7 @@ def test_indexer_gate(op, shape):
     key, stage_key = f"{op}:{shape}", f"stage:{op}@{shape}"
     c, stage = _cost(key), _cost(stage_key)
     assert c.kernels, f"{key}: no Pallas call in the program"
-    keys = _decode_key_bytes(isk.GATE_SHAPES[shape][1])
+    keys = _decode_key_bytes(icases.GATE_SHAPES[shape][1])
     net = c.xla_bytes - stage.xla_bytes
     problems = _hlo_problems(key) + _loop_problems(key) + _loop_problems(stage_key)
     if net > 0.25 * keys:

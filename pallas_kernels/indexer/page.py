@@ -1,6 +1,6 @@
 """Lightning-indexer page top-k with a Pallas TPU score kernel (per-page max fused).
 
-    page scores (Pallas, ``pallas_kernels.index_score_kernel`` in page mode: each stage's token
+    page scores (Pallas, ``pallas_kernels.indexer.kernel`` in page mode: each stage's token
     scores are max-pooled per page inside the kernel; only f32[C, pages_per_seq] leaves it)
     -> selection (XLA, ``reference.selection``)
 
@@ -16,11 +16,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import aot
-from pallas_kernels import index_score_kernel as isk
-from pallas_kernels.indexer_blocks import IndexerBlocks
-from pallas_kernels.indexer_topk import _blocks
-from reference import selection
+from pallas_kernels.indexer.blocks import IndexerBlocks, check_kernel_knobs, entry_blocks
+from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, score_and_select
+from reference import batch, selection
 from reference._indexer_args import check_indexer_args
 from reference.page_topk import causal_page_count
 
@@ -50,13 +48,13 @@ def streamindex_page_topk(
     block_pages: int | None = None,
     blocks: IndexerBlocks | None = None,
     chip: str | None = None,
-    score_chunk_bytes: int = isk.SCORE_CHUNK_BYTES,
+    score_chunk_bytes: int = SCORE_CHUNK_BYTES,
     vmem_limit_bytes: int | None = None,
     interpret=False,
 ) -> jax.Array:
     """Page top-k of the lightning indexer over a ragged paged batch (Pallas page scores).
 
-    Args: as ``pallas_kernels.indexer_topk.streamindex_topk`` with ``k_pages`` for ``k``;
+    Args: as ``pallas_kernels.streamindex_topk`` with ``k_pages`` for ``k``;
     witnesses use the row's causal page count as its context length.
 
     Returns:
@@ -68,9 +66,10 @@ def streamindex_page_topk(
                        one_token_per_seq=one_token_per_seq)
     selection.check_selection_args(k_pages, recall_target, exact, num_segments,
                                    k_name="k_pages")
-    blocks = _blocks(chip, blocks, block_rows, block_pages, one_token_per_seq, pages_per_seq,
-                     page_size=cache_kv.shape[1], page_mode=True, interpret=interpret)
-    isk.check_kernel_knobs(score_chunk_bytes, vmem_limit_bytes)
+    chip, blocks = entry_blocks(chip, blocks, block_rows, block_pages,
+                                one_token_per_seq=one_token_per_seq, pages_per_seq=pages_per_seq,
+                                page_size=cache_kv.shape[1], page_mode=True, interpret=interpret)
+    check_kernel_knobs(score_chunk_bytes, vmem_limit_bytes)
     page_size = cache_kv.shape[1]
 
     def finish(scores, row_ok, abs_pos, kv_eff):
@@ -79,14 +78,10 @@ def streamindex_page_topk(
                                          exact=exact, num_segments=num_segments)
         return jnp.where(row_ok[:, None], idx, -1)
 
-    return isk.score_and_select(
-        q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,
-        pages_per_seq=pages_per_seq, one_token_per_seq=one_token_per_seq, page_mode=True,
+    b = batch.RaggedBatch.of(cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
+                             distribution, pages_per_seq=pages_per_seq)
+    return score_and_select(
+        q, weights, cache_kv, b, one_token_per_seq=one_token_per_seq, page_mode=True,
         blocks=blocks, chunk_bytes=score_chunk_bytes, vmem_limit_bytes=vmem_limit_bytes,
-        interpret=interpret, out_width=k_pages, out_dtype=jnp.int32, finish=finish)
+        interpret=interpret, chip=chip, out_width=k_pages, out_dtype=jnp.int32, finish=finish)
 
-
-def compile_cases(quick: bool) -> list[aot.CompileCase]:
-    """Compile-gate cases: the indexer gate shapes, ``k_pages = 2048 / 64 = 32`` pages."""
-    return isk.gate_cases("streamindex_page_topk", streamindex_page_topk, "k_pages",
-                          page_mode=True, quick=quick)

@@ -1,4 +1,10 @@
-"""Token-sparse absorbed MLA on TPU (Pallas): each query row attends its own top-k cache rows.
+"""The sparse absorbed MLA gather kernel on TPU (Pallas), shared by token and page sparse MLA:
+each query row attends the cache rows (token mode) or whole pages (page mode) its top-k selects.
+
+Module map: ``blocks`` (block table, VMEM estimate), ``common`` (``row_info`` and the entries'
+shared tail), ``token`` / ``page`` (the entries), ``traffic`` (traffic model),
+``compile_cases`` (AOT gate shapes). This file: the static validator, the kernel body and its
+``pallas_call``. Page mode specifics are in ``page``'s docstring.
 
 Math (``reference.sparse_mla.sparse_mla_ref`` is the definition)::
 
@@ -29,13 +35,13 @@ Pipeline: the grid walks query rows in order; inside a row a loop walks blocks o
 them) are DMA'd HBM -> SMEM one row ahead; the page table (``page_indices``) and per-row facts
 (``row_info``: limit, first page slot, count and end of the entries that can be valid) are
 scalar-prefetched into SMEM. Filling a block is a walk on the scalar core: from a cursor, each
-entry is checked (``0 <= e < min(kv_len, capacity)``, page slot inside the table, page id in
-``[0, P)``: the rules of ``reference.attend.token_slots``), and each valid one is DMA'd into the
-next free row of the block, so a block's live rows are always its first ``n``; invalid entries
-cost a scalar check and no DMA. The gathers of block b+1 (possibly the next row's first block)
-are issued before block b is computed (double buffer). Rows of a block past ``n`` are zeroed in
-VMEM (a select, never a multiply, so a NaN there cannot leak) and their logits are -inf. A row
-with no valid entry computes one fully masked block (no DMA) and writes zeros, LSE -inf.
+entry is checked (``0 <= e < min(kv_len, capacity)``, page slot inside the table, page id in ``[0,
+P)``: ``reference.batch.lookup_page``, the rule every op uses), and each valid one is DMA'd into
+the next free row of the block, so a block's live rows are always its first ``n``; invalid entries
+cost a scalar check and no DMA. The gathers of block b+1 (possibly the next row's first block) are
+issued before block b is computed (double buffer). Rows of a block past ``n`` are zeroed in VMEM (a
+select, never a multiply, so a NaN there cannot leak) and their logits are -inf. A row with no
+valid entry computes one fully masked block (no DMA) and writes zeros, LSE -inf.
 
 Index preparation in XLA is ``row_info`` only: elementwise over the entries plus two row
 reductions and per-row metadata. There is no per-entry page-table gather and no compaction
@@ -56,7 +62,6 @@ the scalar core; the issue rate, not HBM bandwidth, may bound decode.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -64,33 +69,15 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import aot, mla_blocks, tpu
+from pallas_kernels import tpu
+from pallas_kernels.mla import blocks as mla_blocks
+from pallas_kernels.mla.blocks import _COUNT, _END, _LIMIT, _SLOT0, ROW_INFO_WORDS
+from pallas_kernels.mla.traffic import mla_traffic
 from reference import batch, packed_cache
 from reference._mla_args import check_mla_args
 from reference.cache_format import CacheFormat, check_packed_width
 
-
-class PerformanceWarning(UserWarning):
-    """A call that is correct but takes a documented slow path."""
-
-
-# ``row_info`` fields, one i32 row of ROW_INFO_WORDS per query row (scalar-prefetched).
-_COUNT, _END, _SLOT0, _LIMIT, ROW_INFO_WORDS = range(5)
-
-STRICT_INTERPRET = dict(detect_races=True, uninitialized_memory="nan",
-                        out_of_bounds_reads="raise")
-
-
 # ----------------------------------------------------------------------------- static checks
-
-
-def interpret_params(interpret):
-    """``False`` -> compile; ``True`` -> the strict InterpretParams; an InterpretParams as is."""
-    if interpret is True:
-        return pltpu.InterpretParams(**STRICT_INTERPRET)
-    if interpret is False or isinstance(interpret, pltpu.InterpretParams):
-        return interpret
-    raise TypeError(f"interpret must be a bool or pltpu.InterpretParams, got {interpret!r}")
 
 
 def check_kernel_args(q, cache_kv, kv_lens, selected, page_indices, cu_q_lens, cu_kv_lens,
@@ -109,8 +96,8 @@ def check_kernel_args(q, cache_kv, kv_lens, selected, page_indices, cu_q_lens, c
     check_mla_args(q, plain, kv_lens, selected, page_indices, cu_q_lens, cu_kv_lens,
                    distribution, sm_scale=sm_scale, pages_per_seq=pages_per_seq, v_dim=v_dim,
                    selected_name=selected_name)
-    if dim % mla_blocks.LANES:
-        raise ValueError(f"the latent dim q.shape[2] must be a multiple of {mla_blocks.LANES} "
+    if dim % tpu.LANES:
+        raise ValueError(f"the latent dim q.shape[2] must be a multiple of {tpu.LANES} "
                          f"(pad 576 -> 640 with zeros), got {dim}")
     return fmt
 
@@ -176,8 +163,7 @@ def _masks(mode, live, lim_ref, buf, *, rows, unit, units):
     return row_ok, lane_ok
 
 
-def _entry_source(mode, e, info, table_ref, *, page_size, pages_per_seq, num_pages,
-                  num_slots):
+def _entry_source(mode, e, info, table_ref, *, page_size, pages_per_seq, num_pages):
     """Where entry ``e`` of a row lives, on the scalar core: ``(ok, page id, in-page row,
     limit)``. ``info = (slot0, limit)`` of the row. token: ``e`` is a token offset, valid if
     ``0 <= e < limit`` (``limit = min(kv_len, capacity)``); page: ``e`` is a page number,
@@ -192,11 +178,8 @@ def _entry_source(mode, e, info, table_ref, *, page_size, pages_per_seq, num_pag
         lim = jnp.clip(limit - jnp.clip(e, 0, pages_per_seq) * page_size, 0, page_size)
         ok = (e >= 0) & (lim > 0)
         page, inner = e, 0
-    slot = slot0 + jnp.where(ok, page, 0)
-    ok &= (slot >= 0) & (slot < num_slots)
-    pid = table_ref[jnp.clip(slot, 0, num_slots - 1)]
-    ok &= (pid >= 0) & (pid < num_pages)
-    return ok, jnp.clip(pid, 0, num_pages - 1), inner, lim
+    pid, found = batch.lookup_page(table_ref, slot0 + jnp.where(ok, page, 0), num_pages)
+    return ok & found, jnp.clip(pid, 0, num_pages - 1), inner, lim
 
 
 def _kernel(info_ref, table_ref, q_ref, meta_hbm, cache_hbm, out_ref, *refs, mode, packed,
@@ -215,7 +198,6 @@ def _kernel(info_ref, table_ref, q_ref, meta_hbm, cache_hbm, out_ref, *refs, mod
     unit = 1 if mode == "token" else page_size
     rows = units * unit
     cdt = jnp.float32 if f32 else jnp.bfloat16
-    num_slots = table_ref.shape[0]
     t = pl.program_id(0)
 
     def meta_copy(row):
@@ -240,7 +222,7 @@ def _kernel(info_ref, table_ref, q_ref, meta_hbm, cache_hbm, out_ref, *refs, mod
             cur, n = c
             ok, pid, inner, lim = _entry_source(
                 mode, sbuf[row % 2, cur], info, table_ref, page_size=page_size,
-                pages_per_seq=pages_per_seq, num_pages=num_pages, num_slots=num_slots)
+                pages_per_seq=pages_per_seq, num_pages=num_pages)
 
             @pl.when(ok)
             def _():
@@ -385,232 +367,10 @@ def gather_attend(q, cache, entries, info, table, *, mode, fmt, units, pages_per
         kernel, grid_spec=grid_spec, out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",),  # each row prefetches the next row's rows
-            vmem_limit_bytes=mla_blocks.vmem_limit(shape, _chip_vmem(), vmem_limit_bytes)),
+            vmem_limit_bytes=tpu.vmem_limit(mla_blocks.vmem_bytes(shape),
+                                              tpu.device_chip(), vmem_limit_bytes)),
         cost_estimate=pl.CostEstimate(flops=traffic.flops, transcendentals=0,
                                       bytes_accessed=traffic.bytes_moved),
-        interpret=interpret_params(interpret), name=f"{mode}_sparse_mla")
+        interpret=tpu.interpret_params(interpret), name=f"{mode}_sparse_mla")
     res = call(info.reshape(-1), table, q, entries, cache)
     return res[0], (res[1] if return_lse else None)
-
-
-def _chip_vmem() -> int | None:
-    chip = aot.detect_chip()
-    return aot.chip_info(chip).vmem_capacity_bytes if chip else None
-
-
-def compute_query(q, fmt: CacheFormat):
-    """The query in the compute dtype: f32 when the query or the cache is f32, else bf16."""
-    return q.astype(jnp.promote_types(q.dtype, fmt.value_dtype))
-
-
-def attend_entries(q, cache_kv, kv_lens, entries, page_indices, cu_q_lens, cu_kv_lens,
-                   distribution, *, mode: str, fmt: CacheFormat, units: int,
-                   pages_per_seq: int, sm_scale: float, v_dim: int, return_lse: bool,
-                   vmem_limit_bytes: int | None, interpret):
-    """What both entries do after their checks and block choice: ``row_info`` in XLA, the
-    kernel over the raw ``entries`` (token offsets or page numbers) and the page table, then the
-    output in ``q``'s dtype (and the LSE ``f32[T, H]`` when ``return_lse``)."""
-    info = row_info(entries, kv_lens, cu_q_lens, cu_kv_lens, distribution, mode=mode,
-                    page_size=cache_kv.shape[1], pages_per_seq=pages_per_seq)
-    out, lse = gather_attend(compute_query(q, fmt), cache_kv, entries.astype(jnp.int32), info,
-                             tpu.smem_page_table(page_indices), mode=mode, fmt=fmt,
-                             units=units, pages_per_seq=pages_per_seq, sm_scale=sm_scale,
-                             v_dim=v_dim, return_lse=return_lse,
-                             vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
-    out = out.astype(q.dtype)
-    return (out, lse[..., 0]) if return_lse else out
-
-
-def row_info(entries, kv_lens, cu_q_lens, cu_kv_lens, distribution, *, mode: str,
-             page_size: int, pages_per_seq: int) -> jax.Array:
-    """Per query row, what the kernel's walk needs: ``i32[T, 4]`` = (entries that can be valid,
-    one past the last such entry, the sequence's first page slot, the limit).
-
-    Elementwise over ``entries i32[T, k]`` plus two row reductions and per-row metadata: no
-    per-entry page-table lookup (the kernel reads the table in SMEM) and no compaction (the
-    kernel's walk skips invalid entries). "Can be valid": the row belongs to a sequence and
-    ``0 <= e < limit`` (token: ``limit = min(kv_len, capacity)``), or the page holds a token
-    below ``limit = min(kv_len, capacity, abs_pos + 1)`` (page); the page slot and page id
-    checks happen in the kernel, which may therefore fill fewer rows than this count.
-    """
-    num_rows, k = entries.shape
-    rows = batch.row_facts(num_rows, kv_lens, cu_q_lens, distribution)
-    cap = batch.capacity_tokens(page_size, pages_per_seq)
-    limit = jnp.clip(kv_lens[rows.seq], 0, cap)
-    if mode == "page":
-        limit = jnp.clip(jnp.minimum(limit, rows.abs_pos + 1), 0, None)
-    limit = jnp.where(rows.in_seq, limit, 0)
-    if mode == "token":
-        ok = (entries >= 0) & (entries < limit[:, None])
-    else:  # the page's first token is below the limit (clip: no overflow for huge numbers)
-        ok = (entries >= 0) & (jnp.clip(entries, 0, pages_per_seq) * page_size < limit[:, None])
-    count = jnp.sum(ok, axis=1, dtype=jnp.int32)
-    end = jnp.max(jnp.where(ok, jnp.arange(1, k + 1, dtype=jnp.int32)[None, :], 0), axis=1,
-                  initial=0)
-    slot0 = cu_kv_lens[rows.seq] // page_size
-    fields = {_COUNT: count, _END: end, _SLOT0: slot0, _LIMIT: limit}  # the kernel's layout
-    return jnp.stack([fields[i] for i in range(ROW_INFO_WORDS)], axis=1).astype(jnp.int32)
-
-
-# ----------------------------------------------------------------------------- entry point
-
-
-@functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "pages_per_seq", "v_dim", "return_lse", "tokens_per_block", "blocks",
-    "vmem_limit_bytes", "interpret"))
-def sparse_mla(
-    q: jax.Array,  # f32|bf16[T, H, D]
-    cache_kv: jax.Array,  # f32[P, ps, D] | u32[P, ps, Wp] packed bf16 | bf16[P, ps, D] (slow)
-    kv_lens: jax.Array,  # i32[S]
-    topk_indices: jax.Array,  # i32[T, k] sequence-local token offsets, -1 = ignore
-    page_indices: jax.Array,  # i32[N]
-    cu_q_lens: jax.Array,  # i32[S+1]
-    cu_kv_lens: jax.Array,  # i32[S+1]
-    distribution: jax.Array,  # i32[3]
-    *,
-    sm_scale: float,
-    pages_per_seq: int,
-    v_dim: int,
-    return_lse: bool = False,
-    tokens_per_block: int | None = None,
-    blocks: mla_blocks.MlaBlocks | None = None,
-    vmem_limit_bytes: int | None = None,
-    interpret=False,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """Token-sparse absorbed MLA (Pallas TPU); same semantics as ``sparse_mla_ref``.
-
-    Args:
-      q .. distribution: as ``reference.sparse_mla_ref``; ``cache_kv`` may also be the packed
-        bf16 cache ``u32[P, ps, packed_words(D)]`` of ``reference.packed_cache.pack_cache``
-        (the fast bf16 path); a plain bf16 cache is packed per call (a full cache copy).
-      sm_scale, pages_per_seq, v_dim, return_lse: as the reference.
-      tokens_per_block: cache rows per gathered block (multiple of 8); default from
-        ``blocks``, else ``mla_blocks.TOKENS_PER_BLOCK`` for the detected chip.
-      blocks: an ``MlaBlocks`` (typed, validated; its ``tokens_per_block`` is used here).
-      vmem_limit_bytes: scoped VMEM limit; default from ``mla_blocks.vmem_limit``.
-      interpret: False (compile), True (strict interpret mode) or a ``pltpu.InterpretParams``.
-
-    Returns:
-      ``q.dtype[T, H, v_dim]``; with ``return_lse=True`` also ``f32[T, H]``.
-    """
-    fmt = check_kernel_args(q, cache_kv, kv_lens, topk_indices, page_indices, cu_q_lens,
-                            cu_kv_lens, distribution, sm_scale=sm_scale,
-                            pages_per_seq=pages_per_seq, v_dim=v_dim,
-                            selected_name="topk_indices")
-    if fmt is CacheFormat.BF16:  # slow path: a full copy of the cache into the packed format
-        if not interpret:  # on a TPU this is a full-cache copy per call: say so once per trace
-            warnings.warn("sparse_mla: a plain bf16 cache is packed into u32 words on every "
-                          "call (a full copy of the cache); store it packed "
-                          "(reference.packed_cache.pack_cache, or dsa_jax.PagedLayout("
-                          "packed_latent=True))", PerformanceWarning, stacklevel=2)
-        cache_kv, fmt = packed_cache.pack_cache(cache_kv), CacheFormat.PACKED_BF16
-    units = mla_blocks.token_block(topk_indices.shape[1], aot.detect_chip(),
-                                   mla_blocks.pick(blocks, "tokens_per_block", tokens_per_block))
-    return attend_entries(q, cache_kv, kv_lens, topk_indices, page_indices, cu_q_lens,
-                          cu_kv_lens, distribution, mode="token", fmt=fmt, units=units,
-                          pages_per_seq=pages_per_seq, sm_scale=sm_scale, v_dim=v_dim,
-                          return_lse=return_lse, vmem_limit_bytes=vmem_limit_bytes,
-                          interpret=interpret)
-
-
-# ----------------------------------------------------------------------------- cost model
-
-# XLA index preparation (``row_info``) per top-k entry: each entry is read once (the row
-# reductions fuse into that read); the per-row outputs are noise beside it.
-PREP_BYTES_PER_ENTRY = 4
-
-
-def prefetch_bytes(*, rows: int, table_words: int) -> int:
-    """HBM -> SMEM bytes of the scalar prefetch: ``row_info`` and the page table."""
-    return 4 * (rows * ROW_INFO_WORDS + table_words)
-
-
-def mla_traffic(*, rows: int, heads: int, dim: int, v_dim: int, selected_rows: int,
-                fmt: CacheFormat | str, q_itemsize: int, meta_words: int, prep_bytes: int,
-                table_words: int, shape: mla_blocks.MlaBlockShape) -> aot.Traffic:
-    """Modelled HBM traffic of one call where every query row selects ``selected_rows`` valid
-    cache rows. The minimum moves each selected row once at the plain dtype and D features
-    (bf16: 2 bytes, f32: 4), reads q once and writes out once; the kernel moves a packed row as
-    its ``packed_words(D)`` words (Mosaic moves rows whole; see ``reference.packed_cache``),
-    each row's ``meta_words`` raw entries into SMEM, and the scalar-prefetched row info and
-    page table (``table_words``) once. ``prep_bytes`` is the XLA side (``row_info``)."""
-    fmt = CacheFormat.named(fmt)
-    q_out = rows * heads * (dim + v_dim) * q_itemsize
-    gathered = rows * selected_rows * fmt.row_bytes(dim)
-    bytes_min = rows * selected_rows * fmt.plain_row_bytes(dim) + q_out
-    smem = 4 * rows * meta_words + prefetch_bytes(rows=rows, table_words=table_words)
-    moved = gathered + q_out + smem + prep_bytes
-    flops = 2 * rows * heads * selected_rows * (dim + v_dim)
-    return aot.Traffic(int(moved), int(bytes_min), int(flops), mla_blocks.vmem_bytes(shape))
-
-
-def _specs(*shapes_dtypes):
-    return [jax.ShapeDtypeStruct(s, d) for s, d in shapes_dtypes]
-
-
-def batch_specs(*, rows, heads, dim, seqs, context, page_size, selected, cache_dtype):
-    """Specs of (q, cache, kv_lens, selected, page_indices, cu_q_lens, cu_kv_lens, distribution)
-    for ``seqs`` sequences of ``context`` tokens (pages of ``page_size``) and ``rows`` queries."""
-    pages = seqs * (context // page_size)
-    words = packed_cache.packed_words(dim) if cache_dtype == jnp.uint32 else dim
-    return _specs(((rows, heads, dim), jnp.bfloat16), ((pages, page_size, words), cache_dtype),
-                  ((seqs,), jnp.int32), ((rows, selected), jnp.int32), ((pages,), jnp.int32),
-                  ((seqs + 1,), jnp.int32), ((seqs + 1,), jnp.int32), ((3,), jnp.int32))
-
-
-# DeepSeek-V3.2 absorbed MLA: 576 latent+rope padded to 640, v_dim 512, pages of 64 tokens.
-MLA_DIM, MLA_V_DIM, MLA_PAGE, MLA_SCALE = 640, 512, 64, 0.1352
-# (name, rows, seqs, context, heads): 64 decode rows x 8192; a 1024-token prefill at 32768.
-COMPILE_SHAPES = (("decode64x8192_h128", 64, 64, 8192, 128),
-                  ("decode64x8192_h16", 64, 64, 8192, 16),
-                  ("prefill1024@32768_h128", 1024, 1, 32768, 128))
-
-
-def compile_cases(quick: bool = True) -> list[aot.CompileCase]:
-    """Compile-gate cases: packed bf16 cache at k=2048 for every shape; ``quick=False`` adds
-    the f32 cache and the plain-bf16 (pack per call) slow path at the H=16 decode shape."""
-    k = 2048
-    fmts = [("packed", jnp.uint32)] + ([] if quick else [("f32", jnp.float32),
-                                                         ("bf16", jnp.bfloat16)])
-    cases = []
-    for name, rows, seqs, context, heads in COMPILE_SHAPES:
-        for fmt, dt in fmts:
-            if fmt != "packed" and heads != 16:
-                continue
-            cases.append(_token_case(f"{name}_k{k}_{fmt}", rows, seqs, context, heads, k, fmt,
-                                     dt))
-    return cases
-
-
-def _token_case(label, rows, seqs, context, heads, k, fmt, dt) -> aot.CompileCase:
-    specs = batch_specs(rows=rows, heads=heads, dim=MLA_DIM, seqs=seqs, context=context,
-                        page_size=MLA_PAGE, selected=k, cache_dtype=dt)
-    kfmt = "packed" if fmt == "bf16" else fmt
-
-    def shape_for(chip):
-        units = mla_blocks.token_block(k, chip)
-        return units, block_shape("token", heads=heads, dim=MLA_DIM, v_dim=MLA_V_DIM,
-                                  page_size=MLA_PAGE, units=units, meta_len=k,
-                                  q_dtype=jnp.bfloat16, fmt=kfmt)
-
-    def fn_for_chip(chip):
-        units, shape = shape_for(chip)
-        return functools.partial(
-            sparse_mla, sm_scale=MLA_SCALE, pages_per_seq=context // MLA_PAGE,
-            v_dim=MLA_V_DIM, tokens_per_block=units,
-            vmem_limit_bytes=mla_blocks.vmem_limit(
-                shape, aot.chip_info(chip).vmem_capacity_bytes, None))
-
-    def traffic(chip):
-        t = mla_traffic(rows=rows, heads=heads, dim=MLA_DIM, v_dim=MLA_V_DIM,
-                        selected_rows=k, fmt=kfmt, q_itemsize=2, meta_words=k,
-                        prep_bytes=rows * k * PREP_BYTES_PER_ENTRY,
-                        table_words=seqs * context // MLA_PAGE, shape=shape_for(chip)[1])
-        if fmt == "bf16":  # slow path: pack the whole cache (read bf16, write words) per call
-            pages = seqs * context // MLA_PAGE
-            extra = pages * MLA_PAGE * (2 * MLA_DIM + 4 * packed_cache.packed_words(MLA_DIM))
-            t = aot.Traffic(t.bytes_moved + extra, t.bytes_min, t.flops, t.vmem_bytes)
-        return t
-
-    return aot.CompileCase("sparse_mla", label, fn_for_chip, specs, traffic,
-                           tags=("decode",) if label.startswith("decode") else ("prefill",))

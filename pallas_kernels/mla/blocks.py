@@ -14,18 +14,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pallas_kernels.tpu import LANES, SUBLANES, round_up
+
+# ``row_info``: one i32 row of ROW_INFO_WORDS per query row, scalar-prefetched into SMEM: the
+# entries that can be valid, one past the last of them, the first page slot, the limit.
+_COUNT, _END, _SLOT0, _LIMIT, ROW_INFO_WORDS = range(5)
+
 # chip -> cache rows (tokens) per gathered block. v5e has 16 MiB of scoped VMEM by default and
 # a lower HBM bandwidth (so a smaller block already hides the DMA latency); v6e/tpu7x stream
 # faster and get bigger blocks. Untuned: no TPU was available to measure (see the kernels'
 # docstrings); the values respect each chip's VMEM with a 2x margin at H=128, D=640.
 TOKENS_PER_BLOCK: dict[str, int] = {"v5e": 256, "v6e": 512, "tpu7x": 512}
 DEFAULT_TOKENS_PER_BLOCK = 256
-SUBLANES = 8
-LANES = 128
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def token_block(k: int, chip: str | None, override: int | None = None) -> int:
     if blk <= 0 or blk % SUBLANES:
         raise ValueError(f"tokens_per_block must be a positive multiple of {SUBLANES}, got "
                          f"tokens_per_block={blk}")
-    return min(blk, _round_up(k, SUBLANES))
+    return min(blk, round_up(k, SUBLANES))
 
 
 def page_block(k_pages: int, page_size: int, chip: str | None,
@@ -97,24 +97,15 @@ class MlaBlockShape:
 
 def vmem_bytes(s: MlaBlockShape) -> int:
     """Estimated VMEM the kernel uses: each buffer padded to (8, 128) tiles, one line each."""
-    hp = _round_up(s.heads, SUBLANES)
-    rows = _round_up(s.block_rows, 16)
-    cw = _round_up(s.cache_words, LANES)
+    hp = round_up(s.heads, SUBLANES)
+    rows = round_up(s.block_rows, 16)
+    cw = round_up(s.cache_words, LANES)
     total = 2 * rows * cw * s.cache_itemsize  # gather double buffer
-    total += 2 * s.num_q_parts * hp * _round_up(s.q_words, LANES) * s.q_itemsize  # q blocks (x2)
-    total += 2 * s.num_q_parts * hp * _round_up(s.out_cols, LANES) * s.q_itemsize  # out (x2)
+    total += 2 * s.num_q_parts * hp * round_up(s.q_words, LANES) * s.q_itemsize  # q blocks (x2)
+    total += 2 * s.num_q_parts * hp * round_up(s.out_cols, LANES) * s.q_itemsize  # out (x2)
     total += 2 * hp * LANES * 4  # lse block (x2), lanes padded
     total += s.unpacked_parts * rows * cw * (4 + 2)  # unpacked f32 rows and their bf16 copies
-    total += 3 * hp * _round_up(s.block_rows, LANES) * 4  # logits, p and its cast
-    total += s.num_q_parts * hp * _round_up(s.out_cols, LANES) * 4 * 2  # acc carry + update
-    total += s.num_q_parts * hp * _round_up(s.q_words, LANES) * 4  # q upcast (f32 path)
+    total += 3 * hp * round_up(s.block_rows, LANES) * 4  # logits, p and its cast
+    total += s.num_q_parts * hp * round_up(s.out_cols, LANES) * 4 * 2  # acc carry + update
+    total += s.num_q_parts * hp * round_up(s.q_words, LANES) * 4  # q upcast (f32 path)
     return total
-
-
-def vmem_limit(s: MlaBlockShape, capacity: int | None, override: int | None) -> int:
-    """The scoped VMEM limit to request: the override, else 1.5x the estimate + 4 MiB, at least
-    16 MiB and at most 3/4 of ``capacity`` (when known)."""
-    if override is not None:
-        return int(override)
-    want = max(16 << 20, int(1.5 * vmem_bytes(s)) + (4 << 20))
-    return min(want, capacity * 3 // 4) if capacity else want

@@ -1,6 +1,6 @@
 """Lightning-indexer token top-k with a Pallas TPU score kernel.
 
-    scores  (Pallas, ``pallas_kernels.index_score_kernel``: f32[C, pages_per_seq * page_size])
+    scores  (Pallas, ``pallas_kernels.indexer.kernel``: f32[C, pages_per_seq * page_size])
     -> selection (XLA, ``reference.selection``: approx_max_k / top_k, guard, witness merge)
 
 Same arguments and result as ``reference.indexer_topk.streamindex_topk_ref``, plus kernel knobs.
@@ -18,24 +18,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import aot
-from pallas_kernels import index_score_kernel as isk
-from pallas_kernels.indexer_blocks import IndexerBlocks
-from reference import selection
+from pallas_kernels.indexer.blocks import IndexerBlocks, check_kernel_knobs, entry_blocks
+from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, score_and_select
+from reference import batch, selection
 from reference._indexer_args import check_indexer_args
 
 _STATICS = ("k", "pages_per_seq", "one_token_per_seq", "num_segments", "recall_target", "exact",
             "block_rows", "block_pages", "blocks", "chip", "score_chunk_bytes", "vmem_limit_bytes",
             "interpret")
-
-
-def _blocks(chip, blocks, block_rows, block_pages, one_token_per_seq, pages_per_seq, *,
-            page_size: int, page_mode: bool, interpret) -> IndexerBlocks:
-    chip = aot.check_chip(chip) if chip is not None else isk.device_chip()
-    return isk.resolve_blocks(blocks, block_rows=block_rows, block_pages=block_pages, chip=chip,
-                              page_size=page_size, page_mode=page_mode,
-                              mosaic=interpret is False,
-                              one_token_per_seq=one_token_per_seq, pages_per_seq=pages_per_seq)
 
 
 @functools.partial(jax.jit, static_argnames=_STATICS)
@@ -59,7 +49,7 @@ def streamindex_topk(
     block_pages: int | None = None,
     blocks: IndexerBlocks | None = None,
     chip: str | None = None,
-    score_chunk_bytes: int = isk.SCORE_CHUNK_BYTES,
+    score_chunk_bytes: int = SCORE_CHUNK_BYTES,
     vmem_limit_bytes: int | None = None,
     interpret=False,
 ) -> jax.Array:
@@ -68,16 +58,18 @@ def streamindex_topk(
     Args:
       k, pages_per_seq, one_token_per_seq, num_segments, recall_target, exact: as in
         ``streamindex_topk_ref`` (witness context length: ``min(abs_pos + 1, kv_len)``).
-      block_rows, block_pages: kernel blocks (``indexer_blocks``); ``None`` takes ``blocks``'
-        field, else the table default for ``chip``. ``block_rows`` is the top of the row-block
-        ladder ``block_rows, block_rows/4, ..., 1`` (a sequence's remainder rows take the
-        smallest level that holds them: decode rows of a mixed batch are 1-row blocks).
+      block_rows, block_pages: kernel blocks (``pallas_kernels.indexer.blocks``); ``None``
+        takes ``blocks``' field, else the table default for ``chip``. ``block_rows`` is the
+        top of the row-block ladder ``block_rows, block_rows/4, ..., 1`` (a sequence's
+        remainder rows take the smallest level that holds them: decode rows of a mixed batch
+        are 1-row blocks).
       blocks: an ``IndexerBlocks`` (typed, validated; ``None`` fields take the table default).
       chip: ``"v5e" | "v6e" | "tpu7x"`` for the block table; ``None`` detects it (fallback
         table off-TPU).
       score_chunk_bytes: bound on one call's f32 score block (module docstring).
-      vmem_limit_bytes: Mosaic VMEM limit; ``None`` -> ``max(32 MiB, 2 x estimate)``.
-      interpret: False, True (plain interpret mode) or a ``pltpu.InterpretParams``.
+      vmem_limit_bytes: Mosaic VMEM limit; ``None`` -> ``tpu.vmem_limit`` (one policy).
+      interpret: False (compile), True (the strict interpreter, ``tpu.interpret_params``) or a
+        ``pltpu.InterpretParams``.
 
     Returns:
       i32[T, k]: sequence-local token offsets by descending score, ``-1`` padding in the tail;
@@ -87,9 +79,10 @@ def streamindex_topk(
                        distribution, pages_per_seq=pages_per_seq,
                        one_token_per_seq=one_token_per_seq)
     selection.check_selection_args(k, recall_target, exact, num_segments)
-    blocks = _blocks(chip, blocks, block_rows, block_pages, one_token_per_seq, pages_per_seq,
-                     page_size=cache_kv.shape[1], page_mode=False, interpret=interpret)
-    isk.check_kernel_knobs(score_chunk_bytes, vmem_limit_bytes)
+    chip, blocks = entry_blocks(chip, blocks, block_rows, block_pages,
+                                one_token_per_seq=one_token_per_seq, pages_per_seq=pages_per_seq,
+                                page_size=cache_kv.shape[1], page_mode=False, interpret=interpret)
+    check_kernel_knobs(score_chunk_bytes, vmem_limit_bytes)
 
     def finish(scores, row_ok, abs_pos, kv_eff):
         context = jnp.where(row_ok, selection.causal_token_count(abs_pos, kv_eff), 0)
@@ -97,11 +90,12 @@ def streamindex_topk(
                                          exact=exact, num_segments=num_segments)
         return jnp.where(row_ok[:, None], idx, -1)
 
-    return isk.score_and_select(
-        q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,
-        pages_per_seq=pages_per_seq, one_token_per_seq=one_token_per_seq, page_mode=False,
+    b = batch.RaggedBatch.of(cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
+                             distribution, pages_per_seq=pages_per_seq)
+    return score_and_select(
+        q, weights, cache_kv, b, one_token_per_seq=one_token_per_seq, page_mode=False,
         blocks=blocks, chunk_bytes=score_chunk_bytes, vmem_limit_bytes=vmem_limit_bytes,
-        interpret=interpret, out_width=k, out_dtype=jnp.int32, finish=finish)
+        interpret=interpret, chip=chip, out_width=k, out_dtype=jnp.int32, finish=finish)
 
 
 @functools.partial(jax.jit, static_argnames=("pages_per_seq", "one_token_per_seq", "page_mode",
@@ -118,18 +112,16 @@ def streamindex_scores(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, 
     check_indexer_args(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                        distribution, pages_per_seq=pages_per_seq,
                        one_token_per_seq=one_token_per_seq)
-    blocks = _blocks(chip, blocks, block_rows, block_pages, one_token_per_seq, pages_per_seq,
-                     page_size=cache_kv.shape[1], page_mode=page_mode, interpret=interpret)
+    chip, blocks = entry_blocks(chip, blocks, block_rows, block_pages,
+                                one_token_per_seq=one_token_per_seq, pages_per_seq=pages_per_seq,
+                                page_size=cache_kv.shape[1], page_mode=page_mode,
+                                interpret=interpret)
     width = pages_per_seq * (1 if page_mode else cache_kv.shape[1])
-    return isk.score_and_select(
-        q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,
-        pages_per_seq=pages_per_seq, one_token_per_seq=one_token_per_seq, page_mode=page_mode,
+    b = batch.RaggedBatch.of(cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
+                             distribution, pages_per_seq=pages_per_seq)
+    return score_and_select(
+        q, weights, cache_kv, b, one_token_per_seq=one_token_per_seq, page_mode=page_mode,
         blocks=blocks, chunk_bytes=q.shape[0] * width * 4, vmem_limit_bytes=None,
-        interpret=interpret, out_width=width, out_dtype=jnp.float32,
+        interpret=interpret, chip=chip, out_width=width, out_dtype=jnp.float32,
         finish=lambda s, *_: s)
 
-
-def compile_cases(quick: bool) -> list[aot.CompileCase]:
-    """Compile-gate cases (``pallas_kernels.aot``): the DeepSeek-V3.2 indexer shapes, k=2048."""
-    return isk.gate_cases("streamindex_topk", streamindex_topk, "k", page_mode=False,
-                          quick=quick)

@@ -14,7 +14,7 @@ Design: the gather unit is a whole page, one DMA per selected page (``cache[page
 packing because a page of ``page_size % 16 == 0`` rows is whole (16, 128) tiles. The pipeline,
 the walk over each row's raw entries (DMA'd one row ahead into SMEM), the in-kernel page-table
 lookup (the table scalar-prefetched into SMEM), masking and online softmax are the token
-kernel's (``pallas_kernels.sparse_mla.gather_attend`` with ``mode="page"``). XLA prepares only
+kernel's (``pallas_kernels.mla.kernel.gather_attend`` with ``mode="page"``). XLA prepares only
 ``row_info``: per row the limit ``min(kv_len, abs_pos + 1)``, the count of pages that can be
 valid and where they end (elementwise and two row reductions: no gather, no scatter). For each
 page it issues, the kernel records the in-page limit ``thr = clip(limit - page * page_size, 0,
@@ -26,16 +26,18 @@ a partly causal or partly filled page is still moved whole), plus q read and out
 plus the row's ``k_pages`` raw entries into SMEM and 4 bytes per entry of XLA preparation.
 """
 
+
 from __future__ import annotations
 
 import functools
 
 import jax
-import jax.numpy as jnp
 
-from pallas_kernels import aot, mla_blocks
-from pallas_kernels import sparse_mla as smla
-from pallas_kernels.sparse_mla import attend_entries, check_kernel_args
+from pallas_kernels import tpu
+from pallas_kernels.mla import blocks as mla_blocks
+from pallas_kernels.mla.common import attend_entries
+from pallas_kernels.mla.kernel import check_kernel_args
+from reference import batch
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -69,7 +71,7 @@ def page_sparse_mla(
       pages_per_block: pages gathered per block; default from ``blocks``, else
         ``mla_blocks.page_block``.
       blocks: an ``MlaBlocks`` (typed, validated; its ``pages_per_block`` is used here).
-      vmem_limit_bytes: scoped VMEM limit; default from ``mla_blocks.vmem_limit``.
+      vmem_limit_bytes: scoped VMEM limit; default ``tpu.vmem_limit`` (one policy).
       interpret: False (compile), True (strict interpret mode) or a ``pltpu.InterpretParams``.
 
     Returns:
@@ -79,62 +81,12 @@ def page_sparse_mla(
                             cu_kv_lens, distribution, sm_scale=sm_scale,
                             pages_per_seq=pages_per_seq, v_dim=v_dim,
                             selected_name="topk_pages")
-    units = mla_blocks.page_block(topk_pages.shape[1], cache_kv.shape[1], aot.detect_chip(),
+    units = mla_blocks.page_block(topk_pages.shape[1], cache_kv.shape[1], tpu.device_chip(),
                                   mla_blocks.pick(blocks, "pages_per_block", pages_per_block))
-    return attend_entries(q, cache_kv, kv_lens, topk_pages, page_indices, cu_q_lens,
-                          cu_kv_lens, distribution, mode="page", fmt=fmt, units=units,
-                          pages_per_seq=pages_per_seq, sm_scale=sm_scale, v_dim=v_dim,
+    b = batch.RaggedBatch.of(cache_kv, kv_lens, page_indices, cu_q_lens, cu_kv_lens,
+                             distribution, pages_per_seq=pages_per_seq)
+    return attend_entries(q, cache_kv, topk_pages, b, mode="page", fmt=fmt, units=units,
+                          sm_scale=sm_scale, v_dim=v_dim,
                           return_lse=return_lse, vmem_limit_bytes=vmem_limit_bytes,
                           interpret=interpret)
 
-
-# ----------------------------------------------------------------------------- cost model
-
-PREP_BYTES_PER_PAGE = smla.PREP_BYTES_PER_ENTRY  # XLA ``row_info``: each entry read once
-K_PAGES = 32  # 32 pages of 64 tokens = 2048 selected tokens, as the token kernel's k
-
-
-def compile_cases(quick: bool = True) -> list[aot.CompileCase]:
-    """Compile-gate cases: 32 pages of 64 per row from a plain bf16 cache (pages are whole
-    tiles) at every ``COMPILE_SHAPES`` shape; ``quick=False`` adds the packed and f32 caches at
-    the H=16 decode shape."""
-    fmts = [("bf16", jnp.bfloat16)] + ([] if quick else [("packed", jnp.uint32),
-                                                         ("f32", jnp.float32)])
-    cases = []
-    for name, rows, seqs, context, heads in smla.COMPILE_SHAPES:
-        for fmt, dt in fmts:
-            if fmt != "bf16" and heads != 16:
-                continue
-            cases.append(_page_case(f"{name}_p{K_PAGES}x{smla.MLA_PAGE}_{fmt}", rows, seqs,
-                                    context, heads, fmt, dt))
-    return cases
-
-
-def _page_case(label, rows, seqs, context, heads, fmt, dt) -> aot.CompileCase:
-    ps = smla.MLA_PAGE
-    specs = smla.batch_specs(rows=rows, heads=heads, dim=smla.MLA_DIM, seqs=seqs,
-                             context=context, page_size=ps, selected=K_PAGES, cache_dtype=dt)
-
-    def shape_for(chip):
-        units = mla_blocks.page_block(K_PAGES, ps, chip)
-        return units, smla.block_shape("page", heads=heads, dim=smla.MLA_DIM,
-                                       v_dim=smla.MLA_V_DIM, page_size=ps, units=units,
-                                       meta_len=K_PAGES, q_dtype=jnp.bfloat16, fmt=fmt)
-
-    def fn_for_chip(chip):
-        units, shape = shape_for(chip)
-        return functools.partial(
-            page_sparse_mla, sm_scale=smla.MLA_SCALE, pages_per_seq=context // ps,
-            v_dim=smla.MLA_V_DIM, pages_per_block=units,
-            vmem_limit_bytes=mla_blocks.vmem_limit(
-                shape, aot.chip_info(chip).vmem_capacity_bytes, None))
-
-    def traffic(chip):
-        return smla.mla_traffic(rows=rows, heads=heads, dim=smla.MLA_DIM, v_dim=smla.MLA_V_DIM,
-                                selected_rows=K_PAGES * ps, fmt=fmt, q_itemsize=2,
-                                meta_words=K_PAGES,
-                                prep_bytes=rows * K_PAGES * PREP_BYTES_PER_PAGE,
-                                table_words=seqs * context // ps, shape=shape_for(chip)[1])
-
-    return aot.CompileCase("page_sparse_mla", label, fn_for_chip, specs, traffic,
-                           tags=("decode",) if label.startswith("decode") else ("prefill",))

@@ -1,7 +1,7 @@
 """Block sizes of the lightning-indexer score kernels: one table per TPU generation, and the
 VMEM estimate that keeps every default under half of the chip's VMEM.
 
-Two knobs (``pallas_kernels.index_score_kernel`` explains the design):
+Two knobs (``pallas_kernels.indexer.kernel`` explains the design):
 
 - ``block_rows`` (R): the largest row block: query rows of ONE sequence scored together per grid
   step (a power of two). The q block is ``[L * H, D]`` so every key page fetched is used by all
@@ -23,10 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pallas_kernels import aot
-
-LANES = 128
-SUBLANES = 8
+from pallas_kernels import tpu
+from pallas_kernels.tpu import LANES, tile_bytes
 
 
 @dataclass(frozen=True)
@@ -71,12 +69,6 @@ def default_blocks(chip: str | None, *, one_token_per_seq: bool) -> IndexerBlock
     return decode if one_token_per_seq else general
 
 
-def _tile_bytes(rows: int, cols: int, itemsize: int) -> int:
-    """VMEM bytes of a 2-D ``[rows, cols]`` buffer padded to (8 * 4 / itemsize, 128) tiles."""
-    sub = SUBLANES * 4 // itemsize
-    return (-(-rows // sub) * sub) * (-(-cols // LANES) * LANES) * itemsize
-
-
 def vmem_estimate(*, block_rows: int, block_pages: int, num_heads: int, dim: int,
                   page_size: int, pages_per_seq: int, key_itemsize: int, q_itemsize: int,
                   page_mode: bool) -> int:
@@ -85,22 +77,71 @@ def vmem_estimate(*, block_rows: int, block_pages: int, num_heads: int, dim: int
     nb = block_pages * page_size
     num_blocks = -(-pages_per_seq // block_pages)
     total = 0
-    total += 2 * _tile_bytes(rh, dim, q_itemsize)  # q block [R*H, D], double-buffered
-    total += 2 * _tile_bytes(rh, 1, 4)  # weight column [R*H, 1] f32, double-buffered
-    total += 2 * block_pages * _tile_bytes(page_size, dim, key_itemsize)  # key pages, 2 stages
-    total += _tile_bytes(rh, nb, 4)  # f32 score tile [R*H, P*page] (compiler temporary)
+    total += 2 * tile_bytes(rh, dim, q_itemsize)  # q block [R*H, D], double-buffered
+    total += 2 * tile_bytes(rh, 1, 4)  # weight column [R*H, 1] f32, double-buffered
+    total += 2 * block_pages * tile_bytes(page_size, dim, key_itemsize)  # key pages, 2 stages
+    total += tile_bytes(rh, nb, 4)  # f32 score tile [R*H, P*page] (compiler temporary)
     if key_itemsize != q_itemsize:
-        total += _tile_bytes(nb, dim, 4)  # key block cast to the compute dtype
+        total += tile_bytes(nb, dim, 4)  # key block cast to the compute dtype
     if page_mode:
         pages_pad = -(-num_blocks * block_pages // LANES) * LANES
-        total += 2 * _tile_bytes(block_rows, pages_pad, 4)  # page scores out block, 2 buffers
+        total += 2 * tile_bytes(block_rows, pages_pad, 4)  # page scores out block, 2 buffers
     else:
-        total += 2 * _tile_bytes(block_rows, num_blocks * nb, 4)  # row scores, 2 out buffers
+        total += 2 * tile_bytes(block_rows, num_blocks * nb, 4)  # row scores, 2 out buffers
     return total
 
 
 def vmem_budget(chip: str | None) -> int | None:
     """Half of ``chip``'s VMEM: the ceiling every default must stay under (None if unknown)."""
-    if chip is None or chip not in aot.CHIPS:
-        return None
-    return aot.chip_info(chip).vmem_capacity_bytes // 2
+    capacity = tpu.chip_vmem(chip)
+    return capacity // 2 if capacity else None
+
+
+def resolve_blocks(blocks: IndexerBlocks | None, *, block_rows: int | None,
+                   block_pages: int | None, chip: str | None, one_token_per_seq: bool,
+                   pages_per_seq: int, page_size: int | None = None, page_mode: bool = False,
+                   mosaic: bool = False) -> IndexerBlocks:
+    """``blocks``, then the explicit knobs, over the table defaults; clamped to the problem.
+
+    ``mosaic`` (compiling for a TPU, not interpreting): in token mode a stage's scores are
+    stored at lane offset ``stage * P * page_size`` of the row buffer, which Mosaic compiles
+    only when ``P * page_size`` is a multiple of 128 (measured over 300 AOT compiles on v5e,
+    v6e and tpu7x by ``scripts/compile_grid.py``: every narrower stage failed with
+    "cannot statically prove that index in dimension 2 is a multiple of 128", every whole-lane
+    stage compiled). So ``P`` is doubled until it is: pages past an item's need are never
+    fetched (their scores are ``-inf``), so a wider stage costs MXU work on at most 127
+    tokens per item and no HBM traffic. Page mode stores per-page maxima into aligned 128-lane
+    groups and needs no widening."""
+    if blocks is not None and not isinstance(blocks, IndexerBlocks):
+        raise TypeError(f"blocks must be an IndexerBlocks, got {type(blocks).__name__}")
+    base = default_blocks(chip, one_token_per_seq=one_token_per_seq)
+    picked = IndexerBlocks(block_rows, block_pages).over((blocks or IndexerBlocks()).over(base))
+    p = min(picked.block_pages, 1 << (pages_per_seq - 1).bit_length())  # no stage past the seq
+    if mosaic and not page_mode:
+        if page_size is None:
+            raise ValueError("resolve_blocks(mosaic=True) needs page_size")
+        while (p * page_size) % LANES and p < LANES:  # p = 128 always works
+            p *= 2
+    return IndexerBlocks(picked.block_rows, p)
+
+
+def check_kernel_knobs(score_chunk_bytes, vmem_limit_bytes) -> None:
+    """Refuse a non-positive ``score_chunk_bytes`` / ``vmem_limit_bytes`` (``ValueError``)."""
+    v = score_chunk_bytes
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ValueError(f"score_chunk_bytes must be a positive int, got score_chunk_bytes={v!r}")
+    tpu.check_vmem_limit(vmem_limit_bytes)
+
+
+def entry_blocks(chip: str | None, blocks: IndexerBlocks | None, block_rows: int | None,
+                 block_pages: int | None, *, one_token_per_seq: bool, pages_per_seq: int,
+                 page_size: int, page_mode: bool, interpret) -> tuple[str | None, IndexerBlocks]:
+    """What an entry runs with: the chip (``tpu.resolve_chip``) and its resolved blocks (widened
+    for Mosaic when compiling, ``interpret is False``)."""
+    chip = tpu.resolve_chip(chip)
+    return chip, resolve_blocks(blocks, block_rows=block_rows, block_pages=block_pages,
+                                chip=chip, page_size=page_size, page_mode=page_mode,
+                                mosaic=interpret is False, one_token_per_seq=one_token_per_seq,
+                                pages_per_seq=pages_per_seq)
+
+

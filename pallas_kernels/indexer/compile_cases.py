@@ -1,0 +1,89 @@
+"""AOT compile-gate cases of the indexer entries (``pallas_kernels.aot``): the DeepSeek-V3.2
+indexer shapes (H=64, D=128, pages of 64, k=2048 tokens or 32 pages), decode, long decode,
+prefill and a mixed batch, with the traffic model of the blocks each chip picks."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import aot
+from pallas_kernels.indexer.blocks import resolve_blocks
+from pallas_kernels.indexer.page import streamindex_page_topk
+from pallas_kernels.indexer.token import streamindex_topk
+from pallas_kernels.indexer.traffic import traffic
+
+# name -> (q_lens, kv_lens, one_token_per_seq); DeepSeek-V3.2 indexer: H=64, D=128, page 64.
+GATE_SHAPES = {
+    "decode 64x4096": ([1] * 64, [4096] * 64, True),
+    "decode 8x131072": ([1] * 8, [131072] * 8, True),
+    "prefill 2048@32768": ([2048], [32768], False),
+    # the common serving batch: decode rows beside a chunked prefill (general path)
+    "mixed 60x1@4096 + 512@32768": ([1] * 60 + [512], [4096] * 60 + [32768], False),
+}
+GATE_HEADS, GATE_DIM, GATE_PAGE, GATE_K = 64, 128, 64, 2048
+
+
+def gate_specs(q_lens, kv_lens, *, key_dtype=jnp.bfloat16, heads=GATE_HEADS, dim=GATE_DIM,
+               page_size=GATE_PAGE) -> tuple[list[jax.ShapeDtypeStruct], int]:
+    """Argument specs of a batch (each sequence's capacity = its kv_len); ``pages_per_seq``."""
+    t, s = sum(q_lens), len(q_lens)
+    pps = -(-max(kv_lens) // page_size)
+    i32 = jnp.int32
+    specs = [jax.ShapeDtypeStruct((t, heads, dim), jnp.bfloat16),
+             jax.ShapeDtypeStruct((t, heads), jnp.float32),
+             jax.ShapeDtypeStruct((s * pps, page_size, dim), key_dtype),
+             jax.ShapeDtypeStruct((s,), i32), jax.ShapeDtypeStruct((s * pps,), i32),
+             jax.ShapeDtypeStruct((s + 1,), i32), jax.ShapeDtypeStruct((s + 1,), i32),
+             jax.ShapeDtypeStruct((3,), i32)]
+    return specs, pps
+
+
+def gate_cases(kernel: str, entry, k_name: str, *, page_mode: bool,
+               quick: bool) -> list[aot.CompileCase]:
+    """Compile cases of ``entry`` at the gate shapes (plus an f32-key decode when not quick)."""
+    shapes = dict(GATE_SHAPES)
+    if not quick:
+        shapes["decode 64x4096 f32 keys"] = GATE_SHAPES["decode 64x4096"]
+    cases = []
+    for name, (q_lens, kv_lens, otp) in shapes.items():
+        key_dtype = jnp.float32 if "f32" in name else jnp.bfloat16
+        specs, pps = gate_specs(q_lens, kv_lens, key_dtype=key_dtype)
+        k = GATE_K if not page_mode else min(GATE_K // GATE_PAGE, pps)
+
+        def fn_for_chip(chip, pps=pps, otp=otp, k=k):
+            return functools.partial(entry, **{k_name: k}, pages_per_seq=pps,
+                                     one_token_per_seq=otp, chip=chip)
+
+        def model(chip, q_lens=q_lens, kv_lens=kv_lens, otp=otp, pps=pps, key_dtype=key_dtype):
+            return traffic(q_lens, kv_lens, heads=GATE_HEADS, dim=GATE_DIM, page_size=GATE_PAGE,
+                           pages_per_seq=pps, key_itemsize=jnp.dtype(key_dtype).itemsize,
+                           q_itemsize=jnp.dtype(jnp.promote_types(jnp.bfloat16,
+                                                                  key_dtype)).itemsize,
+                           blocks=resolve_blocks(None, block_rows=None, block_pages=None,
+                                                 chip=chip, one_token_per_seq=otp,
+                                                 pages_per_seq=pps, page_size=GATE_PAGE,
+                                                 page_mode=page_mode, mosaic=True),
+                           page_mode=page_mode, one_token_per_seq=otp)
+
+        tags = ("decode",) if otp else ("mixed",) if name.startswith("mixed") else ("prefill",)
+        cases.append(aot.CompileCase(kernel, name, fn_for_chip, specs, model, tags))
+    return cases
+
+
+def token_cases(quick: bool) -> list[aot.CompileCase]:
+    """``streamindex_topk`` at the gate shapes, k=2048."""
+    return gate_cases("streamindex_topk", streamindex_topk, "k", page_mode=False, quick=quick)
+
+
+def page_cases(quick: bool) -> list[aot.CompileCase]:
+    """``streamindex_page_topk`` at the gate shapes, ``k_pages = 2048 / 64 = 32``."""
+    return gate_cases("streamindex_page_topk", streamindex_page_topk, "k_pages",
+                      page_mode=True, quick=quick)
+
+
+def compile_cases(quick: bool) -> list[aot.CompileCase]:
+    """Every indexer compile case: token then page top-k."""
+    return token_cases(quick) + page_cases(quick)

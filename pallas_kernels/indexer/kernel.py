@@ -1,0 +1,387 @@
+"""The Pallas TPU lightning-indexer score kernel shared by token and page top-k.
+
+Module map: ``work_list`` (the XLA work list), ``blocks`` (block table, resolution, VMEM
+estimate), ``scoring`` (row chunks and the selection hand-off), ``traffic`` (traffic model),
+``compile_cases`` (AOT gate shapes), ``token`` / ``page`` (the entries). This file: the static
+config, the kernel body and its ``pallas_call``.
+
+    score[t, s] = sum_h w[t, h] * relu(q[t, h, :] . k[s, :])        (f32 accumulate)
+
+Shapes: q ``[T, H, D]`` (bf16/f32), weights ``[T, H]``, cache ``[num_pages, page_size, D]``
+(bf16/f32); ragged metadata as in ``reference.batch``. Output per chunk of ``C`` rows
+``[row0, row0 + C)``: token mode ``f32[C, pages_per_seq * page_size]``, page mode
+``f32[C, pages_per_seq]`` (per-page max fused in the kernel); ``-inf`` for every token/page that
+is not a causal, existing candidate, and for rows outside every sequence.
+
+Design.
+
+- Row-block ladder (static): ``block_rows, block_rows/4, ..., 1`` (``(1, 4, 16)`` for R=16;
+  ``(1,)`` for ``one_token_per_seq``), each level capped at ``C``. Each sequence's rows inside the
+  chunk are cut into ``floor(n / R_max)`` full blocks of ``R_max`` rows plus, for a remainder
+  ``0 < m < R_max``, ONE block of the smallest level ``>= m``. So a sequence still has
+  ``ceil(n / R_max)`` blocks (its causal keys are read as often as with one block size), but a
+  decode row (``n = 1``) is a 1-row block, an MTP sequence of 3 rows a 4-row block: the MXU
+  work ``[L*H, D] x [D, keys]`` follows the rows that exist, not ``R_max``.
+- One ``pallas_call`` per ladder level ``L`` (the MXU shape is static per call), each with its
+  own static grid bound ``W_L`` (``level_bound``) and work list; token mode: the level calls
+  write disjoint rows of the same HBM score array (``input_output_aliases``).
+- Work list (XLA, scalars): one grid step = one row block of one sequence: ``(seq, first row,
+  rows n <= L, abs position of block row 0, kv_len, pages needed, key stages, shift, q row)``.
+  Empty items (``n = 0``) fill the grid at the tail, do nothing, and point at the last real
+  item's q rows (the pipeline does not refetch an unchanged block).
+- q and weights are read straight from ``q [T, H, D]`` and ``weights [T, H, 1]`` by ``pl.Element``
+  blocks ``[L, H, D]`` at row ``q row`` (the leading, untiled dim: any offset): no per-item
+  gather in XLA. ``q row = clip(first row, 0, T - L)``; ``shift = first row - q row`` says which
+  block rows are the item's (only a remainder block at the end of ``q`` is shifted).
+- Scalar prefetch: the work list ``i32[W_L * 10]`` (each item carries its sequence's first
+  page-table slot) and the page table ``page_indices`` as it is. The kernel looks each page up
+  in SMEM on the scalar core and skips a slot outside the table or a page id outside
+  ``[0, num_pages)`` (``reference.batch.lookup_page``): XLA does no per-page gather (a
+  clean ``[S, pages_per_seq]`` table gathered in XLA modelled at 35 MB on v6e at 64 x 4096,
+  half the kernel's key bytes: issue 13).
+- Keys stay in HBM (``pltpu.HBM``). An item needs ``ceil(min(last row's abs pos + 1, kv_len) /
+  page_size)`` pages (causal); they are read in stages of ``P`` (``block_pages``) pages, one DMA
+  per page, double-buffered, and the first stage of the next item is started during the last
+  stage of the current one. Each fetched page is used by all ``L`` rows x ``H`` heads of the
+  item: each key page is read once per item (decode: once per sequence).
+- Compute per stage: ``[L*H, D] x [P*page, D]^T -> f32`` on the MXU, relu, times the weight
+  column, sum over heads -> ``[L, P*page]``; mask ``token <= abs_pos(row)``, ``token <
+  kv_len``, page fetched; non-candidates become ``-inf`` (``where`` drops NaN keys).
+- Token mode: the stage's scores go to a ``[L, capacity]`` VMEM row buffer (double-buffered
+  across items); stages past the item's last needed block are filled with ``-inf``; then the
+  item's rows are DMAed to the HBM output, one DMA per row. Page mode: per-page maxima go into
+  a ``[L, pages]`` output block written back by the Pallas pipeline; XLA maps slots to rows.
+
+Traffic (``traffic``): keys ``sum over items of pages_needed * page_size * D * itemsize`` (each
+sequence's causal keys ``ceil(n / R_max)`` times; decode once); q and the lane-padded weight
+column once per q block fetched (``L`` rows per item: decode rows once); scores written once
+(token: the item's rows x capacity; page: ``L`` rows x pages per item). MXU flops ``2 * L * H *
+D`` per key token per item.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import tpu
+from pallas_kernels.indexer import work_list as wl
+from pallas_kernels.indexer.blocks import IndexerBlocks, vmem_estimate
+from pallas_kernels.indexer.work_list import level_bound, row_ladder
+from pallas_kernels.tpu import LANES
+from reference import batch
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class ScoreConfig:
+    """Static facts of one score-kernel call (one ladder level; built by ``make_configs``)."""
+
+    page_mode: bool
+    rows: int  # C: query rows per chunk
+    total_rows: int  # T: rows of q
+    block_rows: int  # L: this level's rows per item
+    block_pages: int  # P
+    num_items: int  # W_L
+    heads: int
+    dim: int
+    page_size: int
+    pages_per_seq: int
+    num_pages: int
+    compute_dtype: jnp.dtype
+    key_dtype: jnp.dtype
+    chip: str | None = None  # the VMEM cap's chip (``tpu.vmem_limit``)
+
+    @property
+    def capacity(self) -> int:
+        return self.pages_per_seq * self.page_size
+
+    @property
+    def block_tokens(self) -> int:
+        return self.block_pages * self.page_size
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.pages_per_seq // self.block_pages)
+
+    @property
+    def page_cols(self) -> int:
+        """Page-score columns in VMEM/HBM: whole 128-lane groups."""
+        return -(-self.num_blocks * self.block_pages // LANES) * LANES
+
+
+# ----------------------------------------------------------------------------- static config
+
+
+def make_configs(q, cache_kv, *, rows: int, num_seqs: int, pages_per_seq: int,
+                 blocks: IndexerBlocks, page_mode: bool, one_token_per_seq: bool,
+                 chip: str | None = None) -> list[ScoreConfig]:
+    """Static configs of one chunk of ``rows`` query rows: one per ladder level, ascending."""
+    total_rows, heads, dim = q.shape
+    num_pages, page_size, _ = cache_kv.shape
+    compute = jnp.promote_types(q.dtype, cache_kv.dtype)
+    if compute not in (jnp.float32, jnp.bfloat16):
+        compute = jnp.dtype(jnp.float32)
+    ladder = row_ladder(blocks.block_rows, rows, one_token_per_seq)
+    return [ScoreConfig(page_mode=page_mode, rows=rows, total_rows=total_rows, block_rows=size,
+                        block_pages=blocks.block_pages,
+                        num_items=level_bound(ladder, i, rows, num_seqs), heads=heads, dim=dim,
+                        page_size=page_size, pages_per_seq=pages_per_seq, num_pages=num_pages,
+                        compute_dtype=jnp.dtype(compute), key_dtype=jnp.dtype(cache_kv.dtype),
+                        chip=chip)
+            for i, size in enumerate(ladder)]
+
+
+def check_config(cfg: ScoreConfig, *, mosaic: bool) -> None:
+    """Refuse a config Mosaic cannot compile (``ValueError`` with the numbers). Measured by
+    ``scripts/compile_grid.py`` over page sizes 8..256, heads 1..64, both key dtypes, decode
+    and mixed batches on v5e, v6e and tpu7x: the one failing class was a token-mode stage that
+    is not whole 128-lane groups, which ``blocks.resolve_blocks`` widens away; this is the
+    guard that a config built another way cannot reach Mosaic."""
+    if cfg.block_pages > LANES:
+        raise ValueError(f"block_pages={cfg.block_pages} must be <= {LANES}")
+    if mosaic and not cfg.page_mode and cfg.block_tokens % LANES:
+        raise ValueError(f"a token-mode stage of block_pages * page_size = {cfg.block_pages} * "
+                         f"{cfg.page_size} = {cfg.block_tokens} tokens is not a multiple of "
+                         f"{LANES} lanes; Mosaic cannot store it (use blocks.resolve_blocks)")
+
+
+# ----------------------------------------------------------------------------- kernel body
+
+
+def _field(items_ref, w, f):
+    return items_ref[w * wl.NF + f]
+
+
+def _page_copies(cfg: ScoreConfig, items_ref, table_ref, cache_hbm, kbuf, ksem, w, blk, slot):
+    """``[(fetch?, descriptor)]`` for the ``P`` pages of stage ``blk`` of item ``w``.
+
+    Page ``j`` of the item's sequence is ``table[slot0 + j]`` (the page table in SMEM, read on
+    the scalar core): fetched only if ``j`` is a page the item needs, the slot lies inside the
+    table and the page id inside ``[0, num_pages)`` (``reference.batch.lookup_page``, the rule
+    every op uses)."""
+    npages, slot0 = _field(items_ref, w, wl.NPAGES), _field(items_ref, w, wl.SLOT0)
+    out = []
+    for p in range(cfg.block_pages):
+        j = blk * cfg.block_pages + p
+        pid, ok = batch.lookup_page(table_ref, slot0 + j, cfg.num_pages)
+        ok &= j < npages
+        src = cache_hbm.at[jnp.clip(pid, 0, cfg.num_pages - 1)]
+        out.append((ok, pltpu.make_async_copy(src, kbuf.at[slot, p], ksem.at[slot])))
+    return out
+
+
+def _start(copies):
+    for ok, desc in copies:
+        pl.when(ok)(desc.start)
+
+
+def _wait(copies):
+    for ok, desc in copies:
+        pl.when(ok)(desc.wait)
+
+
+def _stage_scores(cfg: ScoreConfig, q, wcol, keys, blk, pos0, kv_eff, page_ok):
+    """Masked scores ``f32[R, P*page]`` of one stage (``page_ok``: P traced bools)."""
+    nb = cfg.block_tokens
+    k = keys.reshape(nb, cfg.dim).astype(cfg.compute_dtype)
+    prec = (jax.lax.Precision.HIGHEST if cfg.compute_dtype == jnp.float32
+            else jax.lax.Precision.DEFAULT)
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
+                            preferred_element_type=jnp.float32)  # [R*H, nb]
+    s = jnp.maximum(s, 0.0) * wcol
+    s = s.reshape(cfg.block_rows, cfg.heads, nb).sum(axis=1)  # [R, nb]
+    lane = jax.lax.broadcasted_iota(jnp.int32, (1, nb), 1)
+    fetched = jnp.zeros((1, nb), jnp.bool_)
+    for p in range(cfg.block_pages):
+        fetched = fetched | ((lane // cfg.page_size == p) & page_ok[p])
+    tok = blk * nb + lane
+    pos = pos0 + jax.lax.broadcasted_iota(jnp.int32, (cfg.block_rows, 1), 0)
+    ok = fetched & (tok < kv_eff) & (tok <= pos)
+    return jnp.where(ok, s, NEG_INF)
+
+
+def _put_page_max(cfg: ScoreConfig, out_ref, s, blk):
+    """Max-pool ``s f32[R, P*page]`` per page into columns ``[blk*P, blk*P + P)``."""
+    nb = cfg.block_tokens
+    first = blk * cfg.block_pages
+    g0 = pl.multiple_of((first // LANES) * LANES, LANES)
+    lane_page = jax.lax.broadcasted_iota(jnp.int32, (1, nb), 1) // cfg.page_size
+    col = jax.lax.broadcasted_iota(jnp.int32, (1, LANES), 1) + g0
+    grp = out_ref[0, :, pl.ds(g0, LANES)]
+    for p in range(cfg.block_pages):
+        m = jnp.max(jnp.where(lane_page == p, s, NEG_INF), axis=1, keepdims=True)  # [R, 1]
+        grp = jnp.where(col == first + p, m, grp)
+    out_ref[0, :, pl.ds(g0, LANES)] = grp
+
+
+def _row_copies(cfg: ScoreConfig, items_ref, obuf, out_hbm, osem, w, slot):
+    """One DMA per item row: block row ``j`` in ``[shift, shift + n)`` of the row buffer ->
+    HBM output row ``row - shift + j``.
+
+    Single rows because an item's first row is anywhere: Mosaic refuses a multi-row HBM slice
+    at an offset it cannot prove a multiple of 8 (measured), and accepts a single row. The
+    source row ``j`` is static (no dynamic sublane offset in VMEM)."""
+    n, row = _field(items_ref, w, wl.NROWS), _field(items_ref, w, wl.ROW)
+    shift = _field(items_ref, w, wl.SHIFT)
+    out = []
+    for j in range(cfg.block_rows):
+        src = obuf.at[slot, pl.ds(j, 1), pl.ds(0, cfg.capacity)]
+        dst = out_hbm.at[pl.ds(jnp.maximum(row - shift + j, 0), 1)]
+        out.append(((j >= shift) & (j < shift + n),
+                    pltpu.make_async_copy(src, dst, osem.at[slot])))
+    return out
+
+
+def _score_kernel(cfg: ScoreConfig, aliased: bool,
+                  # scalar prefetch
+                  items_ref, table_ref,
+                  # inputs (q [L, H, D], weights [L, H, 1], keys in HBM, [earlier scores])
+                  q_ref, w_ref, cache_hbm, *refs):
+    if aliased:  # the earlier levels' scores: the same HBM buffer as out_ref, never read here
+        refs = refs[1:]
+    out_ref, kbuf, ksem, base_ref, *row_scratch = refs
+    w = pl.program_id(0)
+    n_items = pl.num_programs(0)
+    nblk = _field(items_ref, w, wl.NBLK)
+    pos0, kv_eff = _field(items_ref, w, wl.POS0), _field(items_ref, w, wl.KVLEN)
+    copies = functools.partial(_page_copies, cfg, items_ref, table_ref, cache_hbm, kbuf, ksem)
+
+    @pl.when(w == 0)
+    def _():
+        base_ref[0] = 0
+        _start(copies(0, 0, 0))
+
+    base = base_ref[0]
+    oslot = w % 2
+    if cfg.page_mode:
+        out_ref[...] = jnp.full(out_ref.shape, NEG_INF, jnp.float32)
+    else:
+        obuf, osem = row_scratch
+        rows = functools.partial(_row_copies, cfg, items_ref, obuf, out_ref, osem)
+
+        @pl.when(w >= 2)
+        def _():
+            _wait(rows(w - 2, oslot))  # that slot's previous rows have left VMEM
+
+    rh = cfg.block_rows * cfg.heads
+    q = q_ref[...].reshape(rh, cfg.dim)
+    wcol = w_ref[...].reshape(rh, 1)
+
+    def stage(blk, carry):
+        slot = (base + blk) % 2
+        nxt = 1 - slot
+
+        @pl.when(blk + 1 < nblk)
+        def _():
+            _start(copies(w, blk + 1, nxt))
+
+        @pl.when((blk + 1 == nblk) & (w + 1 < n_items))
+        def _():
+            _start(copies(w + 1, 0, nxt))  # next item's first stage overlaps this one
+
+        mine = copies(w, blk, slot)
+        _wait(mine)
+        s = _stage_scores(cfg, q, wcol, kbuf[slot], blk, pos0, kv_eff, [ok for ok, _ in mine])
+        if cfg.page_mode:
+            _put_page_max(cfg, out_ref, s, blk)
+        else:
+            start = pl.multiple_of(blk * cfg.block_tokens, cfg.block_tokens)
+            obuf[oslot, :, pl.ds(start, cfg.block_tokens)] = s
+        return carry
+
+    jax.lax.fori_loop(0, nblk, stage, 0)
+    base_ref[0] = (base + nblk) % 2
+    if not cfg.page_mode:
+        def fill(blk, carry):
+            start = pl.multiple_of(blk * cfg.block_tokens, cfg.block_tokens)
+            obuf[oslot, :, pl.ds(start, cfg.block_tokens)] = jnp.full(
+                (cfg.block_rows, cfg.block_tokens), NEG_INF, jnp.float32)
+            return carry
+
+        jax.lax.fori_loop(nblk, cfg.num_blocks, fill, 0)
+        _start(rows(w, oslot))
+
+        @pl.when(w == n_items - 1)
+        def _():
+            @pl.when(w >= 1)
+            def _():
+                _wait(rows(w - 1, 1 - oslot))
+
+            _wait(rows(w, oslot))
+
+
+# ----------------------------------------------------------------------------- pallas_call
+
+
+def score_call(cfg: ScoreConfig, q, wcol, cache_kv, items, page_table, prev, *,
+               vmem_limit_bytes: int | None, interpret):
+    """One level's kernel call for the chunk's rows.
+
+    ``q: [T, H, D]`` in the compute dtype, ``wcol: f32[T, H, 1]``. Token mode: ``prev`` is the
+    earlier levels' ``f32[C, capacity]`` (``None`` for the first level) and the result is it
+    with this level's rows written (rows outside sequences undefined). Page mode: ``f32[W_L *
+    L, page_cols]``, one row per item slot."""
+    check_config(cfg, mosaic=interpret is False)
+    r, h, d = cfg.block_rows, cfg.heads, cfg.dim
+    aliased = prev is not None
+    kernel = functools.partial(_score_kernel, cfg, aliased)
+    scratch = [pltpu.VMEM((2, cfg.block_pages, cfg.page_size, d), cfg.key_dtype),
+               pltpu.SemaphoreType.DMA((2,)), pltpu.SMEM((1,), jnp.int32)]
+    if cfg.page_mode:
+        out_shape = jax.ShapeDtypeStruct((cfg.num_items, r, cfg.page_cols), jnp.float32)
+        out_spec = pl.BlockSpec((1, r, cfg.page_cols), lambda w, *_: (w, 0, 0))
+    else:
+        out_shape = jax.ShapeDtypeStruct((cfg.rows, cfg.capacity), jnp.float32)
+        out_spec = pl.BlockSpec(memory_space=pltpu.HBM)
+        scratch += [pltpu.VMEM((2, r, cfg.num_blocks * cfg.block_tokens), jnp.float32),
+                    pltpu.SemaphoreType.DMA((2,))]
+    est = vmem_estimate(block_rows=r, block_pages=cfg.block_pages, num_heads=h, dim=d,
+                        page_size=cfg.page_size, pages_per_seq=cfg.pages_per_seq,
+                        key_itemsize=cfg.key_dtype.itemsize,
+                        q_itemsize=cfg.compute_dtype.itemsize, page_mode=cfg.page_mode)
+    limit = tpu.vmem_limit(est, cfg.chip, vmem_limit_bytes)
+
+    def q_rows(w, items_ref, _pages):  # element offset of the item's q block
+        return items_ref[w * wl.NF + wl.QROW], 0, 0
+
+    in_specs = [pl.BlockSpec((pl.Element(r), pl.Element(h), pl.Element(d)), q_rows),
+                pl.BlockSpec((pl.Element(r), pl.Element(h), pl.Element(1)), q_rows),
+                pl.BlockSpec(memory_space=pltpu.HBM)]
+    operands = [items.reshape(-1), page_table, q, wcol, cache_kv]
+    if aliased:
+        in_specs.append(pl.BlockSpec(memory_space=pltpu.HBM))
+        operands.append(prev)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2, grid=(cfg.num_items,), in_specs=in_specs, out_specs=out_spec,
+        scratch_shapes=scratch)
+    out = pl.pallas_call(
+        kernel, out_shape=out_shape, grid_spec=grid_spec,
+        input_output_aliases={5: 0} if aliased else {},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
+                                             vmem_limit_bytes=limit),
+        cost_estimate=_cost_estimate(cfg, out_shape),
+        interpret=tpu.interpret_params(interpret),
+    )(*operands)
+    if cfg.page_mode:
+        return out.reshape(cfg.num_items * r, cfg.page_cols)
+    return out
+
+
+def _cost_estimate(cfg: ScoreConfig, out_shape) -> pl.CostEstimate:
+    """Upper bound: every item reads its whole capacity (the real kernel reads causal pages)."""
+    toks = cfg.num_items * cfg.capacity
+    flops = 2 * toks * cfg.block_rows * cfg.heads * cfg.dim
+    key_bytes = toks * cfg.dim * cfg.key_dtype.itemsize
+    rows = cfg.num_items * cfg.block_rows * cfg.heads
+    io = rows * (cfg.dim * cfg.compute_dtype.itemsize + LANES * 4)
+    io += math.prod(out_shape.shape) * 4
+    return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=key_bytes + io)
+

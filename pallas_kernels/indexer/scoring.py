@@ -1,0 +1,78 @@
+"""Row chunks of the indexer: score ``C`` rows per kernel call and hand each chunk's scores to
+the entry's selection (``score_and_select``), so peak score memory is bounded whatever ``T``."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import tpu
+from pallas_kernels.indexer.blocks import IndexerBlocks
+from pallas_kernels.indexer.kernel import NEG_INF, make_configs, score_call
+from pallas_kernels.indexer.work_list import work_list
+from reference import batch, index_scores
+
+# ----------------------------------------------------------------------------- row chunks
+
+# Long-prefill bound: one call's f32 token scores [C, capacity] stay <= this many bytes (the
+# reference's 64 MiB window), so a 2048-row prefill at 32K runs as 4 calls of 512 rows.
+SCORE_CHUNK_BYTES = index_scores.SCORE_BLOCK_BYTES  # the reference's documented bound
+
+
+def chunk_rows(total_rows: int, width: int, block_rows: int, chunk_bytes: int) -> int:
+    """Rows per kernel call: ``f32[C, width] <= chunk_bytes``, at least one row block, and
+    balanced over the calls (572 rows at a 512-row bound run as 2 x 286, not 512 + 512 with 452
+    rows scored twice by the clamped last chunk)."""
+    c_max = max(1, min(total_rows, max(block_rows, chunk_bytes // (4 * width))))
+    n_chunks = -(-total_rows // c_max)
+    return -(-total_rows // n_chunks)
+
+
+def score_and_select(q, weights, cache_kv, b: batch.RaggedBatch, *, one_token_per_seq: bool,
+                     page_mode: bool, blocks: IndexerBlocks, chunk_bytes: int,
+                     vmem_limit_bytes: int | None, interpret, out_width: int, out_dtype,
+                     finish, chip: str | None = None) -> jax.Array:
+    """Score the rows in chunks of ``C`` rows (one kernel call each, inside a ``fori_loop``) and
+    hand each chunk to ``finish(scores f32[C, N], row_ok bool[C], abs_pos i32[C],
+    kv_eff i32[C]) -> [C, out_width]``. Rows outside every sequence get ``-inf`` scores."""
+    total_rows, pages_per_seq = q.shape[0], b.pages_per_seq
+    width = pages_per_seq if page_mode else b.capacity_tokens
+    c = chunk_rows(total_rows, width, blocks.block_rows, chunk_bytes)
+    cfgs = make_configs(q, cache_kv, rows=c, num_seqs=b.num_seqs, pages_per_seq=pages_per_seq,
+                        blocks=blocks, page_mode=page_mode,
+                        one_token_per_seq=one_token_per_seq, chip=chip)
+    table = tpu.smem_page_table(b.page_indices)
+    q_in = q.astype(cfgs[0].compute_dtype)  # a no-op unless q and keys differ in dtype
+    wcol = weights.astype(jnp.float32).reshape(total_rows, q.shape[1], 1)
+
+    def one_chunk(row0):
+        items, row_slot, abs_pos, kv_eff = work_list(b, row0=row0, cfgs=cfgs,
+                                                     one_token_per_seq=one_token_per_seq)
+        scores = None
+        per_level = []
+        for cfg, its in zip(cfgs, items, strict=True):
+            out = score_call(cfg, q_in, wcol, cache_kv, its, table,
+                             None if page_mode else scores,
+                             vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
+            if page_mode:
+                per_level.append(out)
+            else:
+                scores = out
+        if page_mode:
+            flat = jnp.concatenate(per_level)[:, :pages_per_seq]
+            scores = flat[jnp.clip(row_slot, 0, None)]
+        row_ok = row_slot >= 0
+        scores = jnp.where(row_ok[:, None], scores, NEG_INF)
+        return finish(scores, row_ok, abs_pos, kv_eff)
+
+    n_chunks = -(-total_rows // c)
+    if n_chunks == 1:
+        return one_chunk(jnp.int32(0))
+
+    def body(i, out):
+        row0 = jnp.minimum(i * c, total_rows - c).astype(jnp.int32)
+        return jax.lax.dynamic_update_slice_in_dim(out, one_chunk(row0), row0, 0)
+
+    out = jnp.zeros((total_rows, out_width), out_dtype)
+    return jax.lax.fori_loop(0, n_chunks, body, out)
+

@@ -1,0 +1,79 @@
+"""Traffic model of the indexer score kernel: HBM bytes, MXU flops and VMEM, replaying the work
+lists in plain Python (what ``scripts/hbm_traffic.py`` checks against interpreter counts)."""
+
+from __future__ import annotations
+
+from pallas_kernels import aot
+from pallas_kernels.indexer.blocks import IndexerBlocks, vmem_estimate
+from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, chunk_rows
+from pallas_kernels.indexer.work_list import level_bound, row_ladder
+from pallas_kernels.tpu import LANES
+
+
+def replay_items(q_lens, kv_lens, *, row0: int, rows: int, total_rows: int,
+                 ladder: tuple[int, ...], page_size: int, capacity: int):
+    """Plain-Python replay of ``work_list`` for one chunk: per level, the real items'
+    ``(q row, rows n, pages needed)`` in grid order (the traffic model's and tests' view)."""
+    top = ladder[-1]
+    levels = [[] for _ in ladder]
+    q0 = 0
+    for ql, kl in zip(q_lens, kv_lens, strict=True):
+        lo, hi = min(max(q0, row0), row0 + rows), min(max(q0 + ql, row0), row0 + rows)
+        full, rem = divmod(max(hi - lo, 0), top)
+        blocks = [(len(ladder) - 1, lo + i * top) for i in range(full)]
+        if rem:
+            blocks.append((sum(rem > lvl for lvl in ladder), lo + full * top))
+        kv_eff = min(max(kl, 0), capacity)
+        for i, a in blocks:
+            n = min(ladder[i], hi - a)
+            last = min(max(kl - ql + (a - q0) + n, 0), kv_eff)
+            levels[i].append((min(max(a, 0), total_rows - ladder[i]), n, -(-last // page_size)))
+        q0 += ql
+    return levels
+
+
+def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_seq: int,
+            key_itemsize: int, q_itemsize: int, blocks: IndexerBlocks, page_mode: bool,
+            one_token_per_seq: bool, chunk_bytes: int = SCORE_CHUNK_BYTES) -> aot.Traffic:
+    """HBM bytes, MXU flops and VMEM of the score kernel (and the page-score row map in XLA)
+    for a batch of sequences ``(q_lens[i], kv_lens[i])``, replaying the work lists.
+
+    Kernel side: key pages per item; one q block ``[L, H, D]`` plus the lane-padded weight
+    column ``f32[L, H, 128]`` per change of q row along the grid (the pipeline skips an
+    unchanged block); score rows (token) or out blocks (page). XLA side: page mode's row map
+    (read + write ``f32[T, pages_per_seq]``). Minimum: q and weights read once, each
+    sequence's ``kv_len`` keys read once, scores written once."""
+    total = sum(q_lens)
+    cap = pages_per_seq * page_size
+    width = pages_per_seq if page_mode else cap
+    c = chunk_rows(total, width, blocks.block_rows, chunk_bytes)
+    ladder = row_ladder(blocks.block_rows, c, one_token_per_seq)
+    p_blk = blocks.block_pages
+    page_cols = -(-(-(-pages_per_seq // p_blk) * p_blk) // LANES) * LANES
+    key_row = dim * key_itemsize
+    q_row = heads * (dim * q_itemsize + LANES * 4)  # q row + lane-padded weight column
+    chunks = sorted({min(i * c, total - c) for i in range(-(-total // c))})
+    keys = flops = q_moved = out = 0
+    for row0 in chunks:
+        levels = replay_items(q_lens, kv_lens, row0=row0, rows=c, total_rows=total,
+                              ladder=ladder, page_size=page_size, capacity=cap)
+        for i, (size, items) in enumerate(zip(ladder, levels, strict=True)):
+            qrows = [qr for qr, _, _ in items] or [0]
+            fetches = 1 + sum(a != b for a, b in zip(qrows, qrows[1:], strict=False))
+            q_moved += fetches * size * q_row
+            for _, n, pages in items:
+                keys += pages * page_size * key_row
+                flops += 2 * size * heads * dim * pages * page_size
+                out += 0 if page_mode else n * cap * 4
+            if page_mode:
+                out += level_bound(ladder, i, c, len(q_lens)) * size * page_cols * 4
+    if page_mode:
+        out += 2 * total * pages_per_seq * 4  # XLA row map: read + write
+    bytes_min = (total * heads * (dim * q_itemsize + 4) + sum(kl * key_row for kl in kv_lens)
+                 + total * width * 4)
+    vmem = vmem_estimate(block_rows=ladder[-1], block_pages=p_blk, num_heads=heads, dim=dim,
+                         page_size=page_size, pages_per_seq=pages_per_seq,
+                         key_itemsize=key_itemsize, q_itemsize=q_itemsize, page_mode=page_mode)
+    return aot.Traffic(bytes_moved=keys + q_moved + out, bytes_min=bytes_min, flops=flops,
+                       vmem_bytes=vmem)
+

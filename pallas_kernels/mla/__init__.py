@@ -1,0 +1,10 @@
+"""Sparse absorbed MLA on TPU: one gather kernel (``kernel``) behind the token and page entries
+(``token``, ``page``), with their shared tail (``common``), blocks, traffic model and
+compile-gate cases in their own modules."""
+
+from pallas_kernels.mla.blocks import MlaBlocks
+from pallas_kernels.mla.common import PerformanceWarning
+from pallas_kernels.mla.page import page_sparse_mla
+from pallas_kernels.mla.token import sparse_mla
+
+__all__ = ["MlaBlocks", "PerformanceWarning", "page_sparse_mla", "sparse_mla"]

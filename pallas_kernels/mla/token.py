@@ -1,0 +1,88 @@
+"""Token-sparse absorbed MLA on TPU (Pallas): each query row attends its own top-k cache rows.
+
+Math (``reference.sparse_mla.sparse_mla_ref`` is the definition)::
+
+    logits[t, h, j] = sm_scale * q[t, h, :] . c[j, :]        j in topk_indices[t] (valid only)
+    out[t, h, :]    = softmax_j(logits) @ c[j, :v_dim]        f32 online softmax over blocks
+
+The gather kernel, its design and traffic are ``pallas_kernels.mla.kernel``'s (token mode: one
+DMA per selected token row). A plain bf16 cache is packed per call (a full copy: the documented
+slow path; serving stores the cache packed, ``reference.packed_cache``).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+
+from pallas_kernels import tpu
+from pallas_kernels.mla import blocks as mla_blocks
+from pallas_kernels.mla.common import PerformanceWarning, attend_entries
+from pallas_kernels.mla.kernel import check_kernel_args
+from reference import batch, packed_cache
+from reference.cache_format import CacheFormat
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "pages_per_seq", "v_dim", "return_lse", "tokens_per_block", "blocks",
+    "vmem_limit_bytes", "interpret"))
+def sparse_mla(
+    q: jax.Array,  # f32|bf16[T, H, D]
+    cache_kv: jax.Array,  # f32[P, ps, D] | u32[P, ps, Wp] packed bf16 | bf16[P, ps, D] (slow)
+    kv_lens: jax.Array,  # i32[S]
+    topk_indices: jax.Array,  # i32[T, k] sequence-local token offsets, -1 = ignore
+    page_indices: jax.Array,  # i32[N]
+    cu_q_lens: jax.Array,  # i32[S+1]
+    cu_kv_lens: jax.Array,  # i32[S+1]
+    distribution: jax.Array,  # i32[3]
+    *,
+    sm_scale: float,
+    pages_per_seq: int,
+    v_dim: int,
+    return_lse: bool = False,
+    tokens_per_block: int | None = None,
+    blocks: mla_blocks.MlaBlocks | None = None,
+    vmem_limit_bytes: int | None = None,
+    interpret=False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Token-sparse absorbed MLA (Pallas TPU); same semantics as ``sparse_mla_ref``.
+
+    Args:
+      q .. distribution: as ``reference.sparse_mla_ref``; ``cache_kv`` may also be the packed
+        bf16 cache ``u32[P, ps, packed_words(D)]`` of ``reference.packed_cache.pack_cache``
+        (the fast bf16 path); a plain bf16 cache is packed per call (a full cache copy).
+      sm_scale, pages_per_seq, v_dim, return_lse: as the reference.
+      tokens_per_block: cache rows per gathered block (multiple of 8); default from
+        ``blocks``, else ``mla_blocks.TOKENS_PER_BLOCK`` for the detected chip.
+      blocks: an ``MlaBlocks`` (typed, validated; its ``tokens_per_block`` is used here).
+      vmem_limit_bytes: scoped VMEM limit; default ``tpu.vmem_limit`` (one policy).
+      interpret: False (compile), True (strict interpret mode) or a ``pltpu.InterpretParams``.
+
+    Returns:
+      ``q.dtype[T, H, v_dim]``; with ``return_lse=True`` also ``f32[T, H]``.
+    """
+    fmt = check_kernel_args(q, cache_kv, kv_lens, topk_indices, page_indices, cu_q_lens,
+                            cu_kv_lens, distribution, sm_scale=sm_scale,
+                            pages_per_seq=pages_per_seq, v_dim=v_dim,
+                            selected_name="topk_indices")
+    if fmt is CacheFormat.BF16:  # slow path: a full copy of the cache into the packed format
+        if not interpret:  # on a TPU this is a full-cache copy per call: say so once per trace
+            warnings.warn("sparse_mla: a plain bf16 cache is packed into u32 words on every "
+                          "call (a full copy of the cache); store it packed "
+                          "(reference.packed_cache.pack_cache, or dsa_jax.PagedLayout("
+                          "packed_latent=True))", PerformanceWarning, stacklevel=2)
+        cache_kv, fmt = packed_cache.pack_cache(cache_kv), CacheFormat.PACKED_BF16
+    units = mla_blocks.token_block(topk_indices.shape[1], tpu.device_chip(),
+                                   mla_blocks.pick(blocks, "tokens_per_block", tokens_per_block))
+    b = batch.RaggedBatch.of(cache_kv, kv_lens, page_indices, cu_q_lens, cu_kv_lens,
+                             distribution, pages_per_seq=pages_per_seq)
+    return attend_entries(q, cache_kv, topk_indices, b, mode="token", fmt=fmt, units=units,
+                          sm_scale=sm_scale, v_dim=v_dim,
+                          return_lse=return_lse, vmem_limit_bytes=vmem_limit_bytes,
+                          interpret=interpret)
+
+
+# ----------------------------------------------------------------------------- cost model
+
