@@ -15,6 +15,9 @@ writer, the multi-layer DSA step (IndexShare), opt-in checkify validation, mesh 
   token-sparse kernel gathers single rows from (``reference.packed_cache``), and
   ``PerformanceWarning``, emitted when a call takes a documented slow path (a plain bf16 cache
   packed on every call).
+- ``quantize_fp8`` / ``dequantize_fp8`` (the indexer's per-block rule) and
+  ``quantize_latent_fp8`` / ``dequantize_latent_fp8`` (FlashMLA's latent-cache rule): the fp8
+  quantizers of ``reference.fp8``, bit-exact with DeepSeek-V3.2's rules (fp8 caches: issue 10).
 - Segment witnesses (``reference.witnesses``) re-exported.
 """
 
@@ -28,24 +31,25 @@ from dsa_jax.validate import check_batch, run_checked
 from pallas_kernels import IndexerBlocks, MlaBlocks, PerformanceWarning
 from reference import build_index_share_map, glm_index_share_pattern
 from reference.cache_format import CacheFormat
+from reference.fp8 import dequantize_fp8, dequantize_latent_fp8, quantize_fp8, quantize_latent_fp8
 from reference.packed_cache import pack_cache, packed_words, unpack_cache
 from reference.witnesses import (
-    MAX_TOPOLOGY_SEGMENTS,
-    LearnedKeepOutOfRange,
-    RowsMismatch,
-    SegmentsOutOfRange,
-    WitnessError,
-    apply_topology_witnesses,
-    attention_mass_recall,
-    local_selector,
-    locality_null,
-    merge_topology_witnesses,
-    random_null,
-    random_selector,
-    scatter_topology_witnesses,
-    segment_coverage,
-    segment_of,
-    topology_witness_indices,
+                           MAX_TOPOLOGY_SEGMENTS,
+                           LearnedKeepOutOfRange,
+                           RowsMismatch,
+                           SegmentsOutOfRange,
+                           WitnessError,
+                           apply_topology_witnesses,
+                           attention_mass_recall,
+                           local_selector,
+                           locality_null,
+                           merge_topology_witnesses,
+                           random_null,
+                           random_selector,
+                           scatter_topology_witnesses,
+                           segment_coverage,
+                           segment_of,
+                           topology_witness_indices,
 )
 
 __all__ = [
@@ -69,6 +73,8 @@ __all__ = [
     "attention_mass_recall",
     "build_index_share_map",
     "check_batch",
+    "dequantize_fp8",
+    "dequantize_latent_fp8",
     "dsa_step",
     "glm_index_share_pattern",
     "indexer_topk",
@@ -79,6 +85,8 @@ __all__ = [
     "packed_words",
     "page_sparse_mla",
     "page_topk",
+    "quantize_fp8",
+    "quantize_latent_fp8",
     "random_null",
     "random_selector",
     "resolve_backend",
