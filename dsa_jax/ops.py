@@ -99,14 +99,11 @@ def sparse_mla(q, cache_kv, kv_lens, topk_indices, page_indices, cu_q_lens, cu_k
 
     Args as ``reference.sparse_mla_ref`` plus ``backend`` / ``validate`` / ``kernel_options``.
     """
-    fn, extra = _backend.implementation("sparse_mla", backend, kernel_options)
-    statics = dict(sm_scale=sm_scale, pages_per_seq=pages_per_seq, v_dim=v_dim,
-                   return_lse=return_lse)
-    arrays = (q, cache_kv, kv_lens, topk_indices, page_indices, cu_q_lens, cu_kv_lens,
-              distribution)
-    return _call(fn, extra, arrays, statics, validate,
-                 num_rows=int(np.shape(q)[0]), cache_index=1, seq_lens_index=2,
-                 pages_per_seq=pages_per_seq)
+    return _mla("sparse_mla", (q, cache_kv, kv_lens, topk_indices, page_indices, cu_q_lens,
+                               cu_kv_lens, distribution),
+                sm_scale=sm_scale, pages_per_seq=pages_per_seq, v_dim=v_dim,
+                return_lse=return_lse, backend=backend, validate=validate,
+                kernel_options=kernel_options)
 
 
 def page_sparse_mla(q, cache_kv, kv_lens, topk_pages, page_indices, cu_q_lens, cu_kv_lens,
@@ -118,11 +115,18 @@ def page_sparse_mla(q, cache_kv, kv_lens, topk_pages, page_indices, cu_q_lens, c
     Args as ``reference.page_sparse_mla_ref`` plus ``backend`` / ``validate`` /
     ``kernel_options``.
     """
-    fn, extra = _backend.implementation("page_sparse_mla", backend, kernel_options)
+    return _mla("page_sparse_mla", (q, cache_kv, kv_lens, topk_pages, page_indices,
+                                    cu_q_lens, cu_kv_lens, distribution),
+                sm_scale=sm_scale, pages_per_seq=pages_per_seq, v_dim=v_dim,
+                return_lse=return_lse, backend=backend, validate=validate,
+                kernel_options=kernel_options)
+
+
+def _mla(op: str, arrays: tuple, *, sm_scale: float, pages_per_seq: int, v_dim: int,
+         return_lse: bool, backend: str | None, validate: bool, kernel_options: dict | None):
+    """Both MLA ops: ``arrays`` = (q, cache, kv_lens, selected, the other batch arrays)."""
+    fn, extra = _backend.implementation(op, backend, kernel_options)
     statics = dict(sm_scale=sm_scale, pages_per_seq=pages_per_seq, v_dim=v_dim,
                    return_lse=return_lse)
-    arrays = (q, cache_kv, kv_lens, topk_pages, page_indices, cu_q_lens, cu_kv_lens,
-              distribution)
-    return _call(fn, extra, arrays, statics, validate,
-                 num_rows=int(np.shape(q)[0]), cache_index=1, seq_lens_index=2,
-                 pages_per_seq=pages_per_seq)
+    return _call(fn, extra, arrays, statics, validate, num_rows=int(np.shape(arrays[0])[0]),
+                 cache_index=1, seq_lens_index=2, pages_per_seq=pages_per_seq)

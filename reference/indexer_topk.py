@@ -14,24 +14,17 @@ _STATICS = ("k", "pages_per_seq", "one_token_per_seq", "num_segments", "recall_t
 
 
 @functools.partial(jax.jit, static_argnames=_STATICS)
-def streamindex_topk_ref(
-    q: jax.Array,  # f32|bf16[T, H, D] indexer query heads
-    weights: jax.Array,  # f32|bf16[T, H] per-head mixing weights
-    cache_kv: jax.Array,  # f32|bf16[num_pages, page_size, D] paged indexer keys
-    seq_lens: jax.Array,  # i32[S] kv length per sequence (this step's tokens included)
-    page_indices: jax.Array,  # i32[N] packed page table
-    cu_q_lens: jax.Array,  # i32[S+1]
-    cu_kv_lens: jax.Array,  # i32[S+1] cumsum of page-aligned capacities (tokens)
-    distribution: jax.Array,  # i32[3] (decode_end, prefill_end, num_seqs)
-    *,
-    k: int,
-    pages_per_seq: int,
-    one_token_per_seq: bool = False,
-    num_segments: int = 0,
-    recall_target: float = selection.DEFAULT_RECALL_TARGET,
-    exact: bool = False,
-) -> jax.Array:
+def streamindex_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, seq_lens: jax.Array,
+                         page_indices: jax.Array, cu_q_lens: jax.Array, cu_kv_lens: jax.Array,
+                         distribution: jax.Array, *, k: int, pages_per_seq: int,
+                         one_token_per_seq: bool = False, num_segments: int = 0,
+                         recall_target: float = selection.DEFAULT_RECALL_TARGET,
+                         exact: bool = False) -> jax.Array:
     """Lightning-indexer token top-k over a ragged paged batch.
+
+    Shapes: ``q``: f32|bf16[T, H, D] indexer query heads; ``weights``: f32|bf16[T, H] per-head
+    mixing weights; ``cache_kv``: f32|bf16[num_pages, page_size, D] paged indexer keys; the batch
+    arrays as ``reference.batch``.
 
     ``score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s])`` for every causal, existing token ``s``
     of row ``t``'s sequence, then the selection stage (``reference.selection``).

@@ -21,22 +21,16 @@ def pages_to_tokens(topk_pages: jax.Array, page_size: int, pages_per_seq: int) -
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "pages_per_seq", "v_dim", "return_lse"))
-def page_sparse_mla_ref(
-    q: jax.Array,  # f32|bf16[T, H, D]
-    cache_kv: jax.Array,  # f32|bf16[num_pages, page_size, D]
-    kv_lens: jax.Array,  # i32[S]
-    topk_pages: jax.Array,  # i32[T, k_pages] sequence-local page numbers, -1 = ignore
-    page_indices: jax.Array,  # i32[N]
-    cu_q_lens: jax.Array,  # i32[S+1]
-    cu_kv_lens: jax.Array,  # i32[S+1]
-    distribution: jax.Array,  # i32[3]
-    *,
-    sm_scale: float,
-    pages_per_seq: int,
-    v_dim: int,
-    return_lse: bool = False,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
+def page_sparse_mla_ref(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array,
+                        topk_pages: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array,
+                        cu_kv_lens: jax.Array, distribution: jax.Array, *, sm_scale: float,
+                        pages_per_seq: int, v_dim: int, return_lse: bool = False,
+                       ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Sparse absorbed MLA over per-row page top-k.
+
+    Shapes: ``q``: f32|bf16[T, H, D]; ``cache_kv``: f32|bf16[num_pages, page_size, D];
+    ``topk_pages``: i32[T, k_pages] sequence-local page numbers, -1 = ignore; the batch arrays as
+    ``reference.batch``.
 
     Each row attends every valid, causal token (``token < kv_len`` and ``token <= abs_pos``) of
     its selected pages. Page numbers ``< 0`` or ``>= pages_per_seq`` are ignored; a page listed

@@ -29,24 +29,17 @@ def causal_page_count(abs_pos: jax.Array, kv_len: jax.Array, page_size: int) -> 
 
 
 @functools.partial(jax.jit, static_argnames=_STATICS)
-def streamindex_page_topk_ref(
-    q: jax.Array,  # f32|bf16[T, H, D]
-    weights: jax.Array,  # f32|bf16[T, H]
-    cache_kv: jax.Array,  # f32|bf16[num_pages, page_size, D]
-    seq_lens: jax.Array,  # i32[S]
-    page_indices: jax.Array,  # i32[N]
-    cu_q_lens: jax.Array,  # i32[S+1]
-    cu_kv_lens: jax.Array,  # i32[S+1]
-    distribution: jax.Array,  # i32[3]
-    *,
-    k_pages: int,
-    pages_per_seq: int,
-    one_token_per_seq: bool = False,
-    num_segments: int = 0,
-    recall_target: float = selection.DEFAULT_RECALL_TARGET,
-    exact: bool = False,
-) -> jax.Array:
+def streamindex_page_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array,
+                              seq_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array,
+                              cu_kv_lens: jax.Array, distribution: jax.Array, *, k_pages: int,
+                              pages_per_seq: int, one_token_per_seq: bool = False,
+                              num_segments: int = 0,
+                              recall_target: float = selection.DEFAULT_RECALL_TARGET,
+                              exact: bool = False) -> jax.Array:
     """Page-level lightning-indexer top-k over a ragged paged batch.
+
+    Shapes: ``q``: f32|bf16[T, H, D]; ``weights``: f32|bf16[T, H]; ``cache_kv``: f32|bf16[num_pages,
+    page_size, D]; the batch arrays as ``reference.batch``.
 
     Token scores as in ``streamindex_topk_ref``, max-pooled over each page's causal, existing
     tokens; then the selection stage over the sequence's ``pages_per_seq`` pages. Witnesses

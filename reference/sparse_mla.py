@@ -11,22 +11,15 @@ from reference._mla_args import check_mla_args
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "pages_per_seq", "v_dim", "return_lse"))
-def sparse_mla_ref(
-    q: jax.Array,  # f32|bf16[T, H, D] packed [nope|rope] query in latent space
-    cache_kv: jax.Array,  # f32|bf16[num_pages, page_size, D] packed [c_kv|k_rope] latent cache
-    kv_lens: jax.Array,  # i32[S]
-    topk_indices: jax.Array,  # i32[T, k] sequence-local token offsets, -1 = ignore
-    page_indices: jax.Array,  # i32[N]
-    cu_q_lens: jax.Array,  # i32[S+1]
-    cu_kv_lens: jax.Array,  # i32[S+1]
-    distribution: jax.Array,  # i32[3]
-    *,
-    sm_scale: float,
-    pages_per_seq: int,
-    v_dim: int,
-    return_lse: bool = False,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
+def sparse_mla_ref(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_indices: jax.Array,
+                   page_indices: jax.Array, cu_q_lens: jax.Array, cu_kv_lens: jax.Array,
+                   distribution: jax.Array, *, sm_scale: float, pages_per_seq: int, v_dim: int,
+                   return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Sparse absorbed MLA over per-row token top-k.
+
+    Shapes: ``q``: f32|bf16[T, H, D] packed [nope|rope] query in latent space; ``cache_kv``:
+    f32|bf16[num_pages, page_size, D] packed [c_kv|k_rope] latent cache; ``topk_indices``: i32[T, k]
+    sequence-local token offsets, -1 = ignore; the batch arrays as ``reference.batch``.
 
     ``out[t, h] = softmax_j(sm_scale * q[t, h] . c[j]) @ c[j, :v_dim]`` over ``j`` in
     ``topk_indices[t]``. Entries ``< 0`` or ``>= kv_len`` (and rows outside every sequence) are

@@ -14,13 +14,11 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from pallas_kernels.indexer.blocks import IndexerBlocks, check_kernel_knobs, entry_blocks
-from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, score_and_select
-from reference import batch, selection
+from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, select_rows
+from reference import selection
 from reference._indexer_args import check_indexer_args
-from reference.page_topk import causal_page_count
 
 _STATICS = ("k_pages", "pages_per_seq", "one_token_per_seq", "num_segments", "recall_target",
             "exact", "block_rows", "block_pages", "blocks", "chip", "score_chunk_bytes",
@@ -28,31 +26,20 @@ _STATICS = ("k_pages", "pages_per_seq", "one_token_per_seq", "num_segments", "re
 
 
 @functools.partial(jax.jit, static_argnames=_STATICS)
-def streamindex_page_topk(
-    q: jax.Array,  # f32|bf16[T, H, D]
-    weights: jax.Array,  # f32|bf16[T, H]
-    cache_kv: jax.Array,  # f32|bf16[num_pages, page_size, D]
-    seq_lens: jax.Array,  # i32[S]
-    page_indices: jax.Array,  # i32[N]
-    cu_q_lens: jax.Array,  # i32[S+1]
-    cu_kv_lens: jax.Array,  # i32[S+1]
-    distribution: jax.Array,  # i32[3]
-    *,
-    k_pages: int,
-    pages_per_seq: int,
-    one_token_per_seq: bool = False,
-    num_segments: int = 0,
-    recall_target: float = selection.DEFAULT_RECALL_TARGET,
-    exact: bool = False,
-    block_rows: int | None = None,
-    block_pages: int | None = None,
-    blocks: IndexerBlocks | None = None,
-    chip: str | None = None,
-    score_chunk_bytes: int = SCORE_CHUNK_BYTES,
-    vmem_limit_bytes: int | None = None,
-    interpret=False,
-) -> jax.Array:
+def streamindex_page_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array,
+                          seq_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array,
+                          cu_kv_lens: jax.Array, distribution: jax.Array, *, k_pages: int,
+                          pages_per_seq: int, one_token_per_seq: bool = False,
+                          num_segments: int = 0,
+                          recall_target: float = selection.DEFAULT_RECALL_TARGET,
+                          exact: bool = False, block_rows: int | None = None,
+                          block_pages: int | None = None, blocks: IndexerBlocks | None = None,
+                          chip: str | None = None, score_chunk_bytes: int = SCORE_CHUNK_BYTES,
+                          vmem_limit_bytes: int | None = None, interpret=False) -> jax.Array:
     """Page top-k of the lightning indexer over a ragged paged batch (Pallas page scores).
+
+    Shapes: ``q``: f32|bf16[T, H, D]; ``weights``: f32|bf16[T, H]; ``cache_kv``: f32|bf16[num_pages,
+    page_size, D]; the batch arrays as ``reference.batch``.
 
     Args: as ``pallas_kernels.streamindex_topk`` with ``k_pages`` for ``k``;
     witnesses use the row's causal page count as its context length.
@@ -70,18 +57,11 @@ def streamindex_page_topk(
                                 one_token_per_seq=one_token_per_seq, pages_per_seq=pages_per_seq,
                                 page_size=cache_kv.shape[1], page_mode=True, interpret=interpret)
     check_kernel_knobs(score_chunk_bytes, vmem_limit_bytes)
-    page_size = cache_kv.shape[1]
-
-    def finish(scores, row_ok, abs_pos, kv_eff):
-        context = jnp.where(row_ok, causal_page_count(abs_pos, kv_eff, page_size), 0)
-        idx = selection.select_and_merge(scores, k_pages, context, recall_target=recall_target,
-                                         exact=exact, num_segments=num_segments)
-        return jnp.where(row_ok[:, None], idx, -1)
-
-    b = batch.RaggedBatch.of(cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
-                             distribution, pages_per_seq=pages_per_seq)
-    return score_and_select(
-        q, weights, cache_kv, b, one_token_per_seq=one_token_per_seq, page_mode=True,
-        blocks=blocks, chunk_bytes=score_chunk_bytes, vmem_limit_bytes=vmem_limit_bytes,
-        interpret=interpret, chip=chip, out_width=k_pages, out_dtype=jnp.int32, finish=finish)
+    return select_rows(q, weights, cache_kv, (seq_lens, page_indices, cu_q_lens, cu_kv_lens,
+                                              distribution),
+                       k=k_pages, page_mode=True, pages_per_seq=pages_per_seq,
+                       one_token_per_seq=one_token_per_seq, num_segments=num_segments,
+                       recall_target=recall_target, exact=exact, blocks=blocks, chip=chip,
+                       chunk_bytes=score_chunk_bytes, vmem_limit_bytes=vmem_limit_bytes,
+                       interpret=interpret)
 

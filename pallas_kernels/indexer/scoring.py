@@ -10,7 +10,8 @@ from pallas_kernels import tpu
 from pallas_kernels.indexer.blocks import IndexerBlocks
 from pallas_kernels.indexer.kernel import NEG_INF, make_configs, score_call
 from pallas_kernels.indexer.work_list import work_list
-from reference import batch, index_scores
+from reference import batch, index_scores, selection
+from reference.page_topk import causal_page_count
 
 # ----------------------------------------------------------------------------- row chunks
 
@@ -26,6 +27,29 @@ def chunk_rows(total_rows: int, width: int, block_rows: int, chunk_bytes: int) -
     c_max = max(1, min(total_rows, max(block_rows, chunk_bytes // (4 * width))))
     n_chunks = -(-total_rows // c_max)
     return -(-total_rows // n_chunks)
+
+
+def select_rows(q, weights, cache_kv, meta, *, k: int, page_mode: bool, pages_per_seq: int,
+                one_token_per_seq: bool, num_segments: int, recall_target: float, exact: bool,
+                blocks: IndexerBlocks, chip: str | None, chunk_bytes: int,
+                vmem_limit_bytes: int | None, interpret) -> jax.Array:
+    """The token and page top-k entries after their checks: score in chunks, then select ``k``
+    per row with the row's causal context (tokens, or pages in page mode) as the witnesses'
+    context length; rows outside every sequence all ``-1``. ``meta``: the five batch arrays."""
+    b = batch.RaggedBatch.of(cache_kv, *meta, pages_per_seq=pages_per_seq)
+
+    def finish(scores, row_ok, abs_pos, kv_eff):
+        context = (causal_page_count(abs_pos, kv_eff, b.page_size) if page_mode
+                   else selection.causal_token_count(abs_pos, kv_eff))
+        idx = selection.select_and_merge(scores, k, jnp.where(row_ok, context, 0),
+                                         recall_target=recall_target, exact=exact,
+                                         num_segments=num_segments)
+        return jnp.where(row_ok[:, None], idx, -1)
+
+    return score_and_select(q, weights, cache_kv, b, one_token_per_seq=one_token_per_seq,
+                            page_mode=page_mode, blocks=blocks, chunk_bytes=chunk_bytes,
+                            vmem_limit_bytes=vmem_limit_bytes, interpret=interpret, chip=chip,
+                            out_width=k, out_dtype=jnp.int32, finish=finish)
 
 
 def score_and_select(q, weights, cache_kv, b: batch.RaggedBatch, *, one_token_per_seq: bool,

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.indexer.blocks import IndexerBlocks, check_kernel_knobs, entry_blocks
-from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, score_and_select
+from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, score_and_select, select_rows
 from reference import batch, selection
 from reference._indexer_args import check_indexer_args
 
@@ -29,31 +29,20 @@ _STATICS = ("k", "pages_per_seq", "one_token_per_seq", "num_segments", "recall_t
 
 
 @functools.partial(jax.jit, static_argnames=_STATICS)
-def streamindex_topk(
-    q: jax.Array,  # f32|bf16[T, H, D] indexer query heads
-    weights: jax.Array,  # f32|bf16[T, H] per-head mixing weights
-    cache_kv: jax.Array,  # f32|bf16[num_pages, page_size, D] paged indexer keys
-    seq_lens: jax.Array,  # i32[S] kv length per sequence (this step's tokens included)
-    page_indices: jax.Array,  # i32[N] packed page table
-    cu_q_lens: jax.Array,  # i32[S+1]
-    cu_kv_lens: jax.Array,  # i32[S+1] cumsum of page-aligned capacities (tokens)
-    distribution: jax.Array,  # i32[3] (decode_end, prefill_end, num_seqs)
-    *,
-    k: int,
-    pages_per_seq: int,
-    one_token_per_seq: bool = False,
-    num_segments: int = 0,
-    recall_target: float = selection.DEFAULT_RECALL_TARGET,
-    exact: bool = False,
-    block_rows: int | None = None,
-    block_pages: int | None = None,
-    blocks: IndexerBlocks | None = None,
-    chip: str | None = None,
-    score_chunk_bytes: int = SCORE_CHUNK_BYTES,
-    vmem_limit_bytes: int | None = None,
-    interpret=False,
-) -> jax.Array:
+def streamindex_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, seq_lens: jax.Array,
+                     page_indices: jax.Array, cu_q_lens: jax.Array, cu_kv_lens: jax.Array,
+                     distribution: jax.Array, *, k: int, pages_per_seq: int,
+                     one_token_per_seq: bool = False, num_segments: int = 0,
+                     recall_target: float = selection.DEFAULT_RECALL_TARGET, exact: bool = False,
+                     block_rows: int | None = None, block_pages: int | None = None,
+                     blocks: IndexerBlocks | None = None, chip: str | None = None,
+                     score_chunk_bytes: int = SCORE_CHUNK_BYTES,
+                     vmem_limit_bytes: int | None = None, interpret=False) -> jax.Array:
     """Token top-k of the lightning indexer over a ragged paged batch (Pallas scores).
+
+    Shapes: ``q``: f32|bf16[T, H, D] indexer query heads; ``weights``: f32|bf16[T, H] per-head
+    mixing weights; ``cache_kv``: f32|bf16[num_pages, page_size, D] paged indexer keys; the batch
+    arrays as ``reference.batch``.
 
     Args:
       k, pages_per_seq, one_token_per_seq, num_segments, recall_target, exact: as in
@@ -84,18 +73,13 @@ def streamindex_topk(
                                 page_size=cache_kv.shape[1], page_mode=False, interpret=interpret)
     check_kernel_knobs(score_chunk_bytes, vmem_limit_bytes)
 
-    def finish(scores, row_ok, abs_pos, kv_eff):
-        context = jnp.where(row_ok, selection.causal_token_count(abs_pos, kv_eff), 0)
-        idx = selection.select_and_merge(scores, k, context, recall_target=recall_target,
-                                         exact=exact, num_segments=num_segments)
-        return jnp.where(row_ok[:, None], idx, -1)
-
-    b = batch.RaggedBatch.of(cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
-                             distribution, pages_per_seq=pages_per_seq)
-    return score_and_select(
-        q, weights, cache_kv, b, one_token_per_seq=one_token_per_seq, page_mode=False,
-        blocks=blocks, chunk_bytes=score_chunk_bytes, vmem_limit_bytes=vmem_limit_bytes,
-        interpret=interpret, chip=chip, out_width=k, out_dtype=jnp.int32, finish=finish)
+    return select_rows(q, weights, cache_kv, (seq_lens, page_indices, cu_q_lens, cu_kv_lens,
+                                              distribution),
+                       k=k, page_mode=False, pages_per_seq=pages_per_seq,
+                       one_token_per_seq=one_token_per_seq, num_segments=num_segments,
+                       recall_target=recall_target, exact=exact, blocks=blocks, chip=chip,
+                       chunk_bytes=score_chunk_bytes, vmem_limit_bytes=vmem_limit_bytes,
+                       interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("pages_per_seq", "one_token_per_seq", "page_mode",

@@ -82,9 +82,9 @@ from reference.cache_format import CacheFormat, check_packed_width
 
 def check_kernel_args(q, cache_kv, kv_lens, selected, page_indices, cu_q_lens, cu_kv_lens,
                       distribution, *, sm_scale, pages_per_seq, v_dim,
-                      selected_name) -> CacheFormat:
+                      selected_name) -> tuple[CacheFormat, batch.RaggedBatch]:
     """The reference's checks (a packed cache is checked as the bf16 cache it holds) plus the
-    kernel's: D a multiple of 128. Returns the cache's ``CacheFormat``."""
+    kernel's: D a multiple of 128. Returns the cache's ``CacheFormat`` and the batch."""
     plain = cache_kv
     if np.ndim(cache_kv) != 3:
         raise ValueError(f"cache_kv must have rank 3, got shape {tuple(np.shape(cache_kv))}")
@@ -99,7 +99,8 @@ def check_kernel_args(q, cache_kv, kv_lens, selected, page_indices, cu_q_lens, c
     if dim % tpu.LANES:
         raise ValueError(f"the latent dim q.shape[2] must be a multiple of {tpu.LANES} "
                          f"(pad 576 -> 640 with zeros), got {dim}")
-    return fmt
+    return fmt, batch.RaggedBatch.of(cache_kv, kv_lens, page_indices, cu_q_lens, cu_kv_lens,
+                                     distribution, pages_per_seq=pages_per_seq)
 
 
 # ----------------------------------------------------------------------------- kernel body

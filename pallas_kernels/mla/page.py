@@ -37,56 +37,38 @@ from pallas_kernels import tpu
 from pallas_kernels.mla import blocks as mla_blocks
 from pallas_kernels.mla.common import attend_entries
 from pallas_kernels.mla.kernel import check_kernel_args
-from reference import batch
 
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "pages_per_seq", "v_dim", "return_lse", "pages_per_block", "blocks",
     "vmem_limit_bytes", "interpret"))
-def page_sparse_mla(
-    q: jax.Array,  # f32|bf16[T, H, D]
-    cache_kv: jax.Array,  # f32|bf16[P, ps, D] | u32[P, ps, Wp] packed bf16
-    kv_lens: jax.Array,  # i32[S]
-    topk_pages: jax.Array,  # i32[T, k_pages] sequence-local page numbers, -1 = ignore
-    page_indices: jax.Array,  # i32[N]
-    cu_q_lens: jax.Array,  # i32[S+1]
-    cu_kv_lens: jax.Array,  # i32[S+1]
-    distribution: jax.Array,  # i32[3]
-    *,
-    sm_scale: float,
-    pages_per_seq: int,
-    v_dim: int,
-    return_lse: bool = False,
-    pages_per_block: int | None = None,
-    blocks: mla_blocks.MlaBlocks | None = None,
-    vmem_limit_bytes: int | None = None,
-    interpret=False,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
+def page_sparse_mla(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_pages: jax.Array,
+                    page_indices: jax.Array, cu_q_lens: jax.Array, cu_kv_lens: jax.Array,
+                    distribution: jax.Array, *, sm_scale: float, pages_per_seq: int, v_dim: int,
+                    return_lse: bool = False, pages_per_block: int | None = None,
+                    blocks: mla_blocks.MlaBlocks | None = None, vmem_limit_bytes: int | None = None,
+                    interpret=False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Page-sparse absorbed MLA (Pallas TPU); same semantics as ``page_sparse_mla_ref``.
 
-    Args:
-      q .. distribution: as ``reference.page_sparse_mla_ref``; ``cache_kv`` may also be the
-        packed bf16 cache of ``reference.packed_cache.pack_cache``.
-      sm_scale, pages_per_seq, v_dim, return_lse: as the reference.
-      pages_per_block: pages gathered per block; default from ``blocks``, else
-        ``mla_blocks.page_block``.
-      blocks: an ``MlaBlocks`` (typed, validated; its ``pages_per_block`` is used here).
-      vmem_limit_bytes: scoped VMEM limit; default ``tpu.vmem_limit`` (one policy).
-      interpret: False (compile), True (strict interpret mode) or a ``pltpu.InterpretParams``.
+    Shapes: ``q``: f32|bf16[T, H, D]; ``cache_kv``: f32|bf16[P, ps, D] | u32[P, ps, Wp] packed bf16;
+    ``topk_pages``: i32[T, k_pages] sequence-local page numbers, -1 = ignore; the batch arrays as
+    ``reference.batch``.
+
+    Args: as ``pallas_kernels.sparse_mla`` (``q``, the cache formats, ``blocks``,
+    ``vmem_limit_bytes``, ``interpret``), with ``topk_pages`` for ``topk_indices`` and
+    ``pages_per_block`` (pages gathered per block; default ``blocks``' field, else
+    ``mla_blocks.page_block``) for ``tokens_per_block``. A plain bf16 cache needs no packing here.
 
     Returns:
       ``q.dtype[T, H, v_dim]``; with ``return_lse=True`` also ``f32[T, H]``.
     """
-    fmt = check_kernel_args(q, cache_kv, kv_lens, topk_pages, page_indices, cu_q_lens,
+    fmt, b = check_kernel_args(q, cache_kv, kv_lens, topk_pages, page_indices, cu_q_lens,
                             cu_kv_lens, distribution, sm_scale=sm_scale,
                             pages_per_seq=pages_per_seq, v_dim=v_dim,
                             selected_name="topk_pages")
     units = mla_blocks.page_block(topk_pages.shape[1], cache_kv.shape[1], tpu.device_chip(),
                                   mla_blocks.pick(blocks, "pages_per_block", pages_per_block))
-    b = batch.RaggedBatch.of(cache_kv, kv_lens, page_indices, cu_q_lens, cu_kv_lens,
-                             distribution, pages_per_seq=pages_per_seq)
     return attend_entries(q, cache_kv, topk_pages, b, mode="page", fmt=fmt, units=units,
-                          sm_scale=sm_scale, v_dim=v_dim,
-                          return_lse=return_lse, vmem_limit_bytes=vmem_limit_bytes,
-                          interpret=interpret)
+                          sm_scale=sm_scale, v_dim=v_dim, return_lse=return_lse,
+                          vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
 

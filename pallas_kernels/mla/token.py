@@ -21,33 +21,24 @@ from pallas_kernels import tpu
 from pallas_kernels.mla import blocks as mla_blocks
 from pallas_kernels.mla.common import PerformanceWarning, attend_entries
 from pallas_kernels.mla.kernel import check_kernel_args
-from reference import batch, packed_cache
+from reference import packed_cache
 from reference.cache_format import CacheFormat
 
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "pages_per_seq", "v_dim", "return_lse", "tokens_per_block", "blocks",
     "vmem_limit_bytes", "interpret"))
-def sparse_mla(
-    q: jax.Array,  # f32|bf16[T, H, D]
-    cache_kv: jax.Array,  # f32[P, ps, D] | u32[P, ps, Wp] packed bf16 | bf16[P, ps, D] (slow)
-    kv_lens: jax.Array,  # i32[S]
-    topk_indices: jax.Array,  # i32[T, k] sequence-local token offsets, -1 = ignore
-    page_indices: jax.Array,  # i32[N]
-    cu_q_lens: jax.Array,  # i32[S+1]
-    cu_kv_lens: jax.Array,  # i32[S+1]
-    distribution: jax.Array,  # i32[3]
-    *,
-    sm_scale: float,
-    pages_per_seq: int,
-    v_dim: int,
-    return_lse: bool = False,
-    tokens_per_block: int | None = None,
-    blocks: mla_blocks.MlaBlocks | None = None,
-    vmem_limit_bytes: int | None = None,
-    interpret=False,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
+def sparse_mla(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_indices: jax.Array,
+               page_indices: jax.Array, cu_q_lens: jax.Array, cu_kv_lens: jax.Array,
+               distribution: jax.Array, *, sm_scale: float, pages_per_seq: int, v_dim: int,
+               return_lse: bool = False, tokens_per_block: int | None = None,
+               blocks: mla_blocks.MlaBlocks | None = None, vmem_limit_bytes: int | None = None,
+               interpret=False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Token-sparse absorbed MLA (Pallas TPU); same semantics as ``sparse_mla_ref``.
+
+    Shapes: ``q``: f32|bf16[T, H, D]; ``cache_kv``: f32[P, ps, D] | u32[P, ps, Wp] packed bf16 |
+    bf16[P, ps, D] (slow); ``topk_indices``: i32[T, k] sequence-local token offsets, -1 = ignore;
+    the batch arrays as ``reference.batch``.
 
     Args:
       q .. distribution: as ``reference.sparse_mla_ref``; ``cache_kv`` may also be the packed
@@ -63,7 +54,7 @@ def sparse_mla(
     Returns:
       ``q.dtype[T, H, v_dim]``; with ``return_lse=True`` also ``f32[T, H]``.
     """
-    fmt = check_kernel_args(q, cache_kv, kv_lens, topk_indices, page_indices, cu_q_lens,
+    fmt, b = check_kernel_args(q, cache_kv, kv_lens, topk_indices, page_indices, cu_q_lens,
                             cu_kv_lens, distribution, sm_scale=sm_scale,
                             pages_per_seq=pages_per_seq, v_dim=v_dim,
                             selected_name="topk_indices")
@@ -76,12 +67,9 @@ def sparse_mla(
         cache_kv, fmt = packed_cache.pack_cache(cache_kv), CacheFormat.PACKED_BF16
     units = mla_blocks.token_block(topk_indices.shape[1], tpu.device_chip(),
                                    mla_blocks.pick(blocks, "tokens_per_block", tokens_per_block))
-    b = batch.RaggedBatch.of(cache_kv, kv_lens, page_indices, cu_q_lens, cu_kv_lens,
-                             distribution, pages_per_seq=pages_per_seq)
     return attend_entries(q, cache_kv, topk_indices, b, mode="token", fmt=fmt, units=units,
-                          sm_scale=sm_scale, v_dim=v_dim,
-                          return_lse=return_lse, vmem_limit_bytes=vmem_limit_bytes,
-                          interpret=interpret)
+                          sm_scale=sm_scale, v_dim=v_dim, return_lse=return_lse,
+                          vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------- cost model
