@@ -34,22 +34,22 @@ from reference.cache_format import CacheFormat
 from reference.fp8 import dequantize_fp8, dequantize_latent_fp8, quantize_fp8, quantize_latent_fp8
 from reference.packed_cache import pack_cache, packed_words, unpack_cache
 from reference.witnesses import (
-                           MAX_TOPOLOGY_SEGMENTS,
-                           LearnedKeepOutOfRange,
-                           RowsMismatch,
-                           SegmentsOutOfRange,
-                           WitnessError,
-                           apply_topology_witnesses,
-                           attention_mass_recall,
-                           local_selector,
-                           locality_null,
-                           merge_topology_witnesses,
-                           random_null,
-                           random_selector,
-                           scatter_topology_witnesses,
-                           segment_coverage,
-                           segment_of,
-                           topology_witness_indices,
+    MAX_TOPOLOGY_SEGMENTS,
+    LearnedKeepOutOfRange,
+    RowsMismatch,
+    SegmentsOutOfRange,
+    WitnessError,
+    apply_topology_witnesses,
+    attention_mass_recall,
+    local_selector,
+    locality_null,
+    merge_topology_witnesses,
+    random_null,
+    random_selector,
+    scatter_topology_witnesses,
+    segment_coverage,
+    segment_of,
+    topology_witness_indices,
 )
 
 __all__ = [

@@ -11,10 +11,10 @@ interpreter; or a ``pltpu.InterpretParams``); selection reuses ``reference.selec
 """
 
 from pallas_kernels.indexer import (
-                                    IndexerBlocks,
-                                    streamindex_page_topk,
-                                    streamindex_scores,
-                                    streamindex_topk,
+    IndexerBlocks,
+    streamindex_page_topk,
+    streamindex_scores,
+    streamindex_topk,
 )
 from pallas_kernels.mla import MlaBlocks, PerformanceWarning, page_sparse_mla, sparse_mla
 

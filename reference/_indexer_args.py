@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from reference import _checks
+from reference.selection import check_selection_args
 
 
 def check_indexer_args(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
@@ -26,3 +27,12 @@ def check_indexer_args(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, 
     if one_token_per_seq and num_rows != num_seqs:
         raise ValueError(f"one_token_per_seq=True needs one row per sequence: q.shape[0] (T) = "
                          f"{num_rows} != len(seq_lens) (S) = {num_seqs}")
+
+
+def check_topk_args(arrays, *, k: int, k_name: str, pages_per_seq: int, one_token_per_seq: bool,
+                    num_segments: int, recall_target: float, exact: bool) -> None:
+    """Every top-k entry's static checks (reference and Pallas, token and page): the indexer
+    arguments ``arrays = (q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
+    distribution)``, then the selection statics (``k_name`` names the budget in messages)."""
+    check_indexer_args(*arrays, pages_per_seq=pages_per_seq, one_token_per_seq=one_token_per_seq)
+    check_selection_args(k, recall_target, exact, num_segments, k_name=k_name)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from reference import index_scores, selection
-from reference._indexer_args import check_indexer_args
+from reference._indexer_args import check_topk_args
 
 _STATICS = ("k", "pages_per_seq", "one_token_per_seq", "num_segments", "recall_target", "exact")
 
@@ -41,10 +41,10 @@ def streamindex_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, 
       i32[T, k]: sequence-local token offsets by descending score, ``-1`` padding in the tail;
       rows outside every sequence are all ``-1``.
     """
-    check_indexer_args(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
-                       distribution, pages_per_seq=pages_per_seq,
-                       one_token_per_seq=one_token_per_seq)
-    selection.check_selection_args(k, recall_target, exact, num_segments)
+    check_topk_args((q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
+                     distribution), k=k, k_name="k", pages_per_seq=pages_per_seq,
+                    one_token_per_seq=one_token_per_seq, num_segments=num_segments,
+                    recall_target=recall_target, exact=exact)
 
     def finish(scores, token_ok, abs_pos, kv_len):
         scores = jnp.where(token_ok, scores, selection.NEG_INF)

@@ -15,7 +15,7 @@ import numpy as np
 
 
 @dataclass(frozen=True)
-class RaggedBatch:
+class SyntheticBatch:
     """Host arrays of one synthetic batch (see module docstring)."""
 
     q: np.ndarray  # f32[T, H, D]
@@ -47,7 +47,7 @@ class RaggedBatch:
 def make_ragged_batch(rng: np.random.Generator, *, q_lens, kv_lens, page_size: int,
                       pages_per_seq: int, num_heads: int, dim: int, pad_rows: int = 0,
                       pad_seqs: int = 0, spare_pages: int = 3, tail_pages: int = 0,
-                      shuffle_pages: bool = True, fill: float = float("nan")) -> RaggedBatch:
+                      shuffle_pages: bool = True, fill: float = float("nan")) -> SyntheticBatch:
     """Build a ragged paged batch with ``len(q_lens)`` active sequences.
 
     ``q_lens[i] <= kv_lens[i] <= pages_per_seq * page_size`` is required (the batch is valid;
@@ -87,5 +87,5 @@ def make_ragged_batch(rng: np.random.Generator, *, q_lens, kv_lens, page_size: i
     distribution = np.array([decode_end, len(q_lens), len(q_lens)], np.int32)
     q = rng.standard_normal((num_rows, num_heads, dim)).astype(np.float32)
     weights = rng.standard_normal((num_rows, num_heads)).astype(np.float32)
-    return RaggedBatch(q, weights, cache, seq_lens, page_indices, cu_q, cu_kv, distribution,
+    return SyntheticBatch(q, weights, cache, seq_lens, page_indices, cu_q, cu_kv, distribution,
                        pages_per_seq, tuple(seq_pages))

@@ -261,10 +261,10 @@ def _mla_cases() -> list[tuple[str, object, str, int]]:
             rows = next(r for n, r, *_ in mcases.COMPILE_SHAPES if case.shape.startswith(n))
             out.append((op, case, case.shape, rows))
     mtp = ("mtp16x4@4096_h128", 64, 16, 4096, 128)
-    out.append(("sparse_mla", mcases._token_case(f"{mtp[0]}_k{K}_packed", *mtp[1:], K, "packed",
-                                                 U32), f"{mtp[0]}_k{K}_packed", 64))
-    out.append(("page_sparse_mla", mcases._page_case(f"{mtp[0]}_p{K_PAGES}x64_bf16", *mtp[1:],
-                                                     "bf16", BF16),
+    out.append(("sparse_mla", mcases.mla_case("token", f"{mtp[0]}_k{K}_packed", *mtp[1:],
+                                              "packed", U32), f"{mtp[0]}_k{K}_packed", 64))
+    out.append(("page_sparse_mla", mcases.mla_case("page", f"{mtp[0]}_p{K_PAGES}x64_bf16",
+                                                   *mtp[1:], "bf16", BF16),
                 f"{mtp[0]}_p{K_PAGES}x64_bf16", 64))
     return out
 

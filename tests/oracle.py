@@ -131,8 +131,8 @@ def check_topk_rows(idx, cands, k, *, rtol=1e-4, what="row"):
 
 
 def check_token_topk(idx, batch, k, *, rtol=1e-4, **overrides):
-    """Check a token top-k result against ``batch`` (a ``RaggedBatch``; any field, e.g. ``q``
-    cast to bf16 or a corrupted ``page_indices``, may be overridden by keyword)."""
+    """Check a token top-k result against ``batch`` (a ``SyntheticBatch``; any field, e.g.
+    ``q`` cast to bf16 or a corrupted ``page_indices``, may be overridden by keyword)."""
     b = dataclasses.replace(batch, **overrides)
     cands = token_candidates(*b.args(), b.pages_per_seq)
     check_topk_rows(idx, cands, k, rtol=rtol, what="token row")

@@ -26,7 +26,7 @@ import numpy as np
 from hypothesis import strategies as st
 from oracle import row_sequences
 
-from reference.synthetic import RaggedBatch, make_ragged_batch
+from reference.synthetic import SyntheticBatch, make_ragged_batch
 
 INT32_MIN = int(np.iinfo(np.int32).min)
 INT32_MAX = int(np.iinfo(np.int32).max)
@@ -101,7 +101,7 @@ class BatchSpec:
         sequence ``i``; rows of inactive slots are the padding rows)."""
         return self.is_decode and self.pad_rows == self.pad_seqs
 
-    def build(self) -> RaggedBatch:
+    def build(self) -> SyntheticBatch:
         """The arrays (``make_ragged_batch`` with NaN fill), then the NaN padding rows and the
         corrupted page-table slots."""
         rng = np.random.default_rng(self.seed)
@@ -278,13 +278,13 @@ def _selection(draw: st.DrawFn, k: int, *, units: list[int], limit: int) -> np.n
     return out.astype(np.int32)
 
 
-def _row_units(b: RaggedBatch, per_seq) -> list[int]:
+def _row_units(b: SyntheticBatch, per_seq) -> list[int]:
     rows = row_sequences(b.q.shape[0], b.cu_q_lens, b.seq_lens, b.distribution)
     return [-1 if rs is None else per_seq(int(b.seq_lens[rs[0]])) for rs in rows]
 
 
 @st.composite
-def token_selections(draw: st.DrawFn, b: RaggedBatch, k: int) -> np.ndarray:
+def token_selections(draw: st.DrawFn, b: SyntheticBatch, k: int) -> np.ndarray:
     """``i32[T, k]`` token offsets for sparse MLA: valid offsets ``< kv_len`` (duplicates
     included, future tokens too: the token-sparse op is not causal) mixed with every invalid
     class; rows outside every sequence hold valid-looking offsets."""
@@ -293,7 +293,7 @@ def token_selections(draw: st.DrawFn, b: RaggedBatch, k: int) -> np.ndarray:
 
 
 @st.composite
-def page_selections(draw: st.DrawFn, b: RaggedBatch, k_pages: int) -> np.ndarray:
+def page_selections(draw: st.DrawFn, b: SyntheticBatch, k_pages: int) -> np.ndarray:
     """``i32[T, k_pages]`` page numbers for page-sparse MLA, as ``token_selections`` with
     pages: valid pages hold at least one token ``< kv_len``; ``past_kv`` pages hold none."""
     ps, pps = b.page_size, b.pages_per_seq

@@ -18,7 +18,7 @@ import jax
 from pallas_kernels.indexer.blocks import IndexerBlocks, check_kernel_knobs, entry_blocks
 from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, select_rows
 from reference import selection
-from reference._indexer_args import check_indexer_args
+from reference._indexer_args import check_topk_args
 
 _STATICS = ("k_pages", "pages_per_seq", "one_token_per_seq", "num_segments", "recall_target",
             "exact", "block_rows", "block_pages", "blocks", "chip", "score_chunk_bytes",
@@ -48,11 +48,10 @@ def streamindex_page_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array,
       i32[T, k_pages]: sequence-local page numbers by descending page score, ``-1`` padding;
       rows outside every sequence all ``-1``.
     """
-    check_indexer_args(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
-                       distribution, pages_per_seq=pages_per_seq,
-                       one_token_per_seq=one_token_per_seq)
-    selection.check_selection_args(k_pages, recall_target, exact, num_segments,
-                                   k_name="k_pages")
+    check_topk_args((q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
+                     distribution), k=k_pages, k_name="k_pages", pages_per_seq=pages_per_seq,
+                    one_token_per_seq=one_token_per_seq, num_segments=num_segments,
+                    recall_target=recall_target, exact=exact)
     chip, blocks = entry_blocks(chip, blocks, block_rows, block_pages,
                                 one_token_per_seq=one_token_per_seq, pages_per_seq=pages_per_seq,
                                 page_size=cache_kv.shape[1], page_mode=True, interpret=interpret)

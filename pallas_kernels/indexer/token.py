@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from pallas_kernels.indexer.blocks import IndexerBlocks, check_kernel_knobs, entry_blocks
 from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, score_and_select, select_rows
 from reference import batch, selection
-from reference._indexer_args import check_indexer_args
+from reference._indexer_args import check_indexer_args, check_topk_args
 
 _STATICS = ("k", "pages_per_seq", "one_token_per_seq", "num_segments", "recall_target", "exact",
             "block_rows", "block_pages", "blocks", "chip", "score_chunk_bytes", "vmem_limit_bytes",
@@ -64,10 +64,10 @@ def streamindex_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, seq_
       i32[T, k]: sequence-local token offsets by descending score, ``-1`` padding in the tail;
       rows outside every sequence all ``-1``.
     """
-    check_indexer_args(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
-                       distribution, pages_per_seq=pages_per_seq,
-                       one_token_per_seq=one_token_per_seq)
-    selection.check_selection_args(k, recall_target, exact, num_segments)
+    check_topk_args((q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
+                     distribution), k=k, k_name="k", pages_per_seq=pages_per_seq,
+                    one_token_per_seq=one_token_per_seq, num_segments=num_segments,
+                    recall_target=recall_target, exact=exact)
     chip, blocks = entry_blocks(chip, blocks, block_rows, block_pages,
                                 one_token_per_seq=one_token_per_seq, pages_per_seq=pages_per_seq,
                                 page_size=cache_kv.shape[1], page_mode=False, interpret=interpret)

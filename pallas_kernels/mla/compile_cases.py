@@ -8,12 +8,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import aot, tpu
+from pallas_kernels import aot
 from pallas_kernels.mla import blocks as mla_blocks
 from pallas_kernels.mla import kernel
 from pallas_kernels.mla.page import page_sparse_mla
 from pallas_kernels.mla.token import sparse_mla
-from pallas_kernels.mla.traffic import PREP_BYTES_PER_ENTRY, PREP_BYTES_PER_PAGE, mla_traffic
+from pallas_kernels.mla.traffic import PREP_BYTES_PER_ENTRY, mla_traffic
 from reference import packed_cache
 
 
@@ -39,99 +39,75 @@ COMPILE_SHAPES = (("decode64x8192_h128", 64, 64, 8192, 128),
                   ("prefill1024@32768_h128", 1024, 1, 32768, 128))
 
 
+K_TOKENS = 2048  # DeepSeek-V3.2's token budget
+K_PAGES = K_TOKENS // MLA_PAGE  # 32 pages of 64 tokens: the same selected tokens per row
+
+
 def token_cases(quick: bool = True) -> list[aot.CompileCase]:
     """``sparse_mla`` compile cases: packed bf16 cache at k=2048 for every shape;
     ``quick=False`` adds the f32 cache and the plain-bf16 (pack per call) slow path at the H=16
     decode shape."""
-    k = 2048
-    fmts = [("packed", jnp.uint32)] + ([] if quick else [("f32", jnp.float32),
-                                                         ("bf16", jnp.bfloat16)])
-    cases = []
-    for name, rows, seqs, context, heads in COMPILE_SHAPES:
-        for fmt, dt in fmts:
-            if fmt != "packed" and heads != 16:
-                continue
-            cases.append(_token_case(f"{name}_k{k}_{fmt}", rows, seqs, context, heads, k, fmt,
-                                     dt))
-    return cases
-
-
-def _token_case(label, rows, seqs, context, heads, k, fmt, dt) -> aot.CompileCase:
-    specs = batch_specs(rows=rows, heads=heads, dim=MLA_DIM, seqs=seqs, context=context,
-                        page_size=MLA_PAGE, selected=k, cache_dtype=dt)
-    kfmt = "packed" if fmt == "bf16" else fmt
-
-    def shape_for(chip):
-        units = mla_blocks.token_block(k, chip)
-        return units, kernel.block_shape("token", heads=heads, dim=MLA_DIM, v_dim=MLA_V_DIM,
-                                  page_size=MLA_PAGE, units=units, meta_len=k,
-                                  q_dtype=jnp.bfloat16, fmt=kfmt)
-
-    def fn_for_chip(chip):
-        units, shape = shape_for(chip)
-        return functools.partial(
-            sparse_mla, sm_scale=MLA_SCALE, pages_per_seq=context // MLA_PAGE,
-            v_dim=MLA_V_DIM, tokens_per_block=units,
-            vmem_limit_bytes=tpu.vmem_limit(mla_blocks.vmem_bytes(shape), chip))
-
-    def traffic(chip):
-        t = mla_traffic(rows=rows, heads=heads, dim=MLA_DIM, v_dim=MLA_V_DIM,
-                        selected_rows=k, fmt=kfmt, q_itemsize=2, meta_words=k,
-                        prep_bytes=rows * k * PREP_BYTES_PER_ENTRY,
-                        table_words=seqs * context // MLA_PAGE, shape=shape_for(chip)[1])
-        if fmt == "bf16":  # slow path: pack the whole cache (read bf16, write words) per call
-            pages = seqs * context // MLA_PAGE
-            extra = pages * MLA_PAGE * (2 * MLA_DIM + 4 * packed_cache.packed_words(MLA_DIM))
-            t = aot.Traffic(t.bytes_moved + extra, t.bytes_min, t.flops, t.vmem_bytes)
-        return t
-
-    return aot.CompileCase("sparse_mla", label, fn_for_chip, specs, traffic,
-                           tags=("decode",) if label.startswith("decode") else ("prefill",))
-K_PAGES = 32  # 32 pages of 64 tokens = 2048 selected tokens, as the token kernel's k
+    extra = [] if quick else [("f32", jnp.float32), ("bf16", jnp.bfloat16)]
+    return _cases("token", [("packed", jnp.uint32)], extra)
 
 
 def page_cases(quick: bool = True) -> list[aot.CompileCase]:
     """``page_sparse_mla`` compile cases: 32 pages of 64 per row from a plain bf16 cache
     (pages are whole tiles) at every ``COMPILE_SHAPES`` shape; ``quick=False`` adds the packed
     and f32 caches at the H=16 decode shape."""
-    fmts = [("bf16", jnp.bfloat16)] + ([] if quick else [("packed", jnp.uint32),
-                                                         ("f32", jnp.float32)])
+    extra = [] if quick else [("packed", jnp.uint32), ("f32", jnp.float32)]
+    return _cases("page", [("bf16", jnp.bfloat16)], extra)
+
+
+def _cases(mode: str, main, extra) -> list[aot.CompileCase]:
+    """``main`` formats at every shape, ``extra`` formats at the H=16 decode shape only."""
     cases = []
     for name, rows, seqs, context, heads in COMPILE_SHAPES:
-        for fmt, dt in fmts:
-            if fmt != "bf16" and heads != 16:
-                continue
-            cases.append(_page_case(f"{name}_p{K_PAGES}x{MLA_PAGE}_{fmt}", rows, seqs,
-                                    context, heads, fmt, dt))
+        for fmt, dt in main + (extra if heads == 16 else []):
+            sel = f"k{K_TOKENS}" if mode == "token" else f"p{K_PAGES}x{MLA_PAGE}"
+            cases.append(mla_case(mode, f"{name}_{sel}_{fmt}", rows, seqs, context, heads,
+                                  fmt, dt))
     return cases
 
 
-def _page_case(label, rows, seqs, context, heads, fmt, dt) -> aot.CompileCase:
-    ps = MLA_PAGE
-    specs = batch_specs(rows=rows, heads=heads, dim=MLA_DIM, seqs=seqs,
-                             context=context, page_size=ps, selected=K_PAGES, cache_dtype=dt)
+def mla_case(mode: str, label: str, rows: int, seqs: int, context: int, heads: int, fmt: str,
+             dt) -> aot.CompileCase:
+    """One compile case of ``sparse_mla`` (``mode="token"``, k = ``K_TOKENS``) or
+    ``page_sparse_mla`` (``"page"``, ``K_PAGES`` pages): ``seqs`` sequences of ``context``
+    tokens, ``rows`` query rows, ``heads`` heads, cache format ``fmt`` stored as ``dt``."""
+    token = mode == "token"
+    entries = K_TOKENS if token else K_PAGES
+    specs = batch_specs(rows=rows, heads=heads, dim=MLA_DIM, seqs=seqs, context=context,
+                        page_size=MLA_PAGE, selected=entries, cache_dtype=dt)
+    kfmt = "packed" if fmt == "bf16" and token else fmt  # the token entry packs bf16 per call
 
     def shape_for(chip):
-        units = mla_blocks.page_block(K_PAGES, ps, chip)
-        return units, kernel.block_shape("page", heads=heads, dim=MLA_DIM,
-                                       v_dim=MLA_V_DIM, page_size=ps, units=units,
-                                       meta_len=K_PAGES, q_dtype=jnp.bfloat16, fmt=fmt)
+        units = (mla_blocks.token_block(entries, chip) if token
+                 else mla_blocks.page_block(entries, MLA_PAGE, chip))
+        return units, kernel.block_shape(mode, heads=heads, dim=MLA_DIM, v_dim=MLA_V_DIM,
+                                         page_size=MLA_PAGE, units=units, meta_len=entries,
+                                         q_dtype=jnp.bfloat16, fmt=kfmt)
 
     def fn_for_chip(chip):
-        units, shape = shape_for(chip)
-        return functools.partial(
-            page_sparse_mla, sm_scale=MLA_SCALE, pages_per_seq=context // ps,
-            v_dim=MLA_V_DIM, pages_per_block=units,
-            vmem_limit_bytes=tpu.vmem_limit(mla_blocks.vmem_bytes(shape), chip))
+        units = shape_for(chip)[0]
+        knob = {"tokens_per_block": units} if token else {"pages_per_block": units}
+        return functools.partial(sparse_mla if token else page_sparse_mla, sm_scale=MLA_SCALE,
+                                 pages_per_seq=context // MLA_PAGE, v_dim=MLA_V_DIM, **knob)
 
     def traffic(chip):
-        return mla_traffic(rows=rows, heads=heads, dim=MLA_DIM, v_dim=MLA_V_DIM,
-                                selected_rows=K_PAGES * ps, fmt=fmt, q_itemsize=2,
-                                meta_words=K_PAGES,
-                                prep_bytes=rows * K_PAGES * PREP_BYTES_PER_PAGE,
-                                table_words=seqs * context // ps, shape=shape_for(chip)[1])
+        t = mla_traffic(rows=rows, heads=heads, dim=MLA_DIM, v_dim=MLA_V_DIM,
+                        selected_rows=entries * (1 if token else MLA_PAGE), fmt=kfmt,
+                        q_itemsize=2, meta_words=entries,
+                        prep_bytes=rows * entries * PREP_BYTES_PER_ENTRY,
+                        table_words=seqs * context // MLA_PAGE, shape=shape_for(chip)[1])
+        if token and fmt == "bf16":  # slow path: pack the whole cache (read bf16, write words)
+            pages = seqs * context // MLA_PAGE
+            extra = pages * MLA_PAGE * (2 * MLA_DIM + 4 * packed_cache.packed_words(MLA_DIM))
+            t = aot.Traffic(t.bytes_moved + extra, t.bytes_min, t.flops, t.vmem_bytes)
+        return t
 
-    return aot.CompileCase("page_sparse_mla", label, fn_for_chip, specs, traffic,
+    return aot.CompileCase("sparse_mla" if token else "page_sparse_mla", label, fn_for_chip,
+                           specs, traffic,
                            tags=("decode",) if label.startswith("decode") else ("prefill",))
 
 

@@ -264,7 +264,6 @@ def _kernel(info_ref, table_ref, q_ref, meta_hbm, cache_hbm, out_ref, *refs, mod
     base = parity[0]
 
     def block(j, carry):
-        m_prev, l_prev, accs = carry
         buf = (base + j) % 2
 
         @pl.when(j + 1 < num_blocks)
@@ -281,28 +280,41 @@ def _kernel(info_ref, table_ref, q_ref, meta_hbm, cache_hbm, out_ref, *refs, mod
                                  units=units)
         w = gbuf[buf].reshape(rows, gbuf.shape[-1])
         w = jnp.where(row_ok, w, jnp.zeros_like(w))  # select: stale/NaN rows become 0
-        parts = _unpack(w, packed, cdt)
-        s = sum(_dot_nt(qp, parts[i][:, :hi - lo], f32)
-                for qp, (i, lo, hi, _, _) in zip(qs, segs, strict=True)) * sm_scale
-        s = jnp.where(lane_ok, s, -jnp.inf)
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp(m_prev - m_safe)
-        p = jnp.exp(s - m_safe)
-        l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-        pc = p.astype(cdt)
-        accs = tuple(alpha * a + _dot(pc, parts[i][:, :vhi - vlo], f32)
-                     for a, (i, vlo, vhi) in zip(accs, vsegs, strict=True))
-        return m_new, l_new, accs
+        return _softmax_step(carry, _unpack(w, packed, cdt), lane_ok, qs, segs, vsegs,
+                             f32=f32, cdt=cdt, sm_scale=sm_scale)
 
     init = (jnp.full((heads, 1), -jnp.inf, jnp.float32), jnp.zeros((heads, 1), jnp.float32),
             tuple(jnp.zeros((heads, vhi - vlo), jnp.float32) for _, vlo, vhi in vsegs))
     m, l_sum, accs = jax.lax.fori_loop(0, num_blocks, block, init)
     parity[0] = (base + num_blocks) % 2
+    _write_out(out_ref, lse_ref, m, l_sum, accs, vsegs)
+
+
+def _softmax_step(carry, parts, lane_ok, qs, segs, vsegs, *, f32, cdt, sm_scale):
+    """One online-softmax update over a gathered block: ``parts`` the block's rows (unpacked,
+    zeros where not live), ``lane_ok bool[H, rows]`` the live logits. ``carry = (m f32[H, 1],
+    l f32[H, 1], accs)`` with one f32 accumulator per value segment."""
+    m_prev, l_prev, accs = carry
+    s = sum(_dot_nt(qp, parts[i][:, :hi - lo], f32)
+            for qp, (i, lo, hi, _, _) in zip(qs, segs, strict=True)) * sm_scale
+    s = jnp.where(lane_ok, s, -jnp.inf)
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m_prev - m_safe)
+    p = jnp.exp(s - m_safe)
+    l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+    pc = p.astype(cdt)
+    accs = tuple(alpha * a + _dot(pc, parts[i][:, :vhi - vlo], f32)
+                 for a, (i, vlo, vhi) in zip(accs, vsegs, strict=True))
+    return m_new, l_new, accs
+
+
+def _write_out(out_ref, lse_ref, m, l_sum, accs, vsegs):
+    """Normalise and store one row: zeros and LSE ``-inf`` for a row with no live entry."""
     inv = jnp.where(l_sum > 0, 1.0 / jnp.where(l_sum > 0, l_sum, 1.0), 0.0)
     for a, (_, vlo, vhi) in zip(accs, vsegs, strict=True):
         out_ref[0, :, vlo:vhi] = (a * inv).astype(out_ref.dtype)
-    if return_lse:
+    if lse_ref is not None:
         lse_ref[0] = jnp.where(l_sum > 0, m + jnp.log(jnp.where(l_sum > 0, l_sum, 1.0)),
                                -jnp.inf)
 
