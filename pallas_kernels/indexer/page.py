@@ -44,9 +44,7 @@ def streamindex_page_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array,
     Args: as ``pallas_kernels.streamindex_topk`` with ``k_pages`` for ``k``;
     witnesses use the row's causal page count as its context length.
 
-    Returns:
-      i32[T, k_pages]: sequence-local page numbers by descending page score, ``-1`` padding;
-      rows outside every sequence all ``-1``.
+    Returns: what ``reference.streamindex_page_topk_ref`` returns (``i32[T, k_pages]``).
     """
     check_topk_args((q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                      distribution), k=k_pages, k_name="k_pages", pages_per_seq=pages_per_seq,
