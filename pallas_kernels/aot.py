@@ -12,8 +12,11 @@ gate tests and ``scripts/tpu_compile_report.py`` iterate over them (one implemen
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -50,7 +53,32 @@ def topology_device(chip: str):
     # once for AOT compiles; without this libtpu refuses with a lockfile error.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     name, _ = CHIPS[check_chip(chip)]
-    return topologies.get_topology_desc(platform="tpu", topology_name=name).devices[0]
+    with _quiet_native_stderr():
+        return topologies.get_topology_desc(platform="tpu", topology_name=name).devices[0]
+
+
+@contextlib.contextmanager
+def _quiet_native_stderr():
+    """Hold back what native code writes to fd 2 meanwhile; replay it if the body raises.
+
+    Loading libtpu for a topology on a host without a TPU makes it probe for TPU hosts and
+    print a block of "Failed to find host bounds ..." / "TPU_WORKER_HOSTNAMES" warnings from C++
+    straight to fd 2 (Python's ``sys.stderr`` cannot catch it). They say nothing about an AOT
+    compile, which works; if loading fails, the held-back text is written out with the error."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved, 2)
+            held.seek(0)
+            sys.stderr.write(held.read().decode(errors="replace"))
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 @functools.cache

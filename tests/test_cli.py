@@ -27,6 +27,21 @@ def test_the_readme_command_runs_in_a_fresh_process_without_tpu_probe_noise():
     assert "NaN in out: False" in out.stdout
 
 
+def test_aot_topology_load_is_quiet_and_still_compiles():
+    """Loading libtpu for an AOT topology (every compile script) prints libtpu's TPU-host probe
+    on a machine without a TPU unless ``aot`` holds it back."""
+    code = ("import jax, jax.numpy as jnp\n"
+            "from pallas_kernels import aot\n"
+            "aot.aot_compile(lambda x: x * 2, [jax.ShapeDtypeStruct((8, 128), jnp.float32)],"
+            " 'v6e', 'double')\n"
+            "print('compiled')\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=180, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
+    for noise in ("host bounds", "TPU_WORKER_HOSTNAMES", "E0000"):
+        assert noise not in out.stderr, out.stderr[-3000:]
+
+
 def test_every_flag_is_explained_in_help():
     run = next(a for a in _parser()._actions if a.dest == "cmd").choices["run"]
     for action in run._actions:
