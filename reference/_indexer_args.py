@@ -2,23 +2,39 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
-from reference import _checks
+from reference import _checks, fp8, fp8_cache
 from reference.selection import check_selection_args
+
+
+def _check_query(q, cache_kv) -> None:
+    """f32/bf16, or float8_e4m3fn with an fp8 index cache (its scale folded into the weights)."""
+    if np.dtype(jax.numpy.result_type(q)) == fp8.FP8_DTYPE:
+        if isinstance(cache_kv, fp8_cache.Fp8IndexCache):
+            return
+        raise ValueError("q has dtype float8_e4m3fn, which needs an fp8 index cache "
+                         f"(Fp8IndexCache); cache_kv is {type(cache_kv).__name__} of dtype "
+                         f"{jax.numpy.result_type(cache_kv)}")
+    _checks.floating("q", q)
 
 
 def check_indexer_args(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                        distribution, *, pages_per_seq: int, one_token_per_seq: bool) -> None:
     """Refuse inconsistent shapes/dtypes/statics, naming the argument and the numbers."""
     _checks.rank("q", q, 3)
-    _checks.floating("q", q)
+    _check_query(q, cache_kv)
     num_rows, heads, dim = np.shape(q)
     _checks.rank("weights", weights, 2)
     _checks.floating("weights", weights)
     _checks.dim("weights", weights, 0, num_rows, "q.shape[0] (T)")
     _checks.dim("weights", weights, 1, heads, "q.shape[1] (H)")
-    _checks.paged_cache("cache_kv", cache_kv, dim, "q.shape[2] (D)")
+    if isinstance(cache_kv, fp8_cache.Fp8IndexCache):
+        fp8_cache.check_index_cache("cache_kv", cache_kv)
+        _checks.dim("q", q, 2, fp8.INDEX_HEAD_DIM, "the fp8 index cache's head dim")
+    else:
+        _checks.paged_cache("cache_kv", cache_kv, dim, "q.shape[2] (D)")
     num_seqs = _checks.ragged_metadata(seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                                        distribution)
     _checks.positive_int("pages_per_seq", pages_per_seq)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from reference import _checks, packed_cache
+from reference import _checks, fp8, fp8_cache, packed_cache
+
+FP8_Q_DIMS = (fp8.LATENT_DIM, 640)  # the fp8 latent cache holds 576 features; q may be padded
 
 
 def check_mla_args(q, cache_kv, kv_lens, selected, page_indices, cu_q_lens, cu_kv_lens,
@@ -14,7 +16,13 @@ def check_mla_args(q, cache_kv, kv_lens, selected, page_indices, cu_q_lens, cu_k
     _checks.rank("q", q, 3)
     _checks.floating("q", q)
     num_rows, _, dim = np.shape(q)
-    if packed_cache.is_packed(cache_kv):  # bf16 rows stored as u32 words (packed_cache)
+    if isinstance(cache_kv, fp8_cache.Fp8LatentCache):
+        fp8_cache.check_latent_cache("cache_kv", cache_kv)
+        if dim not in FP8_Q_DIMS:
+            raise ValueError(f"with the fp8 latent cache q.shape[2] must be one of {FP8_Q_DIMS} "
+                             f"(576 = 512 + 64 features, or zero-padded to 640), got {dim}")
+        dim = fp8.LATENT_NOPE  # the value dim bound below: values are the nope features
+    elif packed_cache.is_packed(cache_kv):  # bf16 rows stored as u32 words (packed_cache)
         _checks.rank("cache_kv", cache_kv, 3)
         _checks.dim("cache_kv", cache_kv, 2, packed_cache.packed_words(dim),
                     "packed_words(q.shape[2]) for a packed u32 cache")
@@ -28,8 +36,8 @@ def check_mla_args(q, cache_kv, kv_lens, selected, page_indices, cu_q_lens, cu_k
     _checks.positive_int("pages_per_seq", pages_per_seq)
     _checks.positive_int("v_dim", v_dim)
     if v_dim > dim:
-        raise ValueError(f"v_dim must be <= the latent dim cache_kv.shape[2]: v_dim={v_dim} > "
-                         f"{dim}")
+        raise ValueError(f"v_dim must be <= the latent dim ({dim} for this cache): v_dim={v_dim}"
+                         f" > {dim}")
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
         raise TypeError(f"sm_scale must be a static Python float, got {sm_scale!r}")
     if not np.isfinite(sm_scale) or sm_scale <= 0:

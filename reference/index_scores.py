@@ -23,7 +23,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from reference import batch
+from reference import batch, fp8_cache
 
 SCORE_BLOCK_BYTES = 64 * 1024 * 1024
 MAX_WINDOW_ROWS = 256
@@ -70,7 +70,26 @@ def window_ladder(num_rows: int, capacity: int) -> tuple[int, ...]:
 Finish = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
-def _score_window(width_rows, q, w, keys, pages, start, q_start, q_end, kv_len, out,
+def gather_keys(cache, page_ids) -> tuple[jax.Array, jax.Array | None]:
+    """A sequence's keys ``[n * page_size, D]`` and, for an ``Fp8IndexCache``, their per-token
+    scales ``f32[n * page_size]`` (the codes are upcast to f32 exactly); ``None`` otherwise."""
+    if isinstance(cache, fp8_cache.Fp8IndexCache):
+        k8, scale = fp8_cache.gather_index_pages(cache, page_ids)
+        return k8.astype(jnp.float32), scale
+    return batch.gather_pages(cache, page_ids), None
+
+
+def scaled_scores(q, w, keys, key_scale) -> jax.Array:
+    """``index_scores``, times each key's scale (fp8 cache): ``s[t, s] = scale[s] * sum_h w[t, h]
+    * relu(q[t, h] . k8[s])`` (DeepGEMM's order: the positive scale commutes with relu). An fp8
+    ``q`` is upcast to f32 exactly (its own scale is folded into ``w`` by the caller)."""
+    if q.dtype == fp8_cache.fp8.FP8_DTYPE:
+        q = q.astype(jnp.float32)
+    s = index_scores(q, w, keys)
+    return s if key_scale is None else s * key_scale[None, :]
+
+
+def _score_window(width_rows, q, w, keys, key_scale, pages, start, q_start, q_end, kv_len, out,
                   finish: Finish):
     """Score rows ``[start, start + width_rows)`` (clamped into ``[0, T)``) of one sequence and
     write the rows that lie in ``[start, q_end)`` into ``out``."""
@@ -83,7 +102,7 @@ def _score_window(width_rows, q, w, keys, pages, start, q_start, q_end, kv_len, 
     cap = pages.token_ok.shape[0]
     causal = jnp.arange(cap, dtype=jnp.int32)[None, :] <= abs_pos[:, None]
     token_ok = pages.token_ok[None, :] & causal
-    sel = finish(index_scores(q_w, w_w, keys), token_ok, abs_pos, pages.kv_len)
+    sel = finish(scaled_scores(q_w, w_w, keys, key_scale), token_ok, abs_pos, pages.kv_len)
     mine = (rows >= start) & (rows < q_end)
     old = jax.lax.dynamic_slice_in_dim(out, s0, width_rows, axis=0)
     return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine[:, None], sel, old), s0, 0)
@@ -107,7 +126,7 @@ def score_and_select(q, weights, cache, kv_lens, page_indices, cu_q_lens, cu_kv_
 
     def seq_body(seq_id, out):
         pages = b.seq_pages(seq_id)
-        keys = batch.gather_pages(cache, pages.page_ids)
+        keys, key_scale = gather_keys(cache, pages.page_ids)
         if one_token_per_seq:  # row seq_id is the sequence's last token
             q_start, q_end = seq_id, seq_id + 1
         else:
@@ -115,8 +134,9 @@ def score_and_select(q, weights, cache, kv_lens, page_indices, cu_q_lens, cu_kv_
             q_end = jnp.clip(cu_q_lens[seq_id + 1], q_start, num_rows)
         q_end = jnp.where(seq_id < n_active, q_end, q_start)
         branches = [
-            lambda start, out, wr=wr: _score_window(wr, q, weights, keys, pages, start, q_start,
-                                                    q_end, kv_lens[seq_id], out, finish)
+            lambda start, out, wr=wr: _score_window(wr, q, weights, keys, key_scale, pages,
+                                                    start, q_start, q_end, kv_lens[seq_id], out,
+                                                    finish)
             for wr in ladder
         ]
 
