@@ -91,7 +91,8 @@ def aot_compile(fn: Callable, specs: list[jax.ShapeDtypeStruct], chip: str, case
     """Compile ``fn(*specs)`` for ``chip``; return the compiled object or raise CompileError."""
     dev = topology_device(chip)
     sharding = jax.sharding.SingleDeviceSharding(dev)
-    placed = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in specs]
+    placed = jax.tree_util.tree_map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), list(specs))
     try:
         with jax.default_device(dev):
             return jax.jit(fn).trace(*placed).lower().compile()

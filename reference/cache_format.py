@@ -9,13 +9,19 @@ format          stored dtype  words per row (W)          value dtype     bytes p
 ``F32``         float32       D                          float32         4 D
 ``BF16``        bfloat16      D                          bfloat16        2 D
 ``PACKED_BF16`` uint32        ``packed_words(D)``        bfloat16        4 packed_words(D)
+``FP8``         uint32        256 (``LATENT_WORDS``)     bfloat16        1024
 ==============  ============  =========================  ==============  ================
 
 ``PACKED_BF16`` is ``reference.packed_cache``: two bf16 features per 32-bit word, so a single
 token row can be DMA'd on TPU (a plain bf16 row cannot: two rows share a word). A format is
 detected from a cache's dtype (``CacheFormat.of``); any other dtype (f16, fp8, integers) is
-refused with a ``ValueError`` naming the dtype and the supported list. A new format (fp8) is a
-new member here plus its rows in the properties below.
+refused with a ``ValueError`` naming the dtype and the supported list.
+
+``FP8`` is the fp8 latent cache of ``reference.fp8_cache`` (``Fp8LatentCache``: 512 e4m3
+features in 4 power-of-two-scaled tiles plus 64 bf16 rope values, D = 576 logical features, in
+256 u32 words per token). It is detected from the object's type, not a dtype. Its values are
+exact in bf16. The minimum a gather must move is FlashMLA's 656 bytes per token
+(``plain_row_bytes``), and the TPU layout moves 1024 (``reference.fp8_cache`` says why).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import enum
 import jax.numpy as jnp
 import numpy as np
 
-from reference import packed_cache
+from reference import fp8, fp8_cache, packed_cache
 
 
 class CacheFormat(enum.Enum):
@@ -34,11 +40,12 @@ class CacheFormat(enum.Enum):
     F32 = "f32"
     BF16 = "bf16"
     PACKED_BF16 = "packed"
+    FP8 = "fp8"
 
     @property
     def storage_dtype(self) -> jnp.dtype:
-        """The dtype of the cache array."""
-        return jnp.dtype({"f32": jnp.float32, "bf16": jnp.bfloat16,
+        """The dtype of the cache array (for ``FP8``, of its ``words``)."""
+        return jnp.dtype({"f32": jnp.float32, "bf16": jnp.bfloat16, "fp8": jnp.uint32,
                           "packed": packed_cache.PACKED_DTYPE}[self.value])
 
     @property
@@ -51,8 +58,15 @@ class CacheFormat(enum.Enum):
     def packed(self) -> bool:
         return self is CacheFormat.PACKED_BF16
 
+    @property
+    def fp8(self) -> bool:
+        return self is CacheFormat.FP8
+
     def row_words(self, dim: int) -> int:
-        """Stored elements per token row of ``dim`` features."""
+        """Stored elements per token row of ``dim`` features (FP8: always the 576 latent
+        features, whatever padding the query carries)."""
+        if self.fp8:
+            return fp8_cache.LATENT_WORDS
         return packed_cache.packed_words(dim) if self.packed else dim
 
     def row_bytes(self, dim: int) -> int:
@@ -60,18 +74,28 @@ class CacheFormat(enum.Enum):
         return self.row_words(dim) * self.storage_dtype.itemsize
 
     def plain_row_bytes(self, dim: int) -> int:
-        """Bytes of ``dim`` features at the value dtype: the minimum a gather must move."""
+        """Bytes of ``dim`` features at the value dtype: the minimum a gather must move (FP8:
+        FlashMLA's 656-byte token)."""
+        if self.fp8:
+            return fp8.LATENT_BYTES
         return dim * self.value_dtype.itemsize
 
     @classmethod
     def of(cls, cache, name: str = "cache") -> CacheFormat:
-        """The format of ``cache`` (an array or ``ShapeDtypeStruct``) from its dtype."""
+        """The format of ``cache`` (an array or ``ShapeDtypeStruct``) from its dtype, or
+        ``FP8`` for an ``Fp8LatentCache``."""
+        if isinstance(cache, fp8_cache.Fp8LatentCache):
+            return cls.FP8
+        if isinstance(cache, fp8_cache.Fp8IndexCache):
+            raise ValueError(f"{name} is an Fp8IndexCache (indexer keys); a latent cache is an "
+                             "array or an Fp8LatentCache")
         dt = jnp.dtype(jnp.result_type(cache))
         for fmt in cls:
-            if fmt.storage_dtype == dt:
+            if fmt.storage_dtype == dt and not fmt.fp8:
                 return fmt
         raise ValueError(f"{name} has dtype {dt}, which no cache format supports; supported: "
-                         f"{', '.join(f'{f.storage_dtype} ({f.name})' for f in cls)}")
+                         f"{', '.join(f'{f.storage_dtype} ({f.name})' for f in cls if not f.fp8)}, "
+                         "or an Fp8LatentCache (FP8)")
 
     @classmethod
     def named(cls, fmt: CacheFormat | str) -> CacheFormat:

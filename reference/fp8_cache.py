@@ -212,10 +212,20 @@ def _dequantize_index(keys, scales):
     return keys.astype(jnp.float32) * scales[:, :keys.shape[1], None]
 
 
+def _drop_outside(cache, page_id, offset):
+    """``page_id`` with ``num_pages`` (drop) wherever ``offset`` is outside ``[0, page_size)``
+    or ``page_id`` is negative: an offset past the page must not land in the scale row's
+    padding lanes, and a negative id must not wrap around to the last page."""
+    ok = (offset >= 0) & (offset < cache.page_size) & (page_id >= 0)
+    return jnp.where(ok, page_id, cache.num_pages)
+
+
 def write_index_rows(cache: Fp8IndexCache, page_id, offset, rows, *,
                      scale_fmt: str | None = "ue8m0") -> Fp8IndexCache:
     """Quantize ``rows f[T, 128]`` and store row ``t`` at ``(page_id[t], offset[t])``; a
-    ``page_id`` of ``num_pages`` drops the row (``mode="drop"``), nothing else changes."""
+    ``page_id`` outside ``[0, num_pages)`` or an offset outside ``[0, page_size)`` drops the row
+    (``mode="drop"``), nothing else changes."""
+    page_id = _drop_outside(cache, page_id, offset)
     k8, s = quantize_index_rows(rows, scale_fmt=scale_fmt)
     return Fp8IndexCache(cache.keys.at[page_id, offset].set(k8, mode="drop"),
                          cache.scales.at[page_id, offset].set(s, mode="drop"))
@@ -242,7 +252,12 @@ def index_cache_from_paged_fp8(b, *, page_size: int | None = None) -> Fp8IndexCa
     ``b.shape[1] // 132``."""
     if page_size is None:
         _checks.rank("b", b, 2)
-        page_size = np.shape(b)[1] // fp8.INDEX_TOKEN_BYTES
+        width = np.shape(b)[1]
+        if width % fp8.INDEX_TOKEN_BYTES or width == 0:
+            raise ValueError(f"b.shape[1] = {width} is not a multiple of "
+                             f"{fp8.INDEX_TOKEN_BYTES} bytes per token ({fp8.INDEX_HEAD_DIM} fp8 "
+                             "+ 4 scale) holding at least one token")
+        page_size = width // fp8.INDEX_TOKEN_BYTES
     check_index_page_size(page_size)
     k8, s = fp8.index_from_paged_fp8_bytes(b, page_size=page_size)
     pad = scale_lanes(page_size) - page_size
@@ -312,6 +327,7 @@ def dequantize_latent_cache(cache: Fp8LatentCache) -> jax.Array:
 def write_latent_rows(cache: Fp8LatentCache, page_id, offset, rows) -> Fp8LatentCache:
     """Quantize ``rows f[T, 576]`` and store row ``t`` at ``(page_id[t], offset[t])``
     (``mode="drop"`` as ``write_index_rows``)."""
+    page_id = _drop_outside(cache, page_id, offset)
     return Fp8LatentCache(cache.words.at[page_id, offset].set(quantize_latent_rows(rows),
                                                               mode="drop"))
 

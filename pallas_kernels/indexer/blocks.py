@@ -71,8 +71,9 @@ def default_blocks(chip: str | None, *, one_token_per_seq: bool) -> IndexerBlock
 
 def vmem_estimate(*, block_rows: int, block_pages: int, num_heads: int, dim: int,
                   page_size: int, pages_per_seq: int, key_itemsize: int, q_itemsize: int,
-                  page_mode: bool) -> int:
-    """VMEM bytes the score kernel allocates (padded to tiles), one term per buffer."""
+                  page_mode: bool, scale_lanes: int = 0) -> int:
+    """VMEM bytes the score kernel allocates (padded to tiles), one term per buffer
+    (``scale_lanes``: an fp8 cache's scale rows, 0 for none)."""
     rh = block_rows * num_heads
     nb = block_pages * page_size
     num_blocks = -(-pages_per_seq // block_pages)
@@ -83,6 +84,9 @@ def vmem_estimate(*, block_rows: int, block_pages: int, num_heads: int, dim: int
     total += tile_bytes(rh, nb, 4)  # f32 score tile [R*H, P*page] (compiler temporary)
     if key_itemsize != q_itemsize:
         total += tile_bytes(nb, dim, 4)  # key block cast to the compute dtype
+    if scale_lanes:
+        total += 2 * tile_bytes(block_pages, scale_lanes, 4)  # scale rows, 2 stages
+        total += tile_bytes(1, nb, 4)  # the stage's scale row on lanes
     if page_mode:
         pages_pad = -(-num_blocks * block_pages // LANES) * LANES
         total += 2 * tile_bytes(block_rows, pages_pad, 4)  # page scores out block, 2 buffers

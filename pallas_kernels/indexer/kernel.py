@@ -75,7 +75,7 @@ from pallas_kernels.indexer import work_list as wl
 from pallas_kernels.indexer.blocks import IndexerBlocks, vmem_estimate
 from pallas_kernels.indexer.work_list import level_bound, row_ladder
 from pallas_kernels.tpu import LANES
-from reference import batch
+from reference import batch, fp8, fp8_cache
 
 NEG_INF = float("-inf")
 
@@ -98,6 +98,7 @@ class ScoreConfig:
     compute_dtype: jnp.dtype
     key_dtype: jnp.dtype
     chip: str | None = None  # the VMEM cap's chip (``tpu.vmem_limit``)
+    scale_lanes: int = 0  # fp8 index cache: lanes of a page's scale row (0: no key scales)
 
     @property
     def capacity(self) -> int:
@@ -110,6 +111,11 @@ class ScoreConfig:
     @property
     def num_blocks(self) -> int:
         return -(-self.pages_per_seq // self.block_pages)
+
+    @property
+    def key_scales(self) -> bool:
+        """Keys come with per-token f32 scales (an ``Fp8IndexCache``)."""
+        return self.scale_lanes > 0
 
     @property
     def page_cols(self) -> int:
@@ -126,17 +132,33 @@ def make_configs(q, cache_kv, *, rows: int, num_seqs: int, pages_per_seq: int,
     """Static configs of one chunk of ``rows`` query rows: one per ladder level, ascending."""
     total_rows, heads, dim = q.shape
     num_pages, page_size, _ = cache_kv.shape
-    compute = jnp.promote_types(q.dtype, cache_kv.dtype)
-    if compute not in (jnp.float32, jnp.bfloat16):
-        compute = jnp.dtype(jnp.float32)
+    compute, key_dtype, lanes = compute_dtypes(q, cache_kv, chip)
     ladder = row_ladder(blocks.block_rows, rows, one_token_per_seq)
     return [ScoreConfig(page_mode=page_mode, rows=rows, total_rows=total_rows, block_rows=size,
                         block_pages=blocks.block_pages,
                         num_items=level_bound(ladder, i, rows, num_seqs), heads=heads, dim=dim,
                         page_size=page_size, pages_per_seq=pages_per_seq, num_pages=num_pages,
-                        compute_dtype=jnp.dtype(compute), key_dtype=jnp.dtype(cache_kv.dtype),
-                        chip=chip)
+                        compute_dtype=compute, key_dtype=key_dtype, chip=chip,
+                        scale_lanes=lanes)
             for i, size in enumerate(ladder)]
+
+
+def compute_dtypes(q, cache_kv, chip: str | None) -> tuple[jnp.dtype, jnp.dtype, int]:
+    """``(compute dtype, key dtype, scale lanes)`` of a call. Plain keys: the promotion of q's
+    and the keys' dtypes (f32 or bf16). An ``Fp8IndexCache``: e4m3 keys upcast in VMEM to bf16
+    (f32 for an f32 query): every e4m3 value is exact in bf16, so products are exact; an fp8
+    query stays fp8 on tpu7x (the fp8 MXU path, twice the bf16 rate) and is upcast to bf16
+    elsewhere (v5e has no fp8 MXU; v6e runs fp8 at the bf16 rate)."""
+    if isinstance(cache_kv, fp8_cache.Fp8IndexCache):
+        if q.dtype == fp8.FP8_DTYPE:
+            compute = fp8.FP8_DTYPE if chip == "tpu7x" else jnp.dtype(jnp.bfloat16)
+        else:
+            compute = jnp.dtype(jnp.promote_types(q.dtype, jnp.bfloat16))
+        return jnp.dtype(compute), fp8.FP8_DTYPE, fp8_cache.scale_lanes(cache_kv.page_size)
+    compute = jnp.promote_types(q.dtype, cache_kv.dtype)
+    if compute not in (jnp.float32, jnp.bfloat16):
+        compute = jnp.dtype(jnp.float32)
+    return jnp.dtype(compute), jnp.dtype(cache_kv.dtype), 0
 
 
 def check_config(cfg: ScoreConfig, *, mosaic: bool) -> None:
@@ -161,7 +183,9 @@ def _field(items_ref, w, f):
 
 
 def _page_copies(cfg: ScoreConfig, items_ref, table_ref, cache_hbm, kbuf, ksem, w, blk, slot):
-    """``[(fetch?, descriptor)]`` for the ``P`` pages of stage ``blk`` of item ``w``.
+    """``[(fetch?, descriptor)]`` for the ``P`` pages of stage ``blk`` of item ``w``;
+    ``cache_hbm`` / ``kbuf`` are ``(keys, scales)`` pairs for an fp8 cache (each page's scale
+    row is a second DMA on the same semaphore, started and waited under the same condition).
 
     Page ``j`` of the item's sequence is ``table[slot0 + j]`` (the page table in SMEM, read on
     the scalar core): fetched only if ``j`` is a page the item needs, the slot lies inside the
@@ -173,8 +197,15 @@ def _page_copies(cfg: ScoreConfig, items_ref, table_ref, cache_hbm, kbuf, ksem, 
         j = blk * cfg.block_pages + p
         pid, ok = batch.lookup_page(table_ref, slot0 + j, cfg.num_pages)
         ok &= j < npages
-        src = cache_hbm.at[jnp.clip(pid, 0, cfg.num_pages - 1)]
-        out.append((ok, pltpu.make_async_copy(src, kbuf.at[slot, p], ksem.at[slot])))
+        pid = jnp.clip(pid, 0, cfg.num_pages - 1)
+        if cfg.key_scales:
+            (keys, scales), (kb, sb) = cache_hbm, kbuf
+            out.append((ok, pltpu.make_async_copy(keys.at[pid], kb.at[slot, p], ksem.at[slot])))
+            out.append((ok, pltpu.make_async_copy(scales.at[pl.ds(pid, 1)],
+                                                  sb.at[slot, pl.ds(p, 1)], ksem.at[slot])))
+        else:
+            out.append((ok, pltpu.make_async_copy(cache_hbm.at[pid], kbuf.at[slot, p],
+                                                  ksem.at[slot])))
     return out
 
 
@@ -188,8 +219,10 @@ def _wait(copies):
         pl.when(ok)(desc.wait)
 
 
-def _stage_scores(cfg: ScoreConfig, q, wcol, keys, blk, pos0, kv_eff, page_ok):
-    """Masked scores ``f32[R, P*page]`` of one stage (``page_ok``: P traced bools)."""
+def _stage_scores(cfg: ScoreConfig, q, wcol, keys, scales, blk, pos0, kv_eff, page_ok):
+    """Masked scores ``f32[R, P*page]`` of one stage (``page_ok``: P traced bools); with an fp8
+    cache ``scales f32[P, scale_lanes]`` scale each key's column after the head sum (the
+    reference's order, ``reference.index_scores.scaled_scores``)."""
     nb = cfg.block_tokens
     k = keys.reshape(nb, cfg.dim).astype(cfg.compute_dtype)
     prec = (jax.lax.Precision.HIGHEST if cfg.compute_dtype == jnp.float32
@@ -198,6 +231,9 @@ def _stage_scores(cfg: ScoreConfig, q, wcol, keys, blk, pos0, kv_eff, page_ok):
                             preferred_element_type=jnp.float32)  # [R*H, nb]
     s = jnp.maximum(s, 0.0) * wcol
     s = s.reshape(cfg.block_rows, cfg.heads, nb).sum(axis=1)  # [R, nb]
+    if scales is not None:  # page p's scales are lanes [0, page) of its row -> lanes of s
+        s = s * jnp.concatenate([scales[p:p + 1, :cfg.page_size]
+                                 for p in range(cfg.block_pages)], axis=1)
     lane = jax.lax.broadcasted_iota(jnp.int32, (1, nb), 1)
     fetched = jnp.zeros((1, nb), jnp.bool_)
     for p in range(cfg.block_pages):
@@ -245,9 +281,13 @@ def _score_kernel(cfg: ScoreConfig, aliased: bool,
                   items_ref, table_ref,
                   # inputs (q [L, H, D], weights [L, H, 1], keys in HBM, [earlier scores])
                   q_ref, w_ref, cache_hbm, *refs):
+    if cfg.key_scales:  # fp8 cache: the scale rows follow the keys (inputs and scratch)
+        cache_hbm, refs = (cache_hbm, refs[0]), refs[1:]
     if aliased:  # the earlier levels' scores: the same HBM buffer as out_ref, never read here
         refs = refs[1:]
     out_ref, kbuf, ksem, base_ref, *row_scratch = refs
+    if cfg.key_scales:
+        kbuf, row_scratch = (kbuf, row_scratch[0]), row_scratch[1:]
     w = pl.program_id(0)
     n_items = pl.num_programs(0)
     nblk = _field(items_ref, w, wl.NBLK)
@@ -289,7 +329,9 @@ def _score_kernel(cfg: ScoreConfig, aliased: bool,
 
         mine = copies(w, blk, slot)
         _wait(mine)
-        s = _stage_scores(cfg, q, wcol, kbuf[slot], blk, pos0, kv_eff, [ok for ok, _ in mine])
+        keys, scales = (kbuf[0][slot], kbuf[1][slot]) if cfg.key_scales else (kbuf[slot], None)
+        s = _stage_scores(cfg, q, wcol, keys, scales, blk, pos0, kv_eff,
+                          [ok for ok, _ in mine[::2 if cfg.key_scales else 1]])
         if cfg.page_mode:
             _put_page_max(cfg, out_ref, s, blk)
         else:
@@ -335,6 +377,8 @@ def score_call(cfg: ScoreConfig, q, wcol, cache_kv, items, page_table, prev, *,
     kernel = functools.partial(_score_kernel, cfg, aliased)
     scratch = [pltpu.VMEM((2, cfg.block_pages, cfg.page_size, d), cfg.key_dtype),
                pltpu.SemaphoreType.DMA((2,)), pltpu.SMEM((1,), jnp.int32)]
+    if cfg.key_scales:  # the stage's scale rows, double-buffered like the keys
+        scratch.append(pltpu.VMEM((2, cfg.block_pages, cfg.scale_lanes), jnp.float32))
     if cfg.page_mode:
         out_shape = jax.ShapeDtypeStruct((cfg.num_items, r, cfg.page_cols), jnp.float32)
         out_spec = pl.BlockSpec((1, r, cfg.page_cols), lambda w, *_: (w, 0, 0))
@@ -346,7 +390,8 @@ def score_call(cfg: ScoreConfig, q, wcol, cache_kv, items, page_table, prev, *,
     est = vmem_estimate(block_rows=r, block_pages=cfg.block_pages, num_heads=h, dim=d,
                         page_size=cfg.page_size, pages_per_seq=cfg.pages_per_seq,
                         key_itemsize=cfg.key_dtype.itemsize,
-                        q_itemsize=cfg.compute_dtype.itemsize, page_mode=cfg.page_mode)
+                        q_itemsize=cfg.compute_dtype.itemsize, page_mode=cfg.page_mode,
+                        scale_lanes=cfg.scale_lanes)
     limit = tpu.vmem_limit(est, cfg.chip, vmem_limit_bytes)
 
     def q_rows(w, items_ref, _pages):  # element offset of the item's q block
@@ -355,7 +400,12 @@ def score_call(cfg: ScoreConfig, q, wcol, cache_kv, items, page_table, prev, *,
     in_specs = [pl.BlockSpec((pl.Element(r), pl.Element(h), pl.Element(d)), q_rows),
                 pl.BlockSpec((pl.Element(r), pl.Element(h), pl.Element(1)), q_rows),
                 pl.BlockSpec(memory_space=pltpu.HBM)]
-    operands = [items.reshape(-1), page_table, q, wcol, cache_kv]
+    operands = [items.reshape(-1), page_table, q, wcol]
+    if cfg.key_scales:  # the fp8 cache's two arrays, read by the kernel as they are stored
+        in_specs.append(pl.BlockSpec(memory_space=pltpu.HBM))
+        operands += [cache_kv.keys, cache_kv.scales]
+    else:
+        operands.append(cache_kv)
     if aliased:
         in_specs.append(pl.BlockSpec(memory_space=pltpu.HBM))
         operands.append(prev)
@@ -364,7 +414,7 @@ def score_call(cfg: ScoreConfig, q, wcol, cache_kv, items, page_table, prev, *,
         scratch_shapes=scratch)
     out = pl.pallas_call(
         kernel, out_shape=out_shape, grid_spec=grid_spec,
-        input_output_aliases={5: 0} if aliased else {},
+        input_output_aliases={len(operands) - 1: 0} if aliased else {},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
                                              vmem_limit_bytes=limit),
         cost_estimate=_cost_estimate(cfg, out_shape),
@@ -380,6 +430,7 @@ def _cost_estimate(cfg: ScoreConfig, out_shape) -> pl.CostEstimate:
     toks = cfg.num_items * cfg.capacity
     flops = 2 * toks * cfg.block_rows * cfg.heads * cfg.dim
     key_bytes = toks * cfg.dim * cfg.key_dtype.itemsize
+    key_bytes += cfg.num_items * cfg.pages_per_seq * cfg.scale_lanes * 4
     rows = cfg.num_items * cfg.block_rows * cfg.heads
     io = rows * (cfg.dim * cfg.compute_dtype.itemsize + LANES * 4)
     io += math.prod(out_shape.shape) * 4

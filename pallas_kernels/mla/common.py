@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import tpu
 from pallas_kernels.mla.blocks import _COUNT, _END, _LIMIT, _SLOT0, ROW_INFO_WORDS
-from pallas_kernels.mla.kernel import gather_attend
+from pallas_kernels.mla.kernel import fp8_query, gather_attend
 from reference import batch
 from reference.cache_format import CacheFormat
 
@@ -19,8 +19,10 @@ class PerformanceWarning(UserWarning):
 
 
 def compute_query(q, fmt: CacheFormat):
-    """The query in the compute dtype: f32 when the query or the cache is f32, else bf16."""
-    return q.astype(jnp.promote_types(q.dtype, fmt.value_dtype))
+    """The query in the compute dtype: f32 when the query or the cache is f32, else bf16; laid
+    out for the fp8 cache's segments (``kernel.fp8_query``) when ``fmt`` is FP8."""
+    q = q.astype(jnp.promote_types(q.dtype, fmt.value_dtype))
+    return fp8_query(q) if fmt.fp8 else q
 
 
 def attend_entries(q, cache_kv, entries, b: batch.RaggedBatch, *, mode: str,
@@ -30,7 +32,8 @@ def attend_entries(q, cache_kv, entries, b: batch.RaggedBatch, *, mode: str,
     kernel over the raw ``entries`` (token offsets or page numbers) and the page table, then the
     output in ``q``'s dtype (and the LSE ``f32[T, H]`` when ``return_lse``)."""
     info = row_info(entries, b, mode=mode)
-    out, lse = gather_attend(compute_query(q, fmt), cache_kv, entries.astype(jnp.int32), info,
+    cache = cache_kv.words if fmt.fp8 else cache_kv  # the kernel reads the fp8 words directly
+    out, lse = gather_attend(compute_query(q, fmt), cache, entries.astype(jnp.int32), info,
                              tpu.smem_page_table(b.page_indices), mode=mode, fmt=fmt,
                              units=units, pages_per_seq=b.pages_per_seq, sm_scale=sm_scale,
                              v_dim=v_dim, return_lse=return_lse,

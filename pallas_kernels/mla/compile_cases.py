@@ -14,25 +14,33 @@ from pallas_kernels.mla import kernel
 from pallas_kernels.mla.page import page_sparse_mla
 from pallas_kernels.mla.token import sparse_mla
 from pallas_kernels.mla.traffic import PREP_BYTES_PER_ENTRY, mla_traffic
-from reference import packed_cache
+from reference import fp8_cache, packed_cache
 
 
 def _specs(*shapes_dtypes):
     return [jax.ShapeDtypeStruct(s, d) for s, d in shapes_dtypes]
 
 
-def batch_specs(*, rows, heads, dim, seqs, context, page_size, selected, cache_dtype):
+def batch_specs(*, rows, heads, dim, seqs, context, page_size, selected, cache_dtype,
+                fp8: bool = False):
     """Specs of (q, cache, kv_lens, selected, page_indices, cu_q_lens, cu_kv_lens, distribution)
-    for ``seqs`` sequences of ``context`` tokens (pages of ``page_size``) and ``rows`` queries."""
+    for ``seqs`` sequences of ``context`` tokens (pages of ``page_size``) and ``rows`` queries;
+    ``fp8``: the cache is an ``Fp8LatentCache`` (``cache_dtype`` unused)."""
     pages = seqs * (context // page_size)
     words = packed_cache.packed_words(dim) if cache_dtype == jnp.uint32 else dim
-    return _specs(((rows, heads, dim), jnp.bfloat16), ((pages, page_size, words), cache_dtype),
-                  ((seqs,), jnp.int32), ((rows, selected), jnp.int32), ((pages,), jnp.int32),
-                  ((seqs + 1,), jnp.int32), ((seqs + 1,), jnp.int32), ((3,), jnp.int32))
+    specs = _specs(((rows, heads, dim), jnp.bfloat16), ((pages, page_size, words), cache_dtype),
+                   ((seqs,), jnp.int32), ((rows, selected), jnp.int32), ((pages,), jnp.int32),
+                   ((seqs + 1,), jnp.int32), ((seqs + 1,), jnp.int32), ((3,), jnp.int32))
+    if fp8:
+        specs[1] = fp8_cache.Fp8LatentCache(jax.ShapeDtypeStruct(
+            (pages, page_size, fp8_cache.LATENT_WORDS), jnp.uint32))
+    return specs
 
 
 # DeepSeek-V3.2 absorbed MLA: 576 latent+rope padded to 640, v_dim 512, pages of 64 tokens.
 MLA_DIM, MLA_V_DIM, MLA_PAGE, MLA_SCALE = 640, 512, 64, 0.1352
+FP8_DIM = 576  # the fp8 latent cache's cases pass the logical query width
+FP8_Q_DIM = 768  # and the kernel reads it laid out by ``kernel.fp8_query``
 # (name, rows, seqs, context, heads): 64 decode rows x 8192; a 1024-token prefill at 32768.
 COMPILE_SHAPES = (("decode64x8192_h128", 64, 64, 8192, 128),
                   ("decode64x8192_h16", 64, 64, 8192, 16),
@@ -48,7 +56,7 @@ def token_cases(quick: bool = True) -> list[aot.CompileCase]:
     ``quick=False`` adds the f32 cache and the plain-bf16 (pack per call) slow path at the H=16
     decode shape."""
     extra = [] if quick else [("f32", jnp.float32), ("bf16", jnp.bfloat16)]
-    return _cases("token", [("packed", jnp.uint32)], extra)
+    return _cases("token", [("packed", jnp.uint32), ("fp8", jnp.uint32)], extra)
 
 
 def page_cases(quick: bool = True) -> list[aot.CompileCase]:
@@ -56,7 +64,7 @@ def page_cases(quick: bool = True) -> list[aot.CompileCase]:
     (pages are whole tiles) at every ``COMPILE_SHAPES`` shape; ``quick=False`` adds the packed
     and f32 caches at the H=16 decode shape."""
     extra = [] if quick else [("packed", jnp.uint32), ("f32", jnp.float32)]
-    return _cases("page", [("bf16", jnp.bfloat16)], extra)
+    return _cases("page", [("bf16", jnp.bfloat16), ("fp8", jnp.uint32)], extra)
 
 
 def _cases(mode: str, main, extra) -> list[aot.CompileCase]:
@@ -77,14 +85,17 @@ def mla_case(mode: str, label: str, rows: int, seqs: int, context: int, heads: i
     tokens, ``rows`` query rows, ``heads`` heads, cache format ``fmt`` stored as ``dt``."""
     token = mode == "token"
     entries = K_TOKENS if token else K_PAGES
-    specs = batch_specs(rows=rows, heads=heads, dim=MLA_DIM, seqs=seqs, context=context,
-                        page_size=MLA_PAGE, selected=entries, cache_dtype=dt)
+    fp8 = fmt == "fp8"  # q of the logical 576 (the entry lays it out 768 wide: FP8_Q_DIM)
+    specs = batch_specs(rows=rows, heads=heads, dim=FP8_DIM if fp8 else MLA_DIM, seqs=seqs,
+                        context=context, page_size=MLA_PAGE, selected=entries, cache_dtype=dt,
+                        fp8=fp8)
     kfmt = "packed" if fmt == "bf16" and token else fmt  # the token entry packs bf16 per call
+    kdim = FP8_Q_DIM if fp8 else MLA_DIM  # the kernel's query width
 
     def shape_for(chip):
         units = (mla_blocks.token_block(entries, chip) if token
                  else mla_blocks.page_block(entries, MLA_PAGE, chip))
-        return units, kernel.block_shape(mode, heads=heads, dim=MLA_DIM, v_dim=MLA_V_DIM,
+        return units, kernel.block_shape(mode, heads=heads, dim=kdim, v_dim=MLA_V_DIM,
                                          page_size=MLA_PAGE, units=units, meta_len=entries,
                                          q_dtype=jnp.bfloat16, fmt=kfmt)
 
@@ -95,10 +106,12 @@ def mla_case(mode: str, label: str, rows: int, seqs: int, context: int, heads: i
                                  pages_per_seq=context // MLA_PAGE, v_dim=MLA_V_DIM, **knob)
 
     def traffic(chip):
-        t = mla_traffic(rows=rows, heads=heads, dim=MLA_DIM, v_dim=MLA_V_DIM,
+        prep = rows * entries * PREP_BYTES_PER_ENTRY
+        if fp8:  # XLA lays q out for the kernel: read 576, write 768 bf16 values per head
+            prep += rows * heads * (FP8_DIM + FP8_Q_DIM) * 2
+        t = mla_traffic(rows=rows, heads=heads, dim=kdim, v_dim=MLA_V_DIM,
                         selected_rows=entries * (1 if token else MLA_PAGE), fmt=kfmt,
-                        q_itemsize=2, meta_words=entries,
-                        prep_bytes=rows * entries * PREP_BYTES_PER_ENTRY,
+                        q_itemsize=2, meta_words=entries, prep_bytes=prep,
                         table_words=seqs * context // MLA_PAGE, shape=shape_for(chip)[1])
         if token and fmt == "bf16":  # slow path: pack the whole cache (read bf16, write words)
             pages = seqs * context // MLA_PAGE

@@ -73,7 +73,7 @@ from pallas_kernels import tpu
 from pallas_kernels.mla import blocks as mla_blocks
 from pallas_kernels.mla.blocks import _COUNT, _END, _LIMIT, _SLOT0, ROW_INFO_WORDS
 from pallas_kernels.mla.traffic import mla_traffic
-from reference import batch, packed_cache
+from reference import batch, fp8, fp8_cache, packed_cache
 from reference._mla_args import check_mla_args
 from reference.cache_format import CacheFormat, check_packed_width
 
@@ -84,7 +84,15 @@ def check_kernel_args(q, cache_kv, kv_lens, selected, page_indices, cu_q_lens, c
                       distribution, *, sm_scale, pages_per_seq, v_dim,
                       selected_name) -> tuple[CacheFormat, batch.RaggedBatch]:
     """The reference's checks (a packed cache is checked as the bf16 cache it holds) plus the
-    kernel's: D a multiple of 128. Returns the cache's ``CacheFormat`` and the batch."""
+    kernel's: D a multiple of 128 (the fp8 latent cache takes D = 576 or 640: its entry lays the
+    query out itself, ``fp8_query``). Returns the cache's ``CacheFormat`` and the batch."""
+    if isinstance(cache_kv, fp8_cache.Fp8LatentCache):  # q: 576 or 640 (reference checks)
+        check_mla_args(q, cache_kv, kv_lens, selected, page_indices, cu_q_lens, cu_kv_lens,
+                       distribution, sm_scale=sm_scale, pages_per_seq=pages_per_seq,
+                       v_dim=v_dim, selected_name=selected_name)
+        return CacheFormat.FP8, batch.RaggedBatch.of(cache_kv, kv_lens, page_indices,
+                                                     cu_q_lens, cu_kv_lens, distribution,
+                                                     pages_per_seq=pages_per_seq)
     plain = cache_kv
     if np.ndim(cache_kv) != 3:
         raise ValueError(f"cache_kv must have rank 3, got shape {tuple(np.shape(cache_kv))}")
@@ -120,15 +128,24 @@ def _dot(a, b, f32: bool):
                                preferred_element_type=jnp.float32)
 
 
-def segments(dim: int, v_dim: int, packed: bool, words: int):
+def segments(dim: int, v_dim: int, fmt: CacheFormat, words: int):
     """Static plan of the feature segments: ``(part, q_lo, q_hi, v_lo, v_hi)`` per segment.
 
-    ``part`` indexes the unpacked operands (plain: the row itself; packed: 0 = low halves =
-    features ``[0, W)``, 1 = high halves = features ``[W, 2W)``); ``q_lo:q_hi`` are the query
-    (and logit) features of the segment, ``v_lo:v_hi`` its output columns. All starts are
-    multiples of 128 (``W`` is), so every slice is lane aligned.
+    ``part`` indexes the unpacked operands (``_unpack``): plain: the row itself; packed: 0 = low
+    halves = features ``[0, W)``, 1 = high halves = features ``[W, 2W)``; fp8: 0..3 = the nope
+    tiles (features ``[128 j, 128 j + 128)``), 4 / 5 = rope values ``[0, 32)`` / ``[32, 64)`` on
+    lanes 0..31 (the query ``fp8_query`` lays out to match, 768 wide). ``q_lo:q_hi`` are the
+    query (and logit) features of the segment, ``v_lo:v_hi`` its output columns (empty: no
+    accumulator). All starts are multiples of 128, so every slice is lane aligned.
     """
-    if not packed:
+    if fmt.fp8:
+        tile = fp8.LATENT_TILE
+        segs = [(j, j * tile, (j + 1) * tile, min(j * tile, v_dim), min((j + 1) * tile, v_dim))
+                for j in range(fp8.LATENT_TILES)]
+        rope0 = fp8.LATENT_NOPE
+        return tuple(segs) + ((4, rope0, rope0 + tile, v_dim, v_dim),
+                              (5, rope0 + tile, rope0 + 2 * tile, v_dim, v_dim))
+    if not fmt.packed:
         return ((0, 0, dim, 0, v_dim),)
     segs = [(0, 0, min(dim, words), 0, min(v_dim, words))]
     if dim > words:
@@ -136,9 +153,41 @@ def segments(dim: int, v_dim: int, packed: bool, words: int):
     return tuple(segs)
 
 
-def _unpack(w, packed: bool, cdt):
-    """Gathered rows -> operand list (plain: the rows; packed: low and high halves)."""
-    if not packed:
+def fp8_query(q):
+    """``q [..., 576 or 640]`` -> ``[..., 768]`` laid out for the fp8 segments: the 512 nope
+    features, then rope ``[0, 32)`` and rope ``[32, 64)`` each zero-padded to 128 lanes (a
+    640-wide query's padding is zeros by contract and is dropped)."""
+    half = fp8.LATENT_ROPE // 2
+    rope0 = fp8.LATENT_NOPE
+    pad = [(0, 0)] * (q.ndim - 1) + [(0, fp8.LATENT_TILE - half)]
+    return jnp.concatenate([q[..., :rope0], jnp.pad(q[..., rope0:rope0 + half], pad),
+                            jnp.pad(q[..., rope0 + half:rope0 + 2 * half], pad)], axis=-1)
+
+
+def _unpack_fp8(w, cdt):
+    """Gathered fp8 latent words ``u32[rows, 256]`` -> the six operands of ``segments``: each
+    nope tile decoded (byte plane -> e4m3 -> f32, times its scale; exact in bf16) and the two
+    rope halves (lanes past 32 are scales and padding: selected to zero, never multiplied)."""
+    nope, side = w[:, :fp8_cache.NOPE_WORDS], w[:, fp8_cache.ROPE_WORD0:]
+    parts = []
+    for j in range(fp8.LATENT_TILES):
+        codes = ((nope >> (8 * j)) & 0xFF).astype(jnp.uint8)
+        vals = jax.lax.bitcast_convert_type(codes, fp8.FP8_DTYPE).astype(jnp.float32)
+        at = fp8_cache.SCALE_WORD0 - fp8_cache.ROPE_WORD0 + j
+        scale = jax.lax.bitcast_convert_type(side[:, at:at + 1], jnp.float32)
+        parts.append((vals * scale).astype(cdt))
+    lane = jax.lax.broadcasted_iota(jnp.int32, side.shape, 1)
+    rope = lane < fp8_cache.ROPE_PAIRS
+    parts += [jnp.where(rope, x, 0.0).astype(cdt) for x in packed_cache.unpack_words(side)]
+    return parts
+
+
+def _unpack(w, fmt: CacheFormat, cdt):
+    """Gathered rows -> operand list (plain: the rows; packed: low and high halves; fp8: the
+    six ``_unpack_fp8`` operands)."""
+    if fmt.fp8:
+        return _unpack_fp8(w, cdt)
+    if not fmt.packed:
         return [w.astype(cdt)]
     return [x.astype(cdt) for x in packed_cache.unpack_words(w)]
 
@@ -183,7 +232,7 @@ def _entry_source(mode, e, info, table_ref, *, page_size, pages_per_seq, num_pag
     return ok & found, jnp.clip(pid, 0, num_pages - 1), inner, lim
 
 
-def _kernel(info_ref, table_ref, q_ref, meta_hbm, cache_hbm, out_ref, *refs, mode, packed,
+def _kernel(info_ref, table_ref, q_ref, meta_hbm, cache_hbm, out_ref, *refs, mode, fmt,
             f32, num_rows, page_size, pages_per_seq, num_pages, units, sm_scale, segs,
             return_lse):
     """One grid step = one query row; see the module docstring for the pipeline.
@@ -280,7 +329,7 @@ def _kernel(info_ref, table_ref, q_ref, meta_hbm, cache_hbm, out_ref, *refs, mod
                                  units=units)
         w = gbuf[buf].reshape(rows, gbuf.shape[-1])
         w = jnp.where(row_ok, w, jnp.zeros_like(w))  # select: stale/NaN rows become 0
-        return _softmax_step(carry, _unpack(w, packed, cdt), lane_ok, qs, segs, vsegs,
+        return _softmax_step(carry, _unpack(w, fmt, cdt), lane_ok, qs, segs, vsegs,
                              f32=f32, cdt=cdt, sm_scale=sm_scale)
 
     init = (jnp.full((heads, 1), -jnp.inf, jnp.float32), jnp.zeros((heads, 1), jnp.float32),
@@ -331,7 +380,8 @@ def block_shape(mode, *, heads, dim, v_dim, page_size, units, meta_len, q_dtype,
         heads=heads, q_words=dim, num_q_parts=1, q_itemsize=jnp.dtype(compute).itemsize,
         block_rows=units * (1 if mode == "token" else page_size),
         cache_words=fmt.row_words(dim), cache_itemsize=fmt.storage_dtype.itemsize,
-        out_cols=v_dim, meta_words=meta_len, unpacked_parts=2 if fmt.packed else 1)
+        out_cols=v_dim, meta_words=meta_len,
+        unpacked_parts=4 if fmt.fp8 else 2 if fmt.packed else 1)
 
 
 def gather_attend(q, cache, entries, info, table, *, mode, fmt, units, pages_per_seq,
@@ -343,16 +393,15 @@ def gather_attend(q, cache, entries, info, table, *, mode, fmt, units, pages_per
 
     Returns ``q.dtype[T, H, v_dim]`` and ``f32[T, H, 1]`` (or None).
     """
-    packed = fmt.packed
     num_rows, heads, dim = q.shape
     num_pages, page_size, words = cache.shape
     k = entries.shape[1]
     shape = block_shape(mode, heads=heads, dim=dim, v_dim=v_dim, page_size=page_size,
                         units=units, meta_len=k, q_dtype=q.dtype, fmt=fmt)
     kernel = functools.partial(
-        _kernel, mode=mode, packed=packed, f32=q.dtype == jnp.float32, num_rows=num_rows,
+        _kernel, mode=mode, fmt=fmt, f32=q.dtype == jnp.float32, num_rows=num_rows,
         page_size=page_size, pages_per_seq=pages_per_seq, num_pages=num_pages, units=units,
-        sm_scale=float(sm_scale), segs=segments(dim, v_dim, packed, words),
+        sm_scale=float(sm_scale), segs=segments(dim, v_dim, fmt, words),
         return_lse=return_lse)
     gbuf = (2, units, words) if mode == "token" else (2, units, page_size, words)
     out_shape = [jax.ShapeDtypeStruct((num_rows, heads, v_dim), q.dtype)]
