@@ -53,7 +53,7 @@ from pallas_kernels.mla import blocks as mblocks  # noqa: E402
 from pallas_kernels.mla import kernel as mkernel  # noqa: E402
 from pallas_kernels.mla import traffic as mtraffic  # noqa: E402
 from pallas_kernels.mla.traffic import PREP_BYTES_PER_PAGE  # noqa: E402
-from reference import packed_cache  # noqa: E402
+from reference import fp8, fp8_cache, packed_cache  # noqa: E402
 from reference.synthetic import make_ragged_batch  # noqa: E402
 
 LABEL = "counted in the Pallas TPU interpreter (simulation)"
@@ -123,8 +123,12 @@ def indexer_case(s: Shape, *, page_mode: bool, block_pages: int, block_rows: int
     blocks = iblocks.resolve_blocks(None, block_rows=block_rows, block_pages=block_pages,
                                 chip=None, one_token_per_seq=s.decode,
                                 pages_per_seq=s.pages_per_seq)
-    args = (jnp.asarray(b.q, dtype), jnp.asarray(b.weights, jnp.float32),
-            jnp.asarray(b.cache, dtype)) + tuple(jnp.asarray(x) for x in b.meta())
+    fp8_keys = jnp.dtype(dtype) == fp8.FP8_DTYPE  # the fp8 index cache, bf16 q
+    cache = (fp8_cache.quantize_index_cache(jnp.asarray(b.cache)) if fp8_keys
+             else jnp.asarray(b.cache, dtype))
+    q_dtype = jnp.bfloat16 if fp8_keys else dtype
+    args = (jnp.asarray(b.q, q_dtype), jnp.asarray(b.weights, jnp.float32),
+            cache) + tuple(jnp.asarray(x) for x in b.meta())
     knobs = dict(pages_per_seq=s.pages_per_seq, one_token_per_seq=s.decode,
                  block_rows=blocks.block_rows, block_pages=blocks.block_pages,
                  score_chunk_bytes=chunk_bytes, interpret=INTERPRET)
@@ -134,16 +138,18 @@ def indexer_case(s: Shape, *, page_mode: bool, block_pages: int, block_rows: int
     else:
         k = 16
         run = lambda: streamindex_topk(*args, k=k, **knobs)  # noqa: E731
-    item = jnp.dtype(dtype).itemsize
     model = itraffic.traffic(list(s.q_lens), list(s.kv_lens), heads=s.heads, dim=s.dim,
                         page_size=s.page_size, pages_per_seq=s.pages_per_seq,
-                        key_itemsize=item, q_itemsize=item, blocks=blocks,
+                        key_itemsize=jnp.dtype(dtype).itemsize,
+                        q_itemsize=jnp.dtype(q_dtype).itemsize, blocks=blocks,
                         page_mode=page_mode, one_token_per_seq=s.decode,
-                        chunk_bytes=chunk_bytes)
+                        chunk_bytes=chunk_bytes,
+                        scale_lanes=fp8_cache.scale_lanes(s.page_size) if fp8_keys else 0)
     xla = indexer_xla_bytes(s, page_mode=page_mode)
     chunked = "" if chunk_bytes == scoring.SCORE_CHUNK_BYTES else f" chunk={chunk_bytes}B"
     return Case("streamindex_page_topk" if page_mode else "streamindex_topk", s.name, run,
-                model, xla, f"R={blocks.block_rows} P={blocks.block_pages}{chunked}")
+                model, xla, f"R={blocks.block_rows} P={blocks.block_pages}{chunked}"
+                + (" fp8 keys" if fp8_keys else ""))
 
 
 # ----------------------------------------------------------------------------- sparse MLA
@@ -180,12 +186,15 @@ def full_page_topk(s: Shape, k_pages: int, rng) -> np.ndarray:
 
 
 def mla_case(s: Shape, *, page_mode: bool, k: int, block: int, v_dim: int,
-             seed: int = 0) -> Case:
-    """Packed bf16 cache (token mode; the serving format) or plain bf16 pages (page mode)."""
+             seed: int = 0, fp8_latent: bool = False) -> Case:
+    """Packed bf16 cache (token mode; the serving format) or plain bf16 pages (page mode); or
+    the fp8 latent cache (``fp8_latent``, both modes; ``s.dim`` must be 576)."""
     b = s.batch(seed)
     rng = np.random.default_rng(seed + 1)
     q = jnp.asarray(b.q, jnp.bfloat16)
     plain = jnp.asarray(b.cache, jnp.bfloat16)  # NaN in every slot no row may read
+    if fp8_latent:
+        plain = fp8_cache.quantize_latent_cache(jnp.asarray(b.cache))
     meta_args = tuple(jnp.asarray(x) for x in b.meta())
     kv_lens, page_indices, cu_q, cu_kv, dist = meta_args
     kw = dict(sm_scale=0.125, pages_per_seq=s.pages_per_seq, v_dim=v_dim, interpret=INTERPRET)
@@ -193,6 +202,7 @@ def mla_case(s: Shape, *, page_mode: bool, k: int, block: int, v_dim: int,
         sel = jnp.asarray(full_page_topk(s, k, rng))
         units = mblocks.page_block(k, s.page_size, None, block)
         fmt, cache, selected, meta_words = "bf16", plain, k * s.page_size, k
+        fmt = "fp8" if fp8_latent else fmt
         prep = s.rows * k * PREP_BYTES_PER_PAGE
 
         def run():
@@ -201,7 +211,11 @@ def mla_case(s: Shape, *, page_mode: bool, k: int, block: int, v_dim: int,
     else:
         sel = jnp.asarray(full_token_topk(s, k, rng))
         units = mblocks.token_block(k, None, block)
-        fmt, cache, selected, meta_words = "packed", packed_cache.pack_cache(plain), k, k
+        fmt, cache, selected, meta_words = "packed", plain, k, k
+        if fp8_latent:
+            fmt = "fp8"
+        else:
+            cache = packed_cache.pack_cache(plain)
         prep = s.rows * k * mtraffic.PREP_BYTES_PER_ENTRY
 
         def run():
@@ -209,10 +223,14 @@ def mla_case(s: Shape, *, page_mode: bool, k: int, block: int, v_dim: int,
                                              dist, tokens_per_block=units, **kw)
 
     mode = "page" if page_mode else "token"
-    shape = mkernel.block_shape(mode, heads=s.heads, dim=s.dim, v_dim=v_dim,
+    kdim = s.dim
+    if fp8_latent:  # the kernel reads q laid out 768 wide; XLA writes that copy (read 576)
+        kdim = mkernel.fp8_query(jnp.zeros((1, s.dim))).shape[-1]
+        prep += s.rows * s.heads * (s.dim + kdim) * 2
+    shape = mkernel.block_shape(mode, heads=s.heads, dim=kdim, v_dim=v_dim,
                              page_size=s.page_size, units=units, meta_len=k,
                              q_dtype=jnp.bfloat16, fmt=fmt)
-    model = mtraffic.mla_traffic(rows=s.rows, heads=s.heads, dim=s.dim, v_dim=v_dim,
+    model = mtraffic.mla_traffic(rows=s.rows, heads=s.heads, dim=kdim, v_dim=v_dim,
                              selected_rows=selected, fmt=fmt, q_itemsize=2,
                              meta_words=meta_words, prep_bytes=prep,
                              table_words=int(page_indices.shape[0]), shape=shape)
@@ -234,6 +252,11 @@ MTP = Shape("mtp 2 seqs x 3 rows, kv 70/128, H8 D128 page16", (3, 3), (70, 128))
 MLA_DECODE = Shape("decode 4 seqs, kv 33..128, H8 D256 page16", (1, 1, 1, 1),
                    (128, 70, 33, 100), dim=256)
 MLA_MTP = Shape("mtp 2 seqs x 3 rows, kv 70/128, H8 D256 page16", (3, 3), (70, 128), dim=256)
+# fp8 caches: the index cache needs pages of a multiple of 32; the latent cache holds 576.
+FP8_DECODE = Shape("decode 4 seqs, kv 33..128, H8 D128 page32", (1, 1, 1, 1),
+                   (128, 70, 33, 100), page_size=32, pages_per_seq=4)
+FP8_MLA_DECODE = Shape("decode 4 seqs, kv 33..128, H8 D576 page16", (1, 1, 1, 1),
+                       (128, 70, 33, 100), dim=576)
 # Chunked prefill: 24 new rows at the end of a 96-token sequence, beside a decode row.
 PREFILL = Shape("prefill 24 rows@96 + 1 decode, H8 D128 page16", (1, 24), (50, 96))
 # Mixed serving batch through the general path: 3 decode rows beside a 9-row prefill chunk. At
@@ -254,8 +277,19 @@ def decode_cases() -> list[Case]:
             mla_case(MLA_DECODE, page_mode=True, k=2, block=1, v_dim=256)]
 
 
+def fp8_cases() -> list[Case]:
+    """The four kernels reading the fp8 caches directly (decode)."""
+    return [indexer_case(FP8_DECODE, page_mode=False, block_rows=1, block_pages=2,
+                         dtype=fp8.FP8_DTYPE),
+            indexer_case(FP8_DECODE, page_mode=True, block_rows=1, block_pages=2,
+                         dtype=fp8.FP8_DTYPE),
+            mla_case(FP8_MLA_DECODE, page_mode=False, k=32, block=16, v_dim=512,
+                     fp8_latent=True),
+            mla_case(FP8_MLA_DECODE, page_mode=True, k=2, block=1, v_dim=512, fp8_latent=True)]
+
+
 def all_cases(quick: bool) -> list[Case]:
-    cases = decode_cases()
+    cases = decode_cases() + fp8_cases()
     if not quick:
         cases += [indexer_case(MTP, page_mode=False, block_rows=2, block_pages=2),
                   indexer_case(MTP, page_mode=True, block_rows=2, block_pages=2),

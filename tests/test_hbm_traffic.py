@@ -32,6 +32,32 @@ def counted():
     return {c.kernel: (c, ht.count(c)) for c in ht.decode_cases()}
 
 
+@pytest.fixture(scope="module")
+def counted_fp8():
+    """kernel -> (case, TrafficCount) of the fp8-cache decode cases (each run once)."""
+    return {c.kernel: (c, ht.count(c)) for c in ht.fp8_cases()}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_fp8_counted_bytes_equal_the_models_kernel_side_and_meet_the_issue_bounds(
+        counted_fp8, kernel):
+    """Issue 10: indexer key bytes per key <= 1.10 x 132 B (GPU layout), sparse MLA bytes per
+    gathered token <= 1024 B, both counted in the interpreter; and counted == model."""
+    case, n = counted_fp8[kernel]
+    assert n.dmas_unexecuted == 0
+    assert n.bytes(lane_padded=True) == case.model_kernel_bytes, n.table()
+    gathers = n.select("hbm", "vmem", "dma")
+    if kernel.startswith("streamindex"):
+        s = ht.FP8_DECODE
+        keys = sum(-(-kl // s.page_size) * s.page_size for kl in s.kv_lens)  # whole pages
+        per_key = sum(c.nbytes for c in gathers) / keys
+        assert per_key == 128 + 4 * 128 / s.page_size <= 1.10 * 132, per_key
+    else:
+        s = ht.FP8_MLA_DECODE
+        tokens = s.rows * (32 if kernel == "sparse_mla" else 2 * s.page_size)
+        assert sum(c.nbytes for c in gathers) / tokens == 1024
+
+
 def _pages(s: ht.Shape) -> int:
     return sum(-(-kl // s.page_size) for kl in s.kv_lens)
 

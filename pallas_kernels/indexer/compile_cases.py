@@ -11,9 +11,11 @@ import jax.numpy as jnp
 
 from pallas_kernels import aot
 from pallas_kernels.indexer.blocks import resolve_blocks
+from pallas_kernels.indexer.kernel import compute_dtypes
 from pallas_kernels.indexer.page import streamindex_page_topk
 from pallas_kernels.indexer.token import streamindex_topk
 from pallas_kernels.indexer.traffic import traffic
+from reference import fp8, fp8_cache
 
 # name -> (q_lens, kv_lens, one_token_per_seq); DeepSeek-V3.2 indexer: H=64, D=128, page 64.
 GATE_SHAPES = {
@@ -27,14 +29,18 @@ GATE_HEADS, GATE_DIM, GATE_PAGE, GATE_K = 64, 128, 64, 2048
 
 
 def gate_specs(q_lens, kv_lens, *, key_dtype=jnp.bfloat16, heads=GATE_HEADS, dim=GATE_DIM,
-               page_size=GATE_PAGE) -> tuple[list[jax.ShapeDtypeStruct], int]:
-    """Argument specs of a batch (each sequence's capacity = its kv_len); ``pages_per_seq``."""
+               page_size=GATE_PAGE, q_dtype=jnp.bfloat16) -> tuple[list, int]:
+    """Argument specs of a batch (each sequence's capacity = its kv_len); ``pages_per_seq``.
+    ``key_dtype`` float8_e4m3fn: the cache is an ``Fp8IndexCache`` of specs."""
     t, s = sum(q_lens), len(q_lens)
     pps = -(-max(kv_lens) // page_size)
     i32 = jnp.int32
-    specs = [jax.ShapeDtypeStruct((t, heads, dim), jnp.bfloat16),
-             jax.ShapeDtypeStruct((t, heads), jnp.float32),
-             jax.ShapeDtypeStruct((s * pps, page_size, dim), key_dtype),
+    cache = jax.ShapeDtypeStruct((s * pps, page_size, dim), key_dtype)
+    if jnp.dtype(key_dtype) == fp8.FP8_DTYPE:
+        cache = fp8_cache.Fp8IndexCache(cache, jax.ShapeDtypeStruct(
+            (s * pps, fp8_cache.scale_lanes(page_size)), jnp.float32))
+    specs = [jax.ShapeDtypeStruct((t, heads, dim), q_dtype),
+             jax.ShapeDtypeStruct((t, heads), jnp.float32), cache,
              jax.ShapeDtypeStruct((s,), i32), jax.ShapeDtypeStruct((s * pps,), i32),
              jax.ShapeDtypeStruct((s + 1,), i32), jax.ShapeDtypeStruct((s + 1,), i32),
              jax.ShapeDtypeStruct((3,), i32)]
@@ -43,25 +49,33 @@ def gate_specs(q_lens, kv_lens, *, key_dtype=jnp.bfloat16, heads=GATE_HEADS, dim
 
 def gate_cases(kernel: str, entry, k_name: str, *, page_mode: bool,
                quick: bool) -> list[aot.CompileCase]:
-    """Compile cases of ``entry`` at the gate shapes (plus an f32-key decode when not quick)."""
+    """Compile cases of ``entry`` at the gate shapes with bf16 keys, then with the fp8 index
+    cache (bf16 q; an fp8 q at the 64 x 4096 decode: tpu7x's fp8 MXU path; the prefill shape
+    only when not quick), plus an f32-key decode when not quick."""
     shapes = dict(GATE_SHAPES)
+    shapes.update({f"{name} fp8 keys": v for name, v in GATE_SHAPES.items()
+                   if not (quick and name.startswith("prefill"))})  # quick: decode and mixed
+    shapes["decode 64x4096 fp8 keys fp8 q"] = GATE_SHAPES["decode 64x4096"]
     if not quick:
         shapes["decode 64x4096 f32 keys"] = GATE_SHAPES["decode 64x4096"]
     cases = []
     for name, (q_lens, kv_lens, otp) in shapes.items():
-        key_dtype = jnp.float32 if "f32" in name else jnp.bfloat16
-        specs, pps = gate_specs(q_lens, kv_lens, key_dtype=key_dtype)
+        key_dtype = (jnp.float32 if "f32" in name else fp8.FP8_DTYPE if "fp8 keys" in name
+                     else jnp.bfloat16)
+        q_dtype = fp8.FP8_DTYPE if "fp8 q" in name else jnp.bfloat16
+        specs, pps = gate_specs(q_lens, kv_lens, key_dtype=key_dtype, q_dtype=q_dtype)
         k = GATE_K if not page_mode else min(GATE_K // GATE_PAGE, pps)
 
         def fn_for_chip(chip, pps=pps, otp=otp, k=k):
             return functools.partial(entry, **{k_name: k}, pages_per_seq=pps,
                                      one_token_per_seq=otp, chip=chip)
 
-        def model(chip, q_lens=q_lens, kv_lens=kv_lens, otp=otp, pps=pps, key_dtype=key_dtype):
+        def model(chip, q_lens=q_lens, kv_lens=kv_lens, otp=otp, pps=pps, key_dtype=key_dtype,
+                  specs=specs):
+            compute, _, lanes = compute_dtypes(specs[0], specs[2], chip)
             return traffic(q_lens, kv_lens, heads=GATE_HEADS, dim=GATE_DIM, page_size=GATE_PAGE,
                            pages_per_seq=pps, key_itemsize=jnp.dtype(key_dtype).itemsize,
-                           q_itemsize=jnp.dtype(jnp.promote_types(jnp.bfloat16,
-                                                                  key_dtype)).itemsize,
+                           q_itemsize=compute.itemsize, scale_lanes=lanes,
                            blocks=resolve_blocks(None, block_rows=None, block_pages=None,
                                                  chip=chip, one_token_per_seq=otp,
                                                  pages_per_seq=pps, page_size=GATE_PAGE,

@@ -34,7 +34,8 @@ def replay_items(q_lens, kv_lens, *, row0: int, rows: int, total_rows: int,
 
 def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_seq: int,
             key_itemsize: int, q_itemsize: int, blocks: IndexerBlocks, page_mode: bool,
-            one_token_per_seq: bool, chunk_bytes: int = SCORE_CHUNK_BYTES) -> aot.Traffic:
+            one_token_per_seq: bool, chunk_bytes: int = SCORE_CHUNK_BYTES,
+            scale_lanes: int = 0) -> aot.Traffic:
     """HBM bytes, MXU flops and VMEM of the score kernel (and the page-score row map in XLA)
     for a batch of sequences ``(q_lens[i], kv_lens[i])``, replaying the work lists.
 
@@ -42,7 +43,9 @@ def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_
     column ``f32[L, H, 128]`` per change of q row along the grid (the pipeline skips an
     unchanged block); score rows (token) or out blocks (page). XLA side: page mode's row map
     (read + write ``f32[T, pages_per_seq]``). Minimum: q and weights read once, each
-    sequence's ``kv_len`` keys read once, scores written once."""
+    sequence's ``kv_len`` keys read once, scores written once. ``scale_lanes > 0``: an fp8
+    cache, each fetched page also moves its f32 scale row of ``scale_lanes`` lanes (the
+    minimum counts 4 scale bytes per key: the GPU layout's 132 B per key)."""
     total = sum(q_lens)
     cap = pages_per_seq * page_size
     width = pages_per_seq if page_mode else cap
@@ -62,18 +65,20 @@ def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_
             fetches = 1 + sum(a != b for a, b in zip(qrows, qrows[1:], strict=False))
             q_moved += fetches * size * q_row
             for _, n, pages in items:
-                keys += pages * page_size * key_row
+                keys += pages * (page_size * key_row + 4 * scale_lanes)
                 flops += 2 * size * heads * dim * pages * page_size
                 out += 0 if page_mode else n * cap * 4
             if page_mode:
                 out += level_bound(ladder, i, c, len(q_lens)) * size * page_cols * 4
     if page_mode:
         out += 2 * total * pages_per_seq * 4  # XLA row map: read + write
-    bytes_min = (total * heads * (dim * q_itemsize + 4) + sum(kl * key_row for kl in kv_lens)
+    min_key = key_row + (4 if scale_lanes else 0)
+    bytes_min = (total * heads * (dim * q_itemsize + 4) + sum(kl * min_key for kl in kv_lens)
                  + total * width * 4)
     vmem = vmem_estimate(block_rows=ladder[-1], block_pages=p_blk, num_heads=heads, dim=dim,
                          page_size=page_size, pages_per_seq=pages_per_seq,
-                         key_itemsize=key_itemsize, q_itemsize=q_itemsize, page_mode=page_mode)
+                         key_itemsize=key_itemsize, q_itemsize=q_itemsize, page_mode=page_mode,
+                         scale_lanes=scale_lanes)
     return aot.Traffic(bytes_moved=keys + q_moved + out, bytes_min=bytes_min, flops=flops,
                        vmem_bytes=vmem)
 

@@ -41,10 +41,12 @@ def batch_specs(*, rows, heads, dim, seqs, context, page_size, selected, cache_d
 MLA_DIM, MLA_V_DIM, MLA_PAGE, MLA_SCALE = 640, 512, 64, 0.1352
 FP8_DIM = 576  # the fp8 latent cache's cases pass the logical query width
 FP8_Q_DIM = 768  # and the kernel reads it laid out by ``kernel.fp8_query``
-# (name, rows, seqs, context, heads): 64 decode rows x 8192; a 1024-token prefill at 32768.
+# (name, rows, seqs, context, heads): 64 decode rows x 8192; a 1024-token prefill at 32768; a
+# mixed serving batch (60 decode rows beside a 512-row prefill chunk: 61 sequences of 8192).
 COMPILE_SHAPES = (("decode64x8192_h128", 64, 64, 8192, 128),
                   ("decode64x8192_h16", 64, 64, 8192, 16),
-                  ("prefill1024@32768_h128", 1024, 1, 32768, 128))
+                  ("prefill1024@32768_h128", 1024, 1, 32768, 128),
+                  ("mixed60x1+512@8192_h128", 572, 61, 8192, 128))
 
 
 K_TOKENS = 2048  # DeepSeek-V3.2's token budget
@@ -119,9 +121,9 @@ def mla_case(mode: str, label: str, rows: int, seqs: int, context: int, heads: i
             t = aot.Traffic(t.bytes_moved + extra, t.bytes_min, t.flops, t.vmem_bytes)
         return t
 
+    tag = next(t for t in ("decode", "mixed", "prefill") if label.startswith(t))
     return aot.CompileCase("sparse_mla" if token else "page_sparse_mla", label, fn_for_chip,
-                           specs, traffic,
-                           tags=("decode",) if label.startswith("decode") else ("prefill",))
+                           specs, traffic, tags=(tag,))
 
 
 def compile_cases(quick: bool = True) -> list[aot.CompileCase]:
