@@ -15,6 +15,12 @@ Any other row is dropped: nothing is written anywhere (the scatter targets one p
 page with ``mode="drop"``), so a bad slot can never overwrite another sequence's cache.
 Two rows with the same destination (a page table that maps two sequences to one page) is a
 broken batch; which row lands is then unspecified.
+
+Formats (``PagedLayout``'s declaration): a plain cache stores the row as its dtype, a packed
+latent cache packs it (``reference.packed_cache``), an fp8 cache quantizes it on write
+(``reference.fp8_cache``: the index row by DeepSeek-V3.2's indexer rule with the layout's
+``index_scale_fmt``, the latent row by FlashMLA's rule; a latent row's zero padding past
+``qk_dim`` is dropped). Only this step's rows are written; nothing else in the cache changes.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsa_jax.layout import PagedLayout
-from reference import batch, packed_cache
+from reference import batch, fp8_cache, packed_cache
 
 
 def write_slots(layout: PagedLayout, num_rows: int, num_pages: int, kv_lens, page_indices,
@@ -56,12 +62,30 @@ def _pad_features(name: str, rows, want: int, allowed: tuple[int, ...]):
     return jnp.pad(rows, [(0, 0)] * (rows.ndim - 1) + [(0, want - got)])
 
 
+def write_rows(cache, page_id, offset, rows, *, layout: PagedLayout, kind: str, layer=None):
+    """Store ``rows f[T, D]`` at ``(page_id, offset)`` (of ``layer`` of a stacked cache when
+    given) in the layout's ``kind`` format (module docstring); ``page_id == num_pages`` drops a
+    row. Returns the updated cache."""
+    fmt = layout.cache_format(kind)
+    if fmt == "fp8" and kind == "index":
+        return fp8_cache.write_index_rows(cache, page_id, offset, rows,
+                                          scale_fmt=layout.index_scale_fmt, layer=layer)
+    if fmt == "fp8":
+        return fp8_cache.write_latent_rows(cache, page_id, offset, rows[..., :layout.qk_dim],
+                                           layer=layer)
+    if fmt == "packed":
+        rows = packed_cache.pack_cache(rows)
+    at = (page_id, offset) if layer is None else (layer, page_id, offset)
+    return cache.at[at].set(rows.astype(cache.dtype), mode="drop")
+
+
 @functools.partial(jax.jit, static_argnames=("layout",),
                    donate_argnames=("latent_cache", "index_cache"))
 def update_kv_cache(
-    latent_cache: jax.Array,  # f32|bf16[num_pages, page_size, padded_dim], or u32 packed words
-    #                           [num_pages, page_size, packed_words(padded_dim)] (packed_latent)
-    index_cache: jax.Array | None,  # f32|bf16[num_pages, page_size, index_dim] or None
+    latent_cache,  # f32|bf16[num_pages, page_size, padded_dim], or u32 packed words
+    #                [num_pages, page_size, packed_words(padded_dim)] (packed_latent), or an
+    #                Fp8LatentCache (latent_cache_format="fp8")
+    index_cache,  # f32|bf16[num_pages, page_size, index_dim], an Fp8IndexCache, or None
     new_latent: jax.Array,  # f[T, qk_dim or padded_dim] this step's latent rows (one per row)
     new_index: jax.Array | None,  # f[T, index_dim] this step's indexer keys, or None
     kv_lens: jax.Array,  # i32[S] (this step's tokens included)
@@ -85,7 +109,7 @@ def update_kv_cache(
     """
     layout.check_cache("latent_cache", latent_cache, "latent")
     num_rows = np.shape(new_latent)[0]
-    num_pages = latent_cache.shape[0]
+    num_pages = latent_cache.shape[-3]
     new_latent = _pad_features("new_latent", new_latent, layout.padded_dim,
                                (layout.qk_dim, layout.padded_dim))
     if (index_cache is None) != (new_index is None):
@@ -94,16 +118,14 @@ def update_kv_cache(
                          f"new_index={'None' if new_index is None else 'array'}")
     page_id, offset = write_slots(layout, num_rows, num_pages, kv_lens, page_indices,
                                   cu_q_lens, cu_kv_lens, distribution)
-    if layout.packed_latent:  # rows are stored as packed bf16 words (reference.packed_cache)
-        new_latent = packed_cache.pack_cache(new_latent)
-    latent_cache = latent_cache.at[page_id, offset].set(
-        new_latent.astype(latent_cache.dtype), mode="drop")
+    latent_cache = write_rows(latent_cache, page_id, offset, new_latent, layout=layout,
+                              kind="latent")
     if index_cache is not None:
         layout.check_cache("index_cache", index_cache, "index")
-        if index_cache.shape[0] != num_pages:
-            raise ValueError(f"index_cache has {index_cache.shape[0]} pages, latent_cache has "
+        if index_cache.shape[-3] != num_pages:
+            raise ValueError(f"index_cache has {index_cache.shape[-3]} pages, latent_cache has "
                              f"{num_pages}; both caches share the page table")
         new_index = _pad_features("new_index", new_index, layout.index_dim, (layout.index_dim,))
-        index_cache = index_cache.at[page_id, offset].set(
-            new_index.astype(index_cache.dtype), mode="drop")
+        index_cache = write_rows(index_cache, page_id, offset, new_index, layout=layout,
+                                 kind="index")
     return latent_cache, index_cache

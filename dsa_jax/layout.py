@@ -21,9 +21,11 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 import numpy as np
 
-from reference import batch, packed_cache
+from reference import batch, fp8, fp8_cache, packed_cache
 
 LANES = 128
+INDEX_FORMATS = ("plain", "fp8")
+LATENT_FORMATS = ("plain", "packed", "fp8")
 
 
 class LayoutError(ValueError):
@@ -60,7 +62,18 @@ class PagedLayout:
         ``u32[num_pages, page_size, packed_words(padded_dim)]``, 640 -> 384 words). This is
         the format the token-sparse Pallas kernel gathers single rows from; with a plain bf16
         cache that kernel must pack the whole cache on every call. ``update_kv_cache`` packs new
-        rows; the references and kernels read it directly.
+        rows; the references and kernels read it directly. The same as
+        ``latent_cache_format="packed"`` (either spelling sets both fields).
+      index_cache_format: ``"plain"`` (the keys as f32/bf16 arrays ``[P, page_size,
+        index_dim]``) or ``"fp8"`` (``reference.fp8_cache.Fp8IndexCache``: e4m3 keys, one f32
+        scale per token, DeepSeek-V3.2's indexer rule; needs ``index_dim == 128`` and
+        ``page_size`` a multiple of 32).
+      latent_cache_format: ``"plain"`` (f32/bf16 ``[P, page_size, padded_dim]``),
+        ``"packed"`` (packed bf16 words) or ``"fp8"`` (``reference.fp8_cache.Fp8LatentCache``:
+        FlashMLA's V32 values, 512 e4m3 + 4 scales + 64 bf16 rope, in 256 u32 words per token;
+        needs ``latent_dim == 512`` and ``rope_dim == 64``).
+      index_scale_fmt: the fp8 index cache's scale rounding (``"ue8m0"``, V3.2's setting, or
+        ``None``), applied when rows are written.
     """
 
     page_size: int
@@ -70,6 +83,9 @@ class PagedLayout:
     latent_dim: int = 512
     rope_dim: int = 64
     packed_latent: bool = False
+    index_cache_format: str = "plain"
+    latent_cache_format: str = "plain"
+    index_scale_fmt: str | None = "ue8m0"
 
     def __post_init__(self) -> None:
         page_size = _int("page_size", self.page_size)
@@ -102,6 +118,42 @@ class PagedLayout:
             raise LayoutError(f"rope_dim must be >= 0, got rope_dim={self.rope_dim}")
         if not isinstance(self.packed_latent, bool):
             raise LayoutError(f"packed_latent must be a bool, got {self.packed_latent!r}")
+        self._check_formats()
+
+    def _check_formats(self) -> None:
+        """Validate the cache formats; ``packed_latent`` and ``latent_cache_format="packed"``
+        are one fact, so each spelling sets the other."""
+        if self.index_cache_format not in INDEX_FORMATS:
+            raise LayoutError(f"index_cache_format must be one of {INDEX_FORMATS}, got "
+                              f"{self.index_cache_format!r}")
+        if self.latent_cache_format not in LATENT_FORMATS:
+            raise LayoutError(f"latent_cache_format must be one of {LATENT_FORMATS}, got "
+                              f"{self.latent_cache_format!r}")
+        if self.packed_latent and self.latent_cache_format not in ("plain", "packed"):
+            raise LayoutError(f"packed_latent=True contradicts latent_cache_format="
+                              f"{self.latent_cache_format!r}")
+        if self.packed_latent or self.latent_cache_format == "packed":
+            object.__setattr__(self, "packed_latent", True)
+            object.__setattr__(self, "latent_cache_format", "packed")
+        if self.index_scale_fmt not in fp8.SCALE_FMTS:
+            raise LayoutError(f"index_scale_fmt must be one of {fp8.SCALE_FMTS}, got "
+                              f"{self.index_scale_fmt!r}")
+        if self.index_cache_format == "fp8":
+            if self.index_dim != fp8.INDEX_HEAD_DIM:
+                raise LayoutError(f"the fp8 index cache holds index_dim={fp8.INDEX_HEAD_DIM} "
+                                  f"(one scale per 128 features), got index_dim={self.index_dim}")
+            if self.page_size % fp8_cache.INDEX_PAGE_MULTIPLE:
+                raise LayoutError(
+                    f"the fp8 index cache needs page_size to be a multiple of "
+                    f"{fp8_cache.INDEX_PAGE_MULTIPLE} (an e4m3 tile is "
+                    f"{fp8_cache.INDEX_PAGE_MULTIPLE} rows), got page_size={self.page_size} "
+                    f"({self.page_size} % {fp8_cache.INDEX_PAGE_MULTIPLE} = "
+                    f"{self.page_size % fp8_cache.INDEX_PAGE_MULTIPLE})")
+        if self.latent_cache_format == "fp8" and (self.latent_dim, self.rope_dim) != (
+                fp8.LATENT_NOPE, fp8.LATENT_ROPE):
+            raise LayoutError(f"the fp8 latent cache holds latent_dim={fp8.LATENT_NOPE} and "
+                              f"rope_dim={fp8.LATENT_ROPE} (FlashMLA's V32 layout), got "
+                              f"latent_dim={self.latent_dim}, rope_dim={self.rope_dim}")
 
     # -- tokens <-> pages (the one written-out conversion) -----------------------------------
 
@@ -151,7 +203,9 @@ class PagedLayout:
     @property
     def latent_cache_width(self) -> int:
         """The latent cache's dim 2: ``padded_dim``, or ``packed_words(padded_dim)`` u32 words
-        when ``packed_latent`` (640 -> 384)."""
+        when ``packed_latent`` (640 -> 384), or 256 words for the fp8 format."""
+        if self.latent_cache_format == "fp8":
+            return fp8_cache.LATENT_WORDS
         if self.packed_latent:
             return packed_cache.packed_words(self.padded_dim)
         return self.padded_dim
@@ -164,12 +218,46 @@ class PagedLayout:
         """``(num_pages, page_size, index_dim)``."""
         return (int(num_pages), self.page_size, self.index_dim)
 
+    def cache_format(self, kind: str) -> str:
+        """The declared format of the ``"latent"`` or ``"index"`` cache."""
+        return self.latent_cache_format if kind == "latent" else self.index_cache_format
+
+    def to_cache(self, values, kind: str):
+        """Store ``values`` (float ``[..., P, page_size, D]``; latent D = ``qk_dim`` or
+        ``padded_dim``) in this layout's format of the ``kind`` cache: plain keeps the array
+        (padded to ``padded_dim``), packed packs it, fp8 quantizes it (rows of this module's
+        rules; a latent's zero padding past ``qk_dim`` is dropped)."""
+        fmt = self.cache_format(kind)
+        if kind == "index":
+            if fmt == "fp8":
+                k8, s = fp8_cache.quantize_index_rows(values, scale_fmt=self.index_scale_fmt)
+                lanes = fp8_cache.scale_lanes(self.page_size) - self.page_size
+                return fp8_cache.Fp8IndexCache(
+                    k8, jnp.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, lanes)]))
+            return values
+        if fmt == "fp8":
+            return fp8_cache.Fp8LatentCache(fp8_cache.quantize_latent_rows(
+                values[..., :self.qk_dim]))
+        d = np.shape(values)[-1]
+        values = jnp.pad(values, [(0, 0)] * (np.ndim(values) - 1) + [(0, self.padded_dim - d)])
+        return packed_cache.pack_cache(values) if fmt == "packed" else values
+
     def check_cache(self, name: str, cache, kind: str) -> None:
         """Refuse a cache whose page size or feature dim disagrees with the layout.
 
         kind: ``"latent"`` (dim 2 must be ``padded_dim``) or ``"index"`` (``index_dim``).
-        Leading dims beyond ``[num_pages, page_size, D]`` (a layer axis) are allowed.
+        Leading dims beyond ``[num_pages, page_size, D]`` (a layer axis) are allowed. An fp8
+        format needs its ``reference.fp8_cache`` object (checked part by part).
         """
+        fmt = self.cache_format(kind)
+        fp8_cls = fp8_cache.Fp8LatentCache if kind == "latent" else fp8_cache.Fp8IndexCache
+        if (fmt == "fp8") != isinstance(cache, fp8_cls):
+            raise ValueError(f"{name} is a {type(cache).__name__} but the layout declares "
+                             f"{kind}_cache_format={fmt!r} (the fp8 format is a "
+                             f"reference.fp8_cache.{fp8_cls.__name__}; layout.to_cache makes one)")
+        if fmt == "fp8":
+            self._check_fp8_cache(name, cache, kind)
+            return
         shape = tuple(np.shape(cache))
         if len(shape) < 3:
             raise ValueError(f"{name} must be [..., num_pages, page_size, D], got shape {shape}")
@@ -186,6 +274,28 @@ class PagedLayout:
             what = "latent_cache_width" if kind == "latent" else "index_dim"
             raise ValueError(f"{name}.shape[-1] = {shape[-1]} != layout.{what} = {want} "
                              f"(shape {shape})")
+
+
+    def _check_fp8_cache(self, name: str, cache, kind: str) -> None:
+        """An fp8 cache of this layout: each part's dims and dtype, page size ``page_size``."""
+        if kind == "index":
+            parts = (("keys", cache.keys, fp8.FP8_DTYPE, (self.page_size, fp8.INDEX_HEAD_DIM)),
+                     ("scales", cache.scales, np.dtype(np.float32),
+                      (fp8_cache.scale_lanes(self.page_size),)))
+        else:
+            parts = (("words", cache.words, np.dtype(np.uint32),
+                      (self.page_size, fp8_cache.LATENT_WORDS)),)
+        for part, x, dtype, tail in parts:
+            shape = tuple(np.shape(x))
+            if np.dtype(jnp.result_type(x)) != dtype:
+                raise ValueError(f"{name}.{part} must have dtype {dtype}, got "
+                                 f"{jnp.result_type(x)}")
+            if shape[-len(tail):] != tail:
+                raise ValueError(f"{name}.{part}.shape must end in {tail} for page_size="
+                                 f"{self.page_size}, got {shape}")
+        if kind == "index" and np.shape(cache.keys)[:-2] != np.shape(cache.scales)[:-1]:
+            raise ValueError(f"{name}.keys {np.shape(cache.keys)} and .scales "
+                             f"{np.shape(cache.scales)} disagree on their leading dims")
 
 
 def aligned_page_size(desired: int, window: int | None) -> int:

@@ -29,7 +29,8 @@ def _call(fn, extra, arrays, statics, validate: bool, *, num_rows: int, cache_in
     """Run ``fn(*arrays, **statics, **extra)``, under the checkify rules when ``validate``."""
     if not validate:
         return fn(*arrays, **statics, **extra)
-    num_pages, page_size = (int(d) for d in np.shape(arrays[cache_index])[:2])
+    cache = arrays[cache_index]  # an array, or an fp8 cache object (both have ``.shape``)
+    num_pages, page_size = (int(d) for d in getattr(cache, "shape", np.shape(cache))[:2])
     key = (fn, tuple(statics.items()), tuple(sorted(extra.items())), num_rows, seq_lens_index,
            page_size, pages_per_seq, num_pages)
     err, out = _checked(key)(*arrays)

@@ -89,8 +89,8 @@ def _sharded(mesh, data_axis, model_axis, statics):
 
     def body(inputs, latent_caches, index_caches, meta):
         first = lambda tree: jax.tree.map(lambda x: x[0], tree)
-        res = _step_mod.step_body(first(inputs), latent_caches[0], index_caches[0],
-                                          first(meta), **dict(statics))
+        res = _step_mod.step_body(first(inputs), first(latent_caches), first(index_caches),
+                                  first(meta), **dict(statics))
         return jax.tree.map(lambda x: x[None], res)
 
     fn = _shard_map(body, mesh, in_specs, out_specs)

@@ -24,6 +24,7 @@ heads; dims from the ``PagedLayout``):
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -36,7 +37,7 @@ from dsa_jax import ops
 from dsa_jax import validate as _validate
 from dsa_jax.layout import PagedLayout
 from pallas_kernels import IndexerBlocks, MlaBlocks
-from reference import build_index_share_map, packed_cache
+from reference import build_index_share_map, fp8_cache
 from reference.selection import DEFAULT_RECALL_TARGET
 
 GRANULARITIES = ("token", "page")
@@ -96,12 +97,13 @@ def check_step_args(inputs: StepInputs, latent_caches, index_caches, *, layout: 
             ("q_index", inputs.q_index, num_full, "the number of 'full' layers"),
             ("index_weights", inputs.index_weights, num_full, "the number of 'full' layers"),
             ("new_index", inputs.new_index, num_full, "the number of 'full' layers")):
-        if np.shape(x)[0] != n:
-            raise ValueError(f"{name}.shape[0] must equal {why} = {n}, got {np.shape(x)[0]} "
-                             f"(shape {tuple(np.shape(x))})")
-    if np.shape(latent_caches)[1] != np.shape(index_caches)[1]:
-        raise ValueError(f"latent_caches has {np.shape(latent_caches)[1]} pages, index_caches "
-                         f"{np.shape(index_caches)[1]}; both share one page table")
+        shape = tuple(x.shape)  # arrays and the fp8 caches (reference.fp8_cache) alike
+        if shape[0] != n:
+            raise ValueError(f"{name}.shape[0] must equal {why} = {n}, got {shape[0]} "
+                             f"(shape {shape})")
+    if latent_caches.shape[1] != index_caches.shape[1]:
+        raise ValueError(f"latent_caches has {latent_caches.shape[1]} pages, index_caches "
+                         f"{index_caches.shape[1]}; both share one page table")
     return full_slot, src_slot, num_full
 
 
@@ -119,7 +121,7 @@ def step_statics(latent_caches, *, layout: PagedLayout, indexer_types, k: int,
     layer types = all full, counted on ``latent_caches``' axis ``layer_axis``): the one
     statics dict of ``dsa_step`` and ``sharded_dsa_step``."""
     if indexer_types is None:
-        indexer_types = ("full",) * int(np.shape(latent_caches)[layer_axis])
+        indexer_types = ("full",) * int(latent_caches.shape[layer_axis])
     for name, blocks, cls in (("indexer_blocks", indexer_blocks, IndexerBlocks),
                               ("mla_blocks", mla_blocks, MlaBlocks)):
         if blocks is not None and not isinstance(blocks, cls):
@@ -142,7 +144,7 @@ def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, 
     full_slot, src_slot, _ = check_step_args(inputs, latent_caches, index_caches, layout=layout,
                                              indexer_types=indexer_types,
                                              granularity=granularity)
-    b = layout.batch(latent_caches.shape[1], *meta)  # the one batch every op below reads
+    b = layout.batch(latent_caches.shape[-3], *meta)  # the one batch every op below reads
     page_id, offset = _cache.batch_write_slots(b, inputs.q_mla.shape[1])
     topk_op, mla_op = ((ops.indexer_topk, ops.sparse_mla) if granularity == "token"
                        else (ops.page_topk, ops.page_sparse_mla))
@@ -155,24 +157,24 @@ def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, 
     if mla_blocks is not None:
         mla_opts["blocks"] = mla_blocks
     selections, outs = {}, []
+    write = functools.partial(_cache.write_rows, page_id=page_id, offset=offset, layout=layout)
     for layer in range(len(indexer_types)):
         new_latent = _pad_last(inputs.new_latent[layer], layout.padded_dim)
-        if layout.packed_latent:  # stored as packed bf16 words (reference.packed_cache)
-            new_latent = packed_cache.pack_cache(new_latent)
-        latent_caches = latent_caches.at[layer, page_id, offset].set(
-            new_latent.astype(latent_caches.dtype), mode="drop")
+        latent_caches = write(latent_caches, rows=new_latent, kind="latent", layer=layer)
         if layer in full_slot:
             slot = full_slot[layer]
-            index_caches = index_caches.at[slot, page_id, offset].set(
-                inputs.new_index[slot].astype(index_caches.dtype), mode="drop")
+            index_caches = write(index_caches, rows=inputs.new_index[slot], kind="index",
+                                 layer=slot)
             selections[slot] = topk_op(
-                inputs.q_index[slot], inputs.index_weights[slot], index_caches[slot], *b.arrays,
+                inputs.q_index[slot], inputs.index_weights[slot],
+                fp8_cache.take_layer(index_caches, slot), *b.arrays,
                 **{k_name: k}, pages_per_seq=layout.pages_per_seq,
                 one_token_per_seq=one_token_per_seq, num_segments=num_segments,
                 recall_target=recall_target, exact=exact, backend=backend,
                 kernel_options=topk_opts)
         q = _pad_last(inputs.q_mla[layer], layout.padded_dim)
-        outs.append(mla_op(q, latent_caches[layer], b.kv_lens, selections[src_slot[layer]],
+        outs.append(mla_op(q, fp8_cache.take_layer(latent_caches, layer), b.kv_lens,
+                           selections[src_slot[layer]],
                            *b.arrays[1:],
                            sm_scale=sm_scale, pages_per_seq=layout.pages_per_seq,
                            v_dim=layout.v_dim, backend=backend, kernel_options=mla_opts))
@@ -222,7 +224,7 @@ def dsa_step(inputs: StepInputs, latent_caches: jax.Array, index_caches: jax.Arr
     meta = BatchMeta(*meta)
     if validate:
         num_rows = int(np.shape(inputs.q_mla)[1])
-        num_pages = int(np.shape(latent_caches)[1])
+        num_pages = int(latent_caches.shape[-3])
 
         def checked(m):
             _validate.check_batch(num_rows, *m, page_size=layout.page_size,

@@ -94,17 +94,18 @@ class Fp8IndexCache:
     scales: jax.Array
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        """The logical ``(num_pages, page_size, 128)`` of the keys it holds."""
+    def shape(self) -> tuple[int, ...]:
+        """The logical ``(num_pages, page_size, 128)`` of the keys it holds (with any leading
+        layer dims of a stacked cache)."""
         return tuple(np.shape(self.keys))
 
     @property
     def num_pages(self) -> int:
-        return self.shape[0]
+        return self.shape[-3]
 
     @property
     def page_size(self) -> int:
-        return self.shape[1]
+        return self.shape[-2]
 
 
 @dataclass(frozen=True)
@@ -114,18 +115,18 @@ class Fp8LatentCache:
     words: jax.Array
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        """The logical ``(num_pages, page_size, 576)`` of the latent rows it holds."""
-        p, ps, _ = np.shape(self.words)
-        return (p, ps, fp8.LATENT_DIM)
+    def shape(self) -> tuple[int, ...]:
+        """The logical ``(num_pages, page_size, 576)`` of the latent rows it holds (with any
+        leading layer dims of a stacked cache)."""
+        return (*np.shape(self.words)[:-1], fp8.LATENT_DIM)
 
     @property
     def num_pages(self) -> int:
-        return self.shape[0]
+        return self.shape[-3]
 
     @property
     def page_size(self) -> int:
-        return self.shape[1]
+        return self.shape[-2]
 
 
 jax.tree_util.register_dataclass(Fp8IndexCache, data_fields=["keys", "scales"], meta_fields=[])
@@ -221,14 +222,16 @@ def _drop_outside(cache, page_id, offset):
 
 
 def write_index_rows(cache: Fp8IndexCache, page_id, offset, rows, *,
-                     scale_fmt: str | None = "ue8m0") -> Fp8IndexCache:
-    """Quantize ``rows f[T, 128]`` and store row ``t`` at ``(page_id[t], offset[t])``; a
-    ``page_id`` outside ``[0, num_pages)`` or an offset outside ``[0, page_size)`` drops the row
-    (``mode="drop"``), nothing else changes."""
+                     scale_fmt: str | None = "ue8m0", layer=None) -> Fp8IndexCache:
+    """Quantize ``rows f[T, 128]`` and store row ``t`` at ``(page_id[t], offset[t])`` (of
+    ``layer`` of a stacked ``[L, P, ...]`` cache when given); a ``page_id`` outside ``[0,
+    num_pages)`` or an offset outside ``[0, page_size)`` drops the row (``mode="drop"``),
+    nothing else changes."""
     page_id = _drop_outside(cache, page_id, offset)
+    at = (page_id, offset) if layer is None else (layer, page_id, offset)
     k8, s = quantize_index_rows(rows, scale_fmt=scale_fmt)
-    return Fp8IndexCache(cache.keys.at[page_id, offset].set(k8, mode="drop"),
-                         cache.scales.at[page_id, offset].set(s, mode="drop"))
+    return Fp8IndexCache(cache.keys.at[at].set(k8, mode="drop"),
+                         cache.scales.at[at].set(s, mode="drop"))
 
 
 def gather_index_pages(cache: Fp8IndexCache, page_ids) -> tuple[jax.Array, jax.Array]:
@@ -324,12 +327,19 @@ def dequantize_latent_cache(cache: Fp8LatentCache) -> jax.Array:
     return dequantize_latent_words(cache.words)
 
 
-def write_latent_rows(cache: Fp8LatentCache, page_id, offset, rows) -> Fp8LatentCache:
+def write_latent_rows(cache: Fp8LatentCache, page_id, offset, rows, *,
+                      layer=None) -> Fp8LatentCache:
     """Quantize ``rows f[T, 576]`` and store row ``t`` at ``(page_id[t], offset[t])``
-    (``mode="drop"`` as ``write_index_rows``)."""
+    (``layer`` and ``mode="drop"`` as ``write_index_rows``)."""
     page_id = _drop_outside(cache, page_id, offset)
-    return Fp8LatentCache(cache.words.at[page_id, offset].set(quantize_latent_rows(rows),
-                                                              mode="drop"))
+    at = (page_id, offset) if layer is None else (layer, page_id, offset)
+    return Fp8LatentCache(cache.words.at[at].set(quantize_latent_rows(rows), mode="drop"))
+
+
+def take_layer(cache, layer):
+    """Layer ``layer`` of a stacked cache: an array's ``cache[layer]``, or each part's for an
+    fp8 cache."""
+    return jax.tree_util.tree_map(lambda x: x[layer], cache)
 
 
 def latent_cache_to_flashmla(cache: Fp8LatentCache) -> jax.Array:
