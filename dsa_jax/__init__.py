@@ -17,7 +17,13 @@ writer, the multi-layer DSA step (IndexShare), opt-in checkify validation, mesh 
   packed on every call).
 - ``quantize_fp8`` / ``dequantize_fp8`` (the indexer's per-block rule) and
   ``quantize_latent_fp8`` / ``dequantize_latent_fp8`` (FlashMLA's latent-cache rule): the fp8
-  quantizers of ``reference.fp8``, bit-exact with DeepSeek-V3.2's rules (fp8 caches: issue 10).
+  quantizers of ``reference.fp8``, bit-exact with DeepSeek-V3.2's rules.
+- fp8 caches (``reference.fp8_cache``; declare them with ``PagedLayout(index_cache_format="fp8",
+  latent_cache_format="fp8")``, every op takes them where it takes a cache):
+  ``Fp8IndexCache`` / ``Fp8LatentCache``, ``quantize_index_cache`` / ``dequantize_index_cache``,
+  ``quantize_latent_cache`` / ``dequantize_latent_cache``, and the GPU byte layouts
+  ``latent_cache_to_flashmla`` / ``latent_cache_from_flashmla`` (FlashMLA V32, 656 B per
+  token) and ``index_cache_to_paged_fp8`` / ``index_cache_from_paged_fp8`` (vLLM / DeepGEMM).
 - Segment witnesses (``reference.witnesses``) re-exported.
 """
 
@@ -32,6 +38,18 @@ from pallas_kernels import IndexerBlocks, MlaBlocks, PerformanceWarning
 from reference import build_index_share_map, glm_index_share_pattern
 from reference.cache_format import CacheFormat
 from reference.fp8 import dequantize_fp8, dequantize_latent_fp8, quantize_fp8, quantize_latent_fp8
+from reference.fp8_cache import (
+    Fp8IndexCache,
+    Fp8LatentCache,
+    dequantize_index_cache,
+    dequantize_latent_cache,
+    index_cache_from_paged_fp8,
+    index_cache_to_paged_fp8,
+    latent_cache_from_flashmla,
+    latent_cache_to_flashmla,
+    quantize_index_cache,
+    quantize_latent_cache,
+)
 from reference.packed_cache import pack_cache, packed_words, unpack_cache
 from reference.witnesses import (
     MAX_TOPOLOGY_SEGMENTS,
@@ -56,6 +74,8 @@ __all__ = [
     "BACKENDS",
     "BatchMeta",
     "CacheFormat",
+    "Fp8IndexCache",
+    "Fp8LatentCache",
     "IndexerBlocks",
     "LayoutError",
     "LearnedKeepOutOfRange",
@@ -74,10 +94,16 @@ __all__ = [
     "build_index_share_map",
     "check_batch",
     "dequantize_fp8",
+    "dequantize_index_cache",
+    "dequantize_latent_cache",
     "dequantize_latent_fp8",
     "dsa_step",
     "glm_index_share_pattern",
+    "index_cache_from_paged_fp8",
+    "index_cache_to_paged_fp8",
     "indexer_topk",
+    "latent_cache_from_flashmla",
+    "latent_cache_to_flashmla",
     "local_selector",
     "locality_null",
     "merge_topology_witnesses",
@@ -86,6 +112,8 @@ __all__ = [
     "page_sparse_mla",
     "page_topk",
     "quantize_fp8",
+    "quantize_index_cache",
+    "quantize_latent_cache",
     "quantize_latent_fp8",
     "random_null",
     "random_selector",

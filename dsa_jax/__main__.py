@@ -54,6 +54,11 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--packed-latent", action="store_true",
                    help="store the latent cache as packed bf16 u32 words (the format the "
                         "token-sparse Pallas kernel gathers rows from; values rounded to bf16)")
+    r.add_argument("--cache-format", choices=("plain", "fp8"), default="plain",
+                   help="fp8: both caches in DeepSeek-V3.2's fp8 formats (e4m3 indexer keys "
+                        "with per-token scales, FlashMLA's fp8 latent), quantized on write; "
+                        "pages default to 64 (quick 32: the fp8 index cache needs multiples "
+                        "of 32)")
     r.add_argument("--exact", action="store_true",
                    help="exact top_k selection (deterministic ties) instead of approx_max_k")
     r.add_argument("--dsa-use-pallas", action="store_true",
@@ -107,14 +112,16 @@ class Progress:
 
 def _sizes(args):
     q = args.quick
+    quick_page = 32 if args.cache_format == "fp8" else 16
     return dict(context=args.context or (512 if q else 8192),
                 prefill=args.prefill or (32 if q else 256), heads=args.heads or (4 if q else 16),
                 k=args.topk or (128 if q else 2048), layers=args.layers or (2 if q else 4),
-                page_size=args.page_size or (16 if q else 64))
+                page_size=args.page_size or (quick_page if q else 64))
 
 
 def _local_batch(rng, s, layout, indexer_types, q_lens, kv_lens):
     """One local batch (its own pages, page table and data): metadata, caches, activations."""
+    import jax
     import numpy as np
 
     from dsa_jax import BatchMeta, StepInputs
@@ -128,16 +135,17 @@ def _local_batch(rng, s, layout, indexer_types, q_lens, kv_lens):
     f32 = lambda *shape: rng.standard_normal(shape, np.float32)
     latent = f32(nl, p, layout.page_size, layout.padded_dim)
     latent[..., layout.qk_dim:] = 0.0
-    if layout.packed_latent:  # the cache is stored as packed bf16 words
-        from reference.packed_cache import pack_cache
-
-        latent = np.asarray(pack_cache(latent))
+    # packed words or fp8 as the layout declares; host (NumPy) arrays, so that the step's
+    # donation never consumes them and the CLI can run several steps on the same caches
+    host = lambda tree: jax.tree.map(np.asarray, tree)  # noqa: E731
+    latent = host(layout.to_cache(latent, "latent"))
+    index = host(layout.to_cache(f32(nf, *layout.index_cache_shape(p)), "index"))
     inputs = StepInputs(q_mla=f32(nl, t, s["heads"], layout.qk_dim),
                         new_latent=f32(nl, t, layout.qk_dim),
                         q_index=f32(nf, t, V32["index_heads"], layout.index_dim),
                         index_weights=f32(nf, t, V32["index_heads"]) / 8.0,
                         new_index=f32(nf, t, layout.index_dim))
-    return inputs, latent, f32(nf, *layout.index_cache_shape(p)), BatchMeta(*b.meta())
+    return inputs, latent, index, BatchMeta(*b.meta())
 
 
 def _context_lens(meta, num_rows):
@@ -199,7 +207,10 @@ def run(args: argparse.Namespace) -> int:
     layout = dsa_jax.PagedLayout(page_size=s["page_size"],
                                  pages_per_seq=-(-s["context"] // s["page_size"]),
                                  index_dim=V32["index_dim"], latent_dim=V32["latent_dim"],
-                                 rope_dim=V32["rope_dim"], packed_latent=args.packed_latent)
+                                 rope_dim=V32["rope_dim"], packed_latent=args.packed_latent,
+                                 index_cache_format=args.cache_format,
+                                 latent_cache_format=("packed" if args.packed_latent
+                                                      else args.cache_format))
     types = tuple(dsa_jax.glm_index_share_pattern(s["layers"], leading_full=1))
     data = args.devices // args.tp
     rng = np.random.default_rng(args.seed)
@@ -210,7 +221,8 @@ def run(args: argparse.Namespace) -> int:
     inputs, latent, index, meta = local[0]
     print(f"layout: page_size={layout.page_size} pages_per_seq={layout.pages_per_seq} "
           f"capacity={layout.capacity_tokens} tokens, latent {layout.qk_dim} -> padded "
-          f"{layout.padded_dim}, index dim {layout.index_dim}")
+          f"{layout.padded_dim}, index dim {layout.index_dim}; caches: index "
+          f"{layout.index_cache_format}, latent {layout.latent_cache_format}")
     print(f"batch (per data shard, {data} shard(s)): q_lens={q_lens} (+2 padding rows, +1 "
           f"inactive slot), kv_lens={kv_lens}; T={inputs.q_mla.shape[1]} rows, "
           f"{latent.shape[1]} pages; MLA heads={s['heads']}, k={s['k']}")
