@@ -15,7 +15,7 @@ def _check_query(q, cache_kv) -> None:
         if isinstance(cache_kv, fp8_cache.Fp8IndexCache):
             return
         raise ValueError("q has dtype float8_e4m3fn, which needs an fp8 index cache "
-                         f"(Fp8IndexCache); cache_kv is {type(cache_kv).__name__} of dtype "
+                         "(Fp8IndexCache); cache_kv is an array of dtype "
                          f"{jax.numpy.result_type(cache_kv)}")
     _checks.floating("q", q)
 
@@ -23,6 +23,9 @@ def _check_query(q, cache_kv) -> None:
 def check_indexer_args(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                        distribution, *, pages_per_seq: int, one_token_per_seq: bool) -> None:
     """Refuse inconsistent shapes/dtypes/statics, naming the argument and the numbers."""
+    if isinstance(cache_kv, fp8_cache.Fp8LatentCache):
+        raise TypeError("cache_kv is an Fp8LatentCache (the MLA latent cache); the indexer "
+                        "takes its key cache: an f32/bf16 array or an Fp8IndexCache")
     _checks.rank("q", q, 3)
     _check_query(q, cache_kv)
     num_rows, heads, dim = np.shape(q)

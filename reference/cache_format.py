@@ -87,8 +87,8 @@ class CacheFormat(enum.Enum):
         if isinstance(cache, fp8_cache.Fp8LatentCache):
             return cls.FP8
         if isinstance(cache, fp8_cache.Fp8IndexCache):
-            raise ValueError(f"{name} is an Fp8IndexCache (indexer keys); a latent cache is an "
-                             "array or an Fp8LatentCache")
+            raise TypeError(f"{name} is an Fp8IndexCache (indexer keys); a latent cache is an "
+                            "array or an Fp8LatentCache")
         dt = jnp.dtype(jnp.result_type(cache))
         for fmt in cls:
             if fmt.storage_dtype == dt and not fmt.fp8:

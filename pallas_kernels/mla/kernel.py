@@ -94,9 +94,9 @@ def check_kernel_args(q, cache_kv, kv_lens, selected, page_indices, cu_q_lens, c
                                                      cu_q_lens, cu_kv_lens, distribution,
                                                      pages_per_seq=pages_per_seq)
     plain = cache_kv
+    fmt = CacheFormat.of(cache_kv, "cache_kv")  # refuses an Fp8IndexCache by name
     if np.ndim(cache_kv) != 3:
         raise ValueError(f"cache_kv must have rank 3, got shape {tuple(np.shape(cache_kv))}")
-    fmt = CacheFormat.of(cache_kv, "cache_kv")
     dim = np.shape(q)[-1]
     if fmt.packed:
         check_packed_width("cache_kv", cache_kv, dim)
