@@ -23,7 +23,10 @@ def streamindex_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, 
     """Lightning-indexer token top-k over a ragged paged batch.
 
     Shapes: ``q``: f32|bf16[T, H, D] indexer query heads; ``weights``: f32|bf16[T, H] per-head
-    mixing weights; ``cache_kv``: f32|bf16[num_pages, page_size, D] paged indexer keys; the batch
+    mixing weights; ``cache_kv``: f32|bf16[num_pages, page_size, D] paged indexer keys, or an
+    ``Fp8IndexCache`` (``reference.fp8_cache``; then ``q`` may also be float8_e4m3fn with its
+    scale folded into ``weights``, and each score is ``scale[s] * sum_h w * relu(q . k8[s])``,
+    ``reference.index_scores.scaled_scores``); the batch
     arrays as ``reference.batch``.
 
     ``score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s])`` for every causal, existing token ``s``

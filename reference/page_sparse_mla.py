@@ -28,7 +28,8 @@ def page_sparse_mla_ref(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array,
                        ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Sparse absorbed MLA over per-row page top-k.
 
-    Shapes: ``q``: f32|bf16[T, H, D]; ``cache_kv``: f32|bf16[num_pages, page_size, D];
+    Shapes: ``q``: f32|bf16[T, H, D]; ``cache_kv``: f32|bf16[num_pages, page_size, D] (or the
+    packed or fp8 latent cache, as ``sparse_mla_ref``);
     ``topk_pages``: i32[T, k_pages] sequence-local page numbers, -1 = ignore; the batch arrays as
     ``reference.batch``.
 

@@ -39,7 +39,8 @@ def streamindex_page_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Ar
     """Page-level lightning-indexer top-k over a ragged paged batch.
 
     Shapes: ``q``: f32|bf16[T, H, D]; ``weights``: f32|bf16[T, H]; ``cache_kv``: f32|bf16[num_pages,
-    page_size, D]; the batch arrays as ``reference.batch``.
+    page_size, D] or an ``Fp8IndexCache`` (``q`` then also fp8, as ``streamindex_topk_ref``);
+    the batch arrays as ``reference.batch``.
 
     Token scores as in ``streamindex_topk_ref``, max-pooled over each page's causal, existing
     tokens; then the selection stage over the sequence's ``pages_per_seq`` pages. Witnesses

@@ -18,7 +18,9 @@ def sparse_mla_ref(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_i
     """Sparse absorbed MLA over per-row token top-k.
 
     Shapes: ``q``: f32|bf16[T, H, D] packed [nope|rope] query in latent space; ``cache_kv``:
-    f32|bf16[num_pages, page_size, D] packed [c_kv|k_rope] latent cache; ``topk_indices``: i32[T, k]
+    f32|bf16[num_pages, page_size, D] packed [c_kv|k_rope] latent cache, or the u32 packed bf16
+    cache, or an ``Fp8LatentCache`` (``reference.fp8_cache``: rows dequantized, exact in bf16;
+    then D is 576 or 576 zero-padded to 640, v_dim <= 512); ``topk_indices``: i32[T, k]
     sequence-local token offsets, -1 = ignore; the batch arrays as ``reference.batch``.
 
     ``out[t, h] = softmax_j(sm_scale * q[t, h] . c[j]) @ c[j, :v_dim]`` over ``j`` in

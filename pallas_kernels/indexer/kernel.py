@@ -52,6 +52,11 @@ Design.
   item's rows are DMAed to the HBM output, one DMA per row. Page mode: per-page maxima go into
   a ``[L, pages]`` output block written back by the Pallas pipeline; XLA maps slots to rows.
 
+- fp8 index cache (``reference.fp8_cache.Fp8IndexCache``): each page is two DMAs on the same
+  semaphore, its e4m3 keys ``[page, 128]`` (whole (32, 128) tiles) and its f32 scale row
+  (``scale_lanes`` lanes); keys are upcast in VMEM (exact in bf16), or stay e4m3 for an fp8
+  ``q`` on tpu7x (``compute_dtypes``); the stage's scores are scaled per key after the head sum.
+
 Traffic (``traffic``): keys ``sum over items of pages_needed * page_size * D * itemsize`` (each
 sequence's causal keys ``ceil(n / R_max)`` times; decode once); q and the lane-padded weight
 column once per q block fetched (``L`` rows per item: decode rows once); scores written once

@@ -38,8 +38,9 @@ def streamindex_page_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array,
                           vmem_limit_bytes: int | None = None, interpret=False) -> jax.Array:
     """Page top-k of the lightning indexer over a ragged paged batch (Pallas page scores).
 
-    Shapes: ``q``: f32|bf16[T, H, D]; ``weights``: f32|bf16[T, H]; ``cache_kv``: f32|bf16[num_pages,
-    page_size, D]; the batch arrays as ``reference.batch``.
+    Shapes: ``q``: f32|bf16[T, H, D] (fp8 with an fp8 cache); ``weights``: f32|bf16[T, H];
+    ``cache_kv``: ``Fp8IndexCache`` or f32|bf16[num_pages, page_size, D]; the batch arrays as
+    ``reference.batch``.
 
     Args: as ``pallas_kernels.streamindex_topk`` with ``k_pages`` for ``k``;
     witnesses use the row's causal page count as its context length.

@@ -41,7 +41,9 @@ def streamindex_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, seq_
     """Token top-k of the lightning indexer over a ragged paged batch (Pallas scores).
 
     Shapes: ``q``: f32|bf16[T, H, D] indexer query heads; ``weights``: f32|bf16[T, H] per-head
-    mixing weights; ``cache_kv``: f32|bf16[num_pages, page_size, D] paged indexer keys; the batch
+    mixing weights; ``cache_kv``: f32|bf16[num_pages, page_size, D] paged indexer keys, or an
+    ``Fp8IndexCache`` (read as stored: e4m3 pages plus a scale row per page; ``q`` may then be
+    float8_e4m3fn, run on tpu7x's fp8 MXU path); the batch
     arrays as ``reference.batch``.
 
     Args:

@@ -30,6 +30,13 @@ starts on a 128-lane boundary, q needs no split copy and out no interleave. A pl
 is packed per call (a full copy of the cache: a documented slow path for tests and notebooks;
 serving stores the cache packed).
 
+fp8 latent cache (``reference.fp8_cache.Fp8LatentCache``, 256 u32 words per token: why in that
+module): rows are gathered exactly like packed rows (one DMA per token, 1024 B), then decoded in
+VMEM: byte plane ``j`` of words ``[0, 128)`` is nope tile ``j`` (bitcast to e4m3, upcast, times
+its power-of-two scale from word ``160 + j``: exact in bf16), words ``[128, 160)`` the rope
+halves. The entry lays q out 768 wide (``fp8_query``: nope, rope ``[0, 32)`` and rope ``[32,
+64)`` each padded to 128 lanes), so all six segments are lane aligned.
+
 Pipeline: the grid walks query rows in order; inside a row a loop walks blocks of
 ``tokens_per_block`` gathered rows. The row's raw top-k entries (``i32[k]``, as the caller gave
 them) are DMA'd HBM -> SMEM one row ahead; the page table (``page_indices``) and per-row facts

@@ -50,7 +50,8 @@ def page_sparse_mla(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_
                     interpret=False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Page-sparse absorbed MLA (Pallas TPU); same semantics as ``page_sparse_mla_ref``.
 
-    Shapes: ``q``: f32|bf16[T, H, D]; ``cache_kv``: f32|bf16[P, ps, D] | u32[P, ps, Wp] packed bf16;
+    Shapes: ``q``: f32|bf16[T, H, D]; ``cache_kv``: f32|bf16[P, ps, D] | u32[P, ps, Wp] packed bf16
+    | ``Fp8LatentCache``;
     ``topk_pages``: i32[T, k_pages] sequence-local page numbers, -1 = ignore; the batch arrays as
     ``reference.batch``.
 

@@ -37,7 +37,8 @@ def sparse_mla(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_indic
     """Token-sparse absorbed MLA (Pallas TPU); same semantics as ``sparse_mla_ref``.
 
     Shapes: ``q``: f32|bf16[T, H, D]; ``cache_kv``: f32[P, ps, D] | u32[P, ps, Wp] packed bf16 |
-    bf16[P, ps, D] (slow); ``topk_indices``: i32[T, k] sequence-local token offsets, -1 = ignore;
+    bf16[P, ps, D] (slow) | ``Fp8LatentCache`` (words read as stored, D = 576 or 640);
+    ``topk_indices``: i32[T, k] sequence-local token offsets, -1 = ignore;
     the batch arrays as ``reference.batch``.
 
     Args:
