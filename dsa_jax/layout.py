@@ -170,6 +170,13 @@ class PagedLayout:
                                  page_size=self.page_size, pages_per_seq=self.pages_per_seq,
                                  num_pages=int(num_pages))
 
+    @staticmethod
+    def context_shard(page: int, num_shards: int) -> int:
+        """The context shard holding a sequence's page ``page`` (its sequence-local page
+        number) when its KV is spread over ``num_shards`` shards: ``page % num_shards``
+        (``dsa_jax.context``; a growing sequence adds its pages to the shards in turn)."""
+        return page % num_shards
+
     def pages_for(self, tokens: int) -> int:
         """Pages holding ``tokens`` tokens: ``ceil(tokens / page_size)``."""
         return -(-int(tokens) // self.page_size)

@@ -11,6 +11,13 @@ attends its heads against the full latent cache (replicated across the model axi
 single latent head is). The indexer (its heads are summed into one score) and the cache update
 run on every model shard redundantly, so every replica of the caches and top-k stays identical.
 
+Context axis (optional, ``ctx_axis``): one sequence's KV pages spread over ``C`` shards by the
+layout's rule (page ``j`` on shard ``j % C``, ``dsa_jax.context``). The caches and the page
+table then carry a second leading axis of size ``C`` (``[D, C, ...]``: each context shard's own
+cache and local table, ``dsa_jax.context.shard_pages`` / ``shard_cache`` build them from the
+single-device form); every other argument is shared by the context shards. Top-k and sparse MLA
+merge over the axis; each cache write lands on the shard owning the page.
+
 ``shard_map`` runs the single-device ``dsa_step`` body per shard, so the sharded result equals
 the single-device step applied to each local batch.
 """
@@ -40,8 +47,10 @@ def _shard_map(fn, mesh, in_specs, out_specs):
 
 
 def check_mesh(mesh: Mesh, data_axis: str, model_axis: str | None, *, num_local: int,
-               heads: int) -> None:
+               heads: int, ctx_axis: str | None = None) -> None:
     """Refuse a mesh that does not match the stacked batch, naming the numbers."""
+    if ctx_axis is not None and ctx_axis not in mesh.shape:
+        raise ValueError(f"mesh has no axis {ctx_axis!r} (axes {dict(mesh.shape)})")
     if data_axis not in mesh.shape:
         raise ValueError(f"mesh has no axis {data_axis!r} (axes {dict(mesh.shape)})")
     if mesh.shape[data_axis] != num_local:
@@ -64,34 +73,69 @@ def sharded_dsa_step(mesh: Mesh, inputs: StepInputs, latent_caches, index_caches
                      recall_target: float = DEFAULT_RECALL_TARGET, exact: bool = False,
                      backend: str | None = None, kernel_options: dict | None = None,
                      indexer_blocks: IndexerBlocks | None = None,
-                     mla_blocks: MlaBlocks | None = None) -> StepResult:
+                     mla_blocks: MlaBlocks | None = None,
+                     ctx_axis: str | None = None) -> StepResult:
     """``dsa_step`` on ``mesh`` (module docstring). Every array has a leading axis of size
-    ``mesh.shape[data_axis]``; ``model_axis=None`` keeps heads unsplit. Returns a
-    ``StepResult`` with the same leading axis (``out`` split over heads on the model axis)."""
+    ``mesh.shape[data_axis]``; ``model_axis=None`` keeps heads unsplit; ``ctx_axis`` (e.g.
+    ``"ctx"``) spreads each sequence's pages over that axis (caches and ``meta.page_indices``
+    then ``[D, C, ...]``). Returns a ``StepResult`` with the same leading axes (``out`` split
+    over heads on the model axis)."""
     num_local, heads = int(np.shape(inputs.q_mla)[0]), int(np.shape(inputs.q_mla)[3])
-    check_mesh(mesh, data_axis, model_axis, num_local=num_local, heads=heads)
+    check_mesh(mesh, data_axis, model_axis, num_local=num_local, heads=heads,
+               ctx_axis=ctx_axis)
+    if ctx_axis is not None:
+        _check_context(mesh, ctx_axis, layout, latent_caches, index_caches, BatchMeta(*meta))
     statics = _step_mod.step_statics(
         latent_caches, layout=layout, indexer_types=indexer_types, k=k, sm_scale=sm_scale,
         num_segments=num_segments, granularity=granularity,
         one_token_per_seq=one_token_per_seq, recall_target=recall_target, exact=exact,
         backend=backend, kernel_options=kernel_options, indexer_blocks=indexer_blocks,
-        mla_blocks=mla_blocks, layer_axis=1)
-    return _sharded(mesh, data_axis, model_axis, tuple(sorted(statics.items())))(
+        mla_blocks=mla_blocks, layer_axis=2 if ctx_axis else 1)
+    return _sharded(mesh, data_axis, model_axis, ctx_axis, tuple(sorted(statics.items())))(
         StepInputs(*inputs), latent_caches, index_caches, BatchMeta(*meta))
 
 
+def _check_context(mesh, ctx_axis, layout, latent_caches, index_caches, meta) -> None:
+    """Refuse context-sharded arguments that do not match the mesh or the layout's rule."""
+    c = mesh.shape[ctx_axis]
+    if c > layout.pages_per_seq:
+        raise ValueError(f"the {ctx_axis!r} axis has {c} shards but a sequence has at most "
+                         f"pages_per_seq={layout.pages_per_seq} pages: shards would hold none")
+    for name, x in (("latent_caches", latent_caches), ("index_caches", index_caches),
+                    ("meta.page_indices", meta.page_indices)):
+        shape = tuple(x.shape)
+        if len(shape) < 2 or shape[1] != c:
+            raise ValueError(f"{name} must be [D, C={c}, ...] with {ctx_axis!r} axis size {c} "
+                             f"on dim 1, got shape {shape}")
+    tables = meta.page_indices
+    if isinstance(tables, jax.core.Tracer):
+        return  # traced: the rule can only be checked on concrete tables
+    local_pages = int(latent_caches.shape[-3])
+    from dsa_jax import context
+
+    for d in range(np.shape(tables)[0]):
+        local_meta = [np.asarray(x[d]) for x in meta]
+        context.check_local_tables(layout, local_meta[1], local_meta, local_pages)
+
+
 @functools.lru_cache(maxsize=16)
-def _sharded(mesh, data_axis, model_axis, statics):
+def _sharded(mesh, data_axis, model_axis, ctx_axis, statics):
     d = P(data_axis)
     heads = P(data_axis, None, None, model_axis)  # [D, L, T, H, ...]
-    in_specs = (StepInputs(heads, d, d, d, d), d, d, BatchMeta(d, d, d, d, d))
-    out_specs = StepResult(heads, d, d, d)
+    dc = P(data_axis, ctx_axis) if ctx_axis else d  # context-sharded: [D, C, ...]
+    in_specs = (StepInputs(heads, d, d, d, d), dc, dc, BatchMeta(d, dc, d, d, d))
+    out_specs = StepResult(heads, d, dc, dc)
+    cut = (lambda x: x[0, 0]) if ctx_axis else (lambda x: x[0])
+    grow = (lambda x: x[None, None]) if ctx_axis else (lambda x: x[None])
 
     def body(inputs, latent_caches, index_caches, meta):
         first = lambda tree: jax.tree.map(lambda x: x[0], tree)
-        res = _step_mod.step_body(first(inputs), first(latent_caches), first(index_caches),
-                                  first(meta), **dict(statics))
-        return jax.tree.map(lambda x: x[None], res)
+        meta = BatchMeta(*first(meta))._replace(page_indices=cut(meta.page_indices))
+        res = _step_mod.step_body(first(inputs), jax.tree.map(cut, latent_caches),
+                                  jax.tree.map(cut, index_caches), meta, **dict(statics),
+                                  ctx_axis=ctx_axis)
+        return StepResult(res.out[None], res.topk[None], jax.tree.map(grow, res.latent_caches),
+                          jax.tree.map(grow, res.index_caches))
 
     fn = _shard_map(body, mesh, in_specs, out_specs)
     return jax.jit(fn, donate_argnums=(1, 2))

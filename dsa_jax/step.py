@@ -33,12 +33,13 @@ import numpy as np
 
 from dsa_jax import backend as _backend
 from dsa_jax import cache as _cache
+from dsa_jax import context as _context
 from dsa_jax import ops
 from dsa_jax import validate as _validate
 from dsa_jax.layout import PagedLayout
 from pallas_kernels import IndexerBlocks, MlaBlocks
 from reference import build_index_share_map, fp8_cache
-from reference.selection import DEFAULT_RECALL_TARGET
+from reference.selection import DEFAULT_RECALL_TARGET, finish_selection
 
 GRANULARITIES = ("token", "page")
 
@@ -138,9 +139,11 @@ def step_statics(latent_caches, *, layout: PagedLayout, indexer_types, k: int,
 def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, *, layout,
               indexer_types, k, sm_scale, num_segments, granularity, one_token_per_seq,
               recall_target, exact, backend, kernel_options, indexer_blocks=None,
-              mla_blocks=None) -> StepResult:
+              mla_blocks=None, ctx_axis: str | None = None) -> StepResult:
     """The step, unjitted (``dsa_step`` jits it; ``sharded_dsa_step`` runs it per shard).
-    ``backend`` is resolved and ``kernel_options`` a sorted tuple of items."""
+    ``backend`` is resolved and ``kernel_options`` a sorted tuple of items. ``ctx_axis``: the
+    caches and page table are one context shard's (``dsa_jax.context``); top-k and sparse MLA
+    merge over that ``shard_map`` axis."""
     full_slot, src_slot, _ = check_step_args(inputs, latent_caches, index_caches, layout=layout,
                                              indexer_types=indexer_types,
                                              granularity=granularity)
@@ -165,21 +168,41 @@ def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, 
             slot = full_slot[layer]
             index_caches = write(index_caches, rows=inputs.new_index[slot], kind="index",
                                  layer=slot)
-            selections[slot] = topk_op(
-                inputs.q_index[slot], inputs.index_weights[slot],
-                fp8_cache.take_layer(index_caches, slot), *b.arrays,
-                **{k_name: k}, pages_per_seq=layout.pages_per_seq,
-                one_token_per_seq=one_token_per_seq, num_segments=num_segments,
-                recall_target=recall_target, exact=exact, backend=backend,
-                kernel_options=topk_opts)
+            args = (inputs.q_index[slot], inputs.index_weights[slot],
+                    fp8_cache.take_layer(index_caches, slot), *b.arrays)
+            if ctx_axis is None:
+                selections[slot] = topk_op(
+                    *args, **{k_name: k}, pages_per_seq=layout.pages_per_seq,
+                    one_token_per_seq=one_token_per_seq, num_segments=num_segments,
+                    recall_target=recall_target, exact=exact, backend=backend,
+                    kernel_options=topk_opts)
+            else:
+                selections[slot] = _context_topk(
+                    args, b, k=k, page_mode=granularity == "page", layout=layout,
+                    one_token_per_seq=one_token_per_seq, num_segments=num_segments,
+                    recall_target=recall_target, exact=exact, backend=backend,
+                    kernel_options=topk_opts, ctx_axis=ctx_axis)
         q = _pad_last(inputs.q_mla[layer], layout.padded_dim)
-        outs.append(mla_op(q, fp8_cache.take_layer(latent_caches, layer), b.kv_lens,
-                           selections[src_slot[layer]],
-                           *b.arrays[1:],
-                           sm_scale=sm_scale, pages_per_seq=layout.pages_per_seq,
-                           v_dim=layout.v_dim, backend=backend, kernel_options=mla_opts))
+        res = mla_op(q, fp8_cache.take_layer(latent_caches, layer), b.kv_lens,
+                     selections[src_slot[layer]], *b.arrays[1:], sm_scale=sm_scale,
+                     pages_per_seq=layout.pages_per_seq, v_dim=layout.v_dim, backend=backend,
+                     kernel_options=mla_opts, return_lse=ctx_axis is not None)
+        outs.append(res if ctx_axis is None else _context.merge_lse(*res, ctx_axis)[0])
     topk = jnp.stack([selections[s] for s in range(len(selections))])
     return StepResult(jnp.stack(outs), topk, latent_caches, index_caches)
+
+
+def _context_topk(args, b, *, k, page_mode, layout, one_token_per_seq, num_segments,
+                  recall_target, exact, backend, kernel_options, ctx_axis):
+    """Top-k over context-sharded KV (``dsa_jax.context``): local top-k with scores, the
+    exact merge over ``ctx_axis``, then the witness merge with the global context."""
+    idx, vals = _context.local_topk(
+        args[0], args[1], args[2], args[3:], k=k, page_mode=page_mode,
+        pages_per_seq=layout.pages_per_seq, one_token_per_seq=one_token_per_seq, exact=exact,
+        recall_target=recall_target, backend=backend, kernel_options=kernel_options)
+    sel = _context.merge_topk(idx, vals, k, ctx_axis)
+    ctx = _context.context_lens(b, sel.shape[0], page_mode=page_mode)
+    return finish_selection(sel, ctx, num_segments)
 
 
 _step = jax.jit(step_body, static_argnames=_STATICS,
