@@ -189,7 +189,7 @@ def _indexer(op: str, shape: str):
 def _mla_case(op: str, heads: int):
     cases = mcases.token_cases if op == "sparse_mla" else mcases.page_cases
     (case,) = [c for c in cases(quick=True)
-               if c.shape.startswith(f"decode64x8192_h{heads}_")]
+               if c.shape.startswith(f"decode64x8192_h{heads}_") and not c.shape.endswith("_fp8")]
     return case
 
 

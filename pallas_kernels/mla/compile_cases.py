@@ -121,7 +121,7 @@ def mla_case(mode: str, label: str, rows: int, seqs: int, context: int, heads: i
             t = aot.Traffic(t.bytes_moved + extra, t.bytes_min, t.flops, t.vmem_bytes)
         return t
 
-    tag = next(t for t in ("decode", "mixed", "prefill") if label.startswith(t))
+    tag = next((t for t in ("decode", "mixed") if label.startswith(t)), "prefill")
     return aot.CompileCase("sparse_mla" if token else "page_sparse_mla", label, fn_for_chip,
                            specs, traffic, tags=(tag,))
 
