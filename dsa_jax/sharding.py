@@ -107,9 +107,14 @@ def _check_context(mesh, ctx_axis, layout, latent_caches, index_caches, meta) ->
         if len(shape) < 2 or shape[1] != c:
             raise ValueError(f"{name} must be [D, C={c}, ...] with {ctx_axis!r} axis size {c} "
                              f"on dim 1, got shape {shape}")
+    def concrete(x):
+        return not isinstance(x, jax.core.Tracer) and (
+            not isinstance(x, jax.Array) or x.is_fully_addressable)
+
     tables = meta.page_indices
-    if isinstance(tables, jax.core.Tracer):
-        return  # traced: the rule can only be checked on concrete tables
+    if not all(concrete(x) for x in meta):
+        return  # traced, or spread over processes: check the host tables before placing them
+        #         (``dsa_jax.context.check_local_tables``, as scripts/multiprocess_step.py does)
     local_pages = int(latent_caches.shape[-3])
     from dsa_jax import context
 
