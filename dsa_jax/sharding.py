@@ -107,9 +107,10 @@ def _check_context(mesh, ctx_axis, layout, latent_caches, index_caches, meta) ->
         if len(shape) < 2 or shape[1] != c:
             raise ValueError(f"{name} must be [D, C={c}, ...] with {ctx_axis!r} axis size {c} "
                              f"on dim 1, got shape {shape}")
-    def concrete(x):
-        return not isinstance(x, jax.core.Tracer) and (
-            not isinstance(x, jax.Array) or x.is_fully_addressable)
+    def concrete(x):  # host arrays, or device arrays this process holds whole
+        if isinstance(x, jax.Array):
+            return not isinstance(x, jax.core.Tracer) and x.is_fully_addressable
+        return isinstance(x, (np.ndarray, list, tuple))
 
     tables = meta.page_indices
     if not all(concrete(x) for x in meta):

@@ -47,14 +47,20 @@ def check_chip(chip: str) -> str:
 
 
 @functools.cache
-def topology_device(chip: str):
-    """First device of a small topology of ``chip`` (no TPU needed; needs libtpu)."""
+def topology_devices(chip: str) -> tuple:
+    """The devices of a small multi-chip topology of ``chip`` (``CHIPS``: 4 chips; no TPU
+    needed, needs libtpu): AOT compiles of sharded programs place their mesh on them."""
     # Several processes (pytest-xdist workers, a notebook beside a script) may load libtpu at
     # once for AOT compiles; without this libtpu refuses with a lockfile error.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     name, _ = CHIPS[check_chip(chip)]
     with _quiet_native_stderr():
-        return topologies.get_topology_desc(platform="tpu", topology_name=name).devices[0]
+        return tuple(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+
+
+def topology_device(chip: str):
+    """First device of ``topology_devices(chip)`` (single-chip AOT compiles)."""
+    return topology_devices(chip)[0]
 
 
 @contextlib.contextmanager

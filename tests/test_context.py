@@ -146,3 +146,51 @@ def test_bad_context_arguments_are_refused_before_anything_runs():
     odd = Mesh(np.array(jax.devices()[:6]).reshape(1, 2, 3), AXES)
     with pytest.raises(ValueError, match="H=4 must be divisible"):
         dsa_jax.sharded_dsa_step(odd, inputs, latent, index, meta, ctx_axis="ctx", **kw)
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
+def test_the_context_sharded_pallas_step_compiles_for_a_multi_chip_topology(chip):
+    """AOT through libtpu on CPU: the step with the Pallas kernels inside ``shard_map`` over
+    ``pallas_kernels.aot.topology_devices`` (v5e:2x2, v6e:2x2: 4 chips; tpu7x:2x2x1: 8
+    devices), pages spread over a ctx axis of 2, heads over a model axis of 2; the merges
+    become cross-chip collectives."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from pallas_kernels import aot
+
+    devs = aot.topology_devices(chip)
+    shape = (len(devs) // 4, 2, 2)
+    mesh = Mesh(np.array(devs).reshape(shape), AXES)
+    d_, c_, _ = shape
+    layout = PagedLayout(page_size=64, pages_per_seq=64, packed_latent=True)
+    seqs, rows, heads, index_heads = 4, 4, 16, 64
+    local_pages = seqs * layout.pages_per_seq // c_
+
+    def spec(shape, dtype, *axes):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P(*axes)))
+
+    bf16, f32, i32 = jax.numpy.bfloat16, np.float32, np.int32
+    d, dc = ("data",), ("data", "ctx")
+    inputs = StepInputs(spec((d_, 2, rows, heads, 576), bf16, "data", None, None, "model"),
+                        spec((d_, 2, rows, 576), bf16, *d),
+                        spec((d_, 1, rows, index_heads, 128), bf16, *d),
+                        spec((d_, 1, rows, index_heads), f32, *d),
+                        spec((d_, 1, rows, 128), bf16, *d))
+    latent = spec((d_, c_, 2, local_pages, 64, layout.latent_cache_width), np.uint32, *dc)
+    index = spec((d_, c_, 1, local_pages, 64, 128), bf16, *dc)
+    meta = BatchMeta(spec((d_, seqs), i32, *d), spec((d_, c_, seqs * 64), i32, *dc),
+                     spec((d_, seqs + 1), i32, *d), spec((d_, seqs + 1), i32, *d),
+                     spec((d_, 3), i32, *d))
+
+    def step(*args):
+        return dsa_jax.sharded_dsa_step(
+            mesh, *args, layout=layout, indexer_types=TYPES, k=256, sm_scale=0.1,
+            one_token_per_seq=True, backend="pallas", ctx_axis="ctx",
+            kernel_options={"interpret": False, "chip": chip})
+
+    with jax.default_device(devs[0]):
+        compiled = jax.jit(step).trace(inputs, latent, index, meta).lower().compile()
+    hlo = compiled.as_text()
+    assert "tpu_custom_call" in hlo  # the Pallas kernels
+    assert "all-gather" in hlo and "all-reduce" in hlo  # the top-k and LSE merges
