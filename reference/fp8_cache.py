@@ -85,8 +85,20 @@ def index_bytes_per_token(page_size: int) -> float:
     return fp8.INDEX_HEAD_DIM + 4 * scale_lanes(page_size) / page_size
 
 
+class _Paged:
+    """``num_pages`` and ``page_size`` from a cache's logical ``shape`` (``[..., P, ps, D]``)."""
+
+    @property
+    def num_pages(self) -> int:
+        return self.shape[-3]
+
+    @property
+    def page_size(self) -> int:
+        return self.shape[-2]
+
+
 @dataclass(frozen=True)
-class Fp8IndexCache:
+class Fp8IndexCache(_Paged):
     """The fp8 indexer key cache (module docstring): ``keys float8_e4m3fn[P, ps, 128]``,
     ``scales f32[P, scale_lanes(ps)]``. A pytree: it passes through ``jax.jit``."""
 
@@ -99,17 +111,9 @@ class Fp8IndexCache:
         layer dims of a stacked cache)."""
         return tuple(np.shape(self.keys))
 
-    @property
-    def num_pages(self) -> int:
-        return self.shape[-3]
-
-    @property
-    def page_size(self) -> int:
-        return self.shape[-2]
-
 
 @dataclass(frozen=True)
-class Fp8LatentCache:
+class Fp8LatentCache(_Paged):
     """The fp8 latent cache (module docstring): ``words u32[P, ps, 256]``. A pytree."""
 
     words: jax.Array
@@ -119,14 +123,6 @@ class Fp8LatentCache:
         """The logical ``(num_pages, page_size, 576)`` of the latent rows it holds (with any
         leading layer dims of a stacked cache)."""
         return (*np.shape(self.words)[:-1], fp8.LATENT_DIM)
-
-    @property
-    def num_pages(self) -> int:
-        return self.shape[-3]
-
-    @property
-    def page_size(self) -> int:
-        return self.shape[-2]
 
 
 jax.tree_util.register_dataclass(Fp8IndexCache, data_fields=["keys", "scales"], meta_fields=[])

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from test_fp8 import varied  # the same magnitude-spread inputs as the rule tests
 
 from reference import fp8_cache as fc
 
@@ -114,19 +115,6 @@ def np_paged(key_codes, scales_f32) -> np.ndarray:
     p, ps, _ = key_codes.shape
     return np.concatenate([key_codes.reshape(p, ps * 128).astype(np.uint8),
                            np.asarray(scales_f32, "<f4").view(np.uint8).reshape(p, ps * 4)], -1)
-
-
-def varied(rng, shape, block) -> np.ndarray:
-    """f32 values whose magnitudes span 1e-6..1e4, varying by block (some blocks all below the
-    amax floor), with exact zeros and -0.0 sprinkled in (as in tests/test_fp8.py)."""
-    lead = (*shape[:-1], shape[-1] // block, 1)
-    lo = rng.uniform(-6, 4, lead)
-    hi = lo + rng.uniform(0, 1, lead) * (4 - lo)
-    mag = 10.0 ** (lo + rng.uniform(0, 1, (*lead[:-1], block)) * (hi - lo))
-    x = (rng.choice([-1.0, 1.0], mag.shape) * mag).reshape(shape)
-    x[rng.uniform(size=shape) < 0.03] = 0.0
-    x[rng.uniform(size=shape) < 0.03] = -0.0
-    return x.astype(np.float32)
 
 
 def random_u8(rng, shape) -> np.ndarray:
