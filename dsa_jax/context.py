@@ -227,10 +227,11 @@ def merge_topk(idx, vals, k: int, axis_name: str) -> jax.Array:
     return jnp.where(neg[:, :k] < jnp.inf, key[:, :k], -1).astype(jnp.int32)
 
 
-def context_lens(b: batch.RaggedBatch, num_rows: int, *, page_mode: bool) -> jax.Array:
+def context_lens(b: batch.RaggedBatch, num_rows: int, *, page_mode: bool,
+                 one_token_per_seq: bool = False) -> jax.Array:
     """Each row's global causal context (tokens, or pages), 0 outside sequences: the witness
     merge's context length, as the single-device top-k computes it."""
-    rows = b.rows(num_rows)
+    rows = b.rows(num_rows, one_token_per_seq=one_token_per_seq)
     kv = b.kv_eff(rows.seq)
     ctx = (causal_page_count(rows.abs_pos, kv, b.page_size) if page_mode
            else selection.causal_token_count(rows.abs_pos, kv))

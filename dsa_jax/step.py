@@ -201,7 +201,8 @@ def _context_topk(args, b, *, k, page_mode, layout, one_token_per_seq, num_segme
         pages_per_seq=layout.pages_per_seq, one_token_per_seq=one_token_per_seq, exact=exact,
         recall_target=recall_target, backend=backend, kernel_options=kernel_options)
     sel = _context.merge_topk(idx, vals, k, ctx_axis)
-    ctx = _context.context_lens(b, sel.shape[0], page_mode=page_mode)
+    ctx = _context.context_lens(b, sel.shape[0], page_mode=page_mode,
+                                one_token_per_seq=one_token_per_seq)
     return finish_selection(sel, ctx, num_segments)
 
 
