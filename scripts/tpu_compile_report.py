@@ -79,7 +79,8 @@ def markdown(rows: list[dict], missing: list[str]) -> str:
                      f"{r['roofline_us']:.2f} |")
     for (kernel, shape), (what, us) in ANCHORS.items():
         ours = [r for r in rows if r["kernel"] == kernel and shape in r["shape"].replace(" ", "")]
-        model = ", ".join(f"{r['chip']} {r['roofline_us']:.1f} us" for r in ours) or "n/a"
+        model = ", ".join(f"{r['chip']} {r['roofline_us']:.1f} us ({r['shape']})"
+                          for r in ours) or "n/a"
         lines.append(f"\nAnchor: {what}: {us} us (measured by them). Our modelled roofline at "
                      f"that shape: {model} (a model, not a measurement).")
     if missing:
