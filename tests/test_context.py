@@ -97,8 +97,9 @@ def test_decode_batch_one_token_per_seq_over_eight_context_shards():
            pad_seqs=0)
 
 
-def test_pallas_kernels_under_shard_map_over_context_shards():
-    _check((2, 2, 2), backend="pallas")
+@pytest.mark.parametrize("shape", [(8, 1, 1), (1, 8, 1), (2, 4, 1), (2, 2, 2), (1, 4, 2)])
+def test_pallas_kernels_under_shard_map_over_context_shards(shape):
+    _check(shape, backend="pallas")
 
 
 def test_fp8_caches_over_context_shards():
