@@ -51,6 +51,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="tokens per cache page (default 64; quick 16)")
     r.add_argument("--num-segments", type=int, default=8,
                    help="segment witnesses merged into each top-k row (0 = off; default 8)")
+    r.add_argument("--witness-fill", choices=("tail", "lowest"), default="tail",
+                   help="where witnesses go: tail = the upstream reserved last S slots "
+                        "(default), lowest = over a row's last w slots (padding, then the "
+                        "lowest-scored); see EXPERIMENTS.md")
     r.add_argument("--packed-latent", action="store_true",
                    help="store the latent cache as packed bf16 u32 words (the format the "
                         "token-sparse Pallas kernel gathers rows from; values rounded to bf16)")
@@ -161,7 +165,7 @@ def _context_lens(meta, num_rows):
     return np.asarray(jnp.where(rows.in_seq, ctx, 0), np.int64)
 
 
-def _report_selection(topk, ctx, num_segments):
+def _report_selection(topk, ctx, num_segments, fill):
     import numpy as np
 
     from dsa_jax import segment_coverage
@@ -171,8 +175,8 @@ def _report_selection(topk, ctx, num_segments):
         return "witnesses off (--num-segments 0)"
     cov = [segment_coverage(topk[f, r], int(ctx[r]), num_segments)
            for f in range(topk.shape[0]) for r in rows]
-    return (f"witness coverage ({num_segments} segments): mean {np.mean(cov):.3f}, min "
-            f"{np.min(cov):.3f} over {len(cov)} (full layer, row) pairs")
+    return (f"witness coverage ({num_segments} segments, fill {fill}): mean "
+            f"{np.mean(cov):.3f}, min {np.min(cov):.3f} over {len(cov)} (full layer, row) pairs")
 
 
 def _agreement(ref, pal, ctx):
@@ -228,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
           f"{latent.shape[1]} pages; MLA heads={s['heads']}, k={s['k']}")
     print(f"layers: {list(types)}")
     kw = dict(layout=layout, indexer_types=types, k=s["k"], sm_scale=float(SM_SCALE),
-              num_segments=args.num_segments, exact=args.exact)
+              num_segments=args.num_segments, fill=args.witness_fill, exact=args.exact)
     if args.devices > 1:
         from jax.sharding import Mesh
 
@@ -268,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
     ref = results["reference"]
     ctx = _context_lens(meta, inputs.q_mla.shape[1])
     ref0 = jax.tree.map(lambda x: x[0], ref) if args.devices > 1 else ref
-    print(_report_selection(ref0.topk, ctx, args.num_segments))
+    print(_report_selection(ref0.topk, ctx, args.num_segments, args.witness_fill))
     if args.devices > 1:
         single = dsa_jax.dsa_step(inputs, latent, index, meta, backend="reference", **kw)
         diff = float(np.max(np.abs(np.asarray(single.out) - ref0.out)))

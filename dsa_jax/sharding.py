@@ -68,7 +68,8 @@ def check_mesh(mesh: Mesh, data_axis: str, model_axis: str | None, *, num_local:
 def sharded_dsa_step(mesh: Mesh, inputs: StepInputs, latent_caches, index_caches,
                      meta: BatchMeta, *, layout, indexer_types, k: int, sm_scale: float,
                      data_axis: str = "data", model_axis: str | None = "model",
-                     num_segments: int = 0, granularity: str = "token",
+                     num_segments: int = 0, fill: str = "tail",
+                     refuse_full_overwrite: bool = False, granularity: str = "token",
                      one_token_per_seq: bool = False,
                      recall_target: float = DEFAULT_RECALL_TARGET, exact: bool = False,
                      backend: str | None = None, kernel_options: dict | None = None,
@@ -87,8 +88,9 @@ def sharded_dsa_step(mesh: Mesh, inputs: StepInputs, latent_caches, index_caches
         _check_context(mesh, ctx_axis, layout, latent_caches, index_caches, BatchMeta(*meta))
     statics = _step_mod.step_statics(
         latent_caches, layout=layout, indexer_types=indexer_types, k=k, sm_scale=sm_scale,
-        num_segments=num_segments, granularity=granularity,
-        one_token_per_seq=one_token_per_seq, recall_target=recall_target, exact=exact,
+        num_segments=num_segments, fill=fill, refuse_full_overwrite=refuse_full_overwrite,
+        granularity=granularity, one_token_per_seq=one_token_per_seq,
+        recall_target=recall_target, exact=exact,
         backend=backend, kernel_options=kernel_options, indexer_blocks=indexer_blocks,
         mla_blocks=mla_blocks, layer_axis=2 if ctx_axis else 1)
     return _sharded(mesh, data_axis, model_axis, ctx_axis, tuple(sorted(statics.items())))(

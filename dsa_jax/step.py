@@ -39,7 +39,7 @@ from dsa_jax import validate as _validate
 from dsa_jax.layout import PagedLayout
 from pallas_kernels import IndexerBlocks, MlaBlocks
 from reference import build_index_share_map, fp8_cache
-from reference.selection import DEFAULT_RECALL_TARGET, finish_selection
+from reference.selection import DEFAULT_RECALL_TARGET, check_selection_args, finish_selection
 
 GRANULARITIES = ("token", "page")
 
@@ -108,13 +108,15 @@ def check_step_args(inputs: StepInputs, latent_caches, index_caches, *, layout: 
     return full_slot, src_slot, num_full
 
 
-_STATICS = ("layout", "indexer_types", "k", "sm_scale", "num_segments", "granularity",
+_STATICS = ("layout", "indexer_types", "k", "sm_scale", "num_segments", "fill",
+            "refuse_full_overwrite", "granularity",
             "one_token_per_seq", "recall_target", "exact", "backend", "kernel_options",
             "indexer_blocks", "mla_blocks")
 
 
 def step_statics(latent_caches, *, layout: PagedLayout, indexer_types, k: int,
                  sm_scale: float, num_segments: int, granularity: str, one_token_per_seq: bool,
+                 fill: str = "tail", refuse_full_overwrite: bool = False,
                  recall_target: float, exact: bool, backend: str | None,
                  kernel_options: dict | None, indexer_blocks: IndexerBlocks | None,
                  mla_blocks: MlaBlocks | None, layer_axis: int = 0) -> dict:
@@ -129,7 +131,8 @@ def step_statics(latent_caches, *, layout: PagedLayout, indexer_types, k: int,
             raise TypeError(f"{name} must be a {cls.__name__} or None, got "
                             f"{type(blocks).__name__}")
     return dict(layout=layout, indexer_types=tuple(indexer_types), k=k, sm_scale=sm_scale,
-                num_segments=num_segments, granularity=granularity,
+                num_segments=num_segments, fill=fill,
+                refuse_full_overwrite=refuse_full_overwrite, granularity=granularity,
                 one_token_per_seq=one_token_per_seq, recall_target=recall_target, exact=exact,
                 backend=_backend.resolve_backend(backend),
                 kernel_options=tuple(sorted((kernel_options or {}).items())),
@@ -139,7 +142,8 @@ def step_statics(latent_caches, *, layout: PagedLayout, indexer_types, k: int,
 def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, *, layout,
               indexer_types, k, sm_scale, num_segments, granularity, one_token_per_seq,
               recall_target, exact, backend, kernel_options, indexer_blocks=None,
-              mla_blocks=None, ctx_axis: str | None = None) -> StepResult:
+              mla_blocks=None, fill="tail", refuse_full_overwrite=False,
+              ctx_axis: str | None = None) -> StepResult:
     """The step, unjitted (``dsa_step`` jits it; ``sharded_dsa_step`` runs it per shard).
     ``backend`` is resolved and ``kernel_options`` a sorted tuple of items. ``ctx_axis``: the
     caches and page table are one context shard's (``dsa_jax.context``); top-k and sparse MLA
@@ -174,12 +178,14 @@ def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, 
                 selections[slot] = topk_op(
                     *args, **{k_name: k}, pages_per_seq=layout.pages_per_seq,
                     one_token_per_seq=one_token_per_seq, num_segments=num_segments,
+                    fill=fill, refuse_full_overwrite=refuse_full_overwrite,
                     recall_target=recall_target, exact=exact, backend=backend,
                     kernel_options=topk_opts)
             else:
                 selections[slot] = _context_topk(
                     args, b, k=k, page_mode=granularity == "page", layout=layout,
                     one_token_per_seq=one_token_per_seq, num_segments=num_segments,
+                    fill=fill, refuse_full_overwrite=refuse_full_overwrite,
                     recall_target=recall_target, exact=exact, backend=backend,
                     kernel_options=topk_opts, ctx_axis=ctx_axis)
         q = _pad_last(inputs.q_mla[layer], layout.padded_dim)
@@ -192,10 +198,14 @@ def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, 
     return StepResult(jnp.stack(outs), topk, latent_caches, index_caches)
 
 
-def _context_topk(args, b, *, k, page_mode, layout, one_token_per_seq, num_segments,
-                  recall_target, exact, backend, kernel_options, ctx_axis):
+def _context_topk(args, b, *, k, page_mode, layout, one_token_per_seq, num_segments, fill,
+                  refuse_full_overwrite, recall_target, exact, backend, kernel_options,
+                  ctx_axis):
     """Top-k over context-sharded KV (``dsa_jax.context``): local top-k with scores, the
     exact merge over ``ctx_axis``, then the witness merge with the global context."""
+    check_selection_args(k, recall_target, exact, num_segments,
+                         k_name="k_pages" if page_mode else "k", fill=fill,
+                         refuse_full_overwrite=refuse_full_overwrite)
     idx, vals = _context.local_topk(
         args[0], args[1], args[2], args[3:], k=k, page_mode=page_mode,
         pages_per_seq=layout.pages_per_seq, one_token_per_seq=one_token_per_seq, exact=exact,
@@ -203,7 +213,7 @@ def _context_topk(args, b, *, k, page_mode, layout, one_token_per_seq, num_segme
     sel = _context.merge_topk(idx, vals, k, ctx_axis)
     ctx = _context.context_lens(b, sel.shape[0], page_mode=page_mode,
                                 one_token_per_seq=one_token_per_seq)
-    return finish_selection(sel, ctx, num_segments)
+    return finish_selection(sel, ctx, num_segments, fill)
 
 
 _step = jax.jit(step_body, static_argnames=_STATICS,
@@ -212,7 +222,8 @@ _step = jax.jit(step_body, static_argnames=_STATICS,
 
 def dsa_step(inputs: StepInputs, latent_caches: jax.Array, index_caches: jax.Array,
              meta: BatchMeta, *, layout: PagedLayout, indexer_types, k: int, sm_scale: float,
-             num_segments: int = 0, granularity: str = "token", one_token_per_seq: bool = False,
+             num_segments: int = 0, fill: str = "tail", refuse_full_overwrite: bool = False,
+             granularity: str = "token", one_token_per_seq: bool = False,
              recall_target: float = DEFAULT_RECALL_TARGET, exact: bool = False,
              backend: str | None = None, validate: bool = False,
              kernel_options: dict | None = None, indexer_blocks: IndexerBlocks | None = None,
@@ -227,6 +238,8 @@ def dsa_step(inputs: StepInputs, latent_caches: jax.Array, index_caches: jax.Arr
       k: token budget (``granularity="token"``) or page budget (``"page"``).
       sm_scale: softmax scale of the absorbed MLA.
       num_segments: segment witnesses merged into every top-k row (0 = off).
+      fill, refuse_full_overwrite: the witness fill (``"tail"``, upstream default, or
+        ``"lowest"``) and the opt-in ``num_segments >= k`` guard, as ``indexer_topk``.
       backend: ``"reference"`` / ``"pallas"`` / ``None`` (``dsa_jax.backend``), resolved once
         here for every op of the step.
       validate: check the batch first (``dsa_jax.validate``, eager; raises on a bad batch).
@@ -240,7 +253,8 @@ def dsa_step(inputs: StepInputs, latent_caches: jax.Array, index_caches: jax.Arr
       ``StepResult(out, topk, latent_caches, index_caches)``.
     """
     statics = step_statics(latent_caches, layout=layout, indexer_types=indexer_types, k=k,
-                           sm_scale=sm_scale, num_segments=num_segments,
+                           sm_scale=sm_scale, num_segments=num_segments, fill=fill,
+                           refuse_full_overwrite=refuse_full_overwrite,
                            granularity=granularity, one_token_per_seq=one_token_per_seq,
                            recall_target=recall_target, exact=exact, backend=backend,
                            kernel_options=kernel_options, indexer_blocks=indexer_blocks,

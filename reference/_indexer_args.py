@@ -49,9 +49,11 @@ def check_indexer_args(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, 
 
 
 def check_topk_args(arrays, *, k: int, k_name: str, pages_per_seq: int, one_token_per_seq: bool,
-                    num_segments: int, recall_target: float, exact: bool) -> None:
+                    num_segments: int, recall_target: float, exact: bool,
+                    fill: str = "tail", refuse_full_overwrite: bool = False) -> None:
     """Every top-k entry's static checks (reference and Pallas, token and page): the indexer
     arguments ``arrays = (q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
     distribution)``, then the selection statics (``k_name`` names the budget in messages)."""
     check_indexer_args(*arrays, pages_per_seq=pages_per_seq, one_token_per_seq=one_token_per_seq)
-    check_selection_args(k, recall_target, exact, num_segments, k_name=k_name)
+    check_selection_args(k, recall_target, exact, num_segments, k_name=k_name, fill=fill,
+                         refuse_full_overwrite=refuse_full_overwrite)

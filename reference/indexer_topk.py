@@ -10,7 +10,8 @@ import jax.numpy as jnp
 from reference import index_scores, selection
 from reference._indexer_args import check_topk_args
 
-_STATICS = ("k", "pages_per_seq", "one_token_per_seq", "num_segments", "recall_target", "exact")
+_STATICS = ("k", "pages_per_seq", "one_token_per_seq", "num_segments", "fill",
+            "refuse_full_overwrite", "recall_target", "exact")
 
 
 @functools.partial(jax.jit, static_argnames=_STATICS)
@@ -18,6 +19,7 @@ def streamindex_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, 
                          page_indices: jax.Array, cu_q_lens: jax.Array, cu_kv_lens: jax.Array,
                          distribution: jax.Array, *, k: int, pages_per_seq: int,
                          one_token_per_seq: bool = False, num_segments: int = 0,
+                         fill: str = "tail", refuse_full_overwrite: bool = False,
                          recall_target: float = selection.DEFAULT_RECALL_TARGET,
                          exact: bool = False) -> jax.Array:
     """Lightning-indexer token top-k over a ragged paged batch.
@@ -38,6 +40,10 @@ def streamindex_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, 
       one_token_per_seq: decode batches (T == S, row i is sequence i's last token).
       num_segments: segment witnesses per row (0 = off), merged after the guard with the row's
         causal context length ``abs_pos + 1`` (capped at the sequence's length).
+      fill: where the witnesses go: ``"tail"`` (upstream, default) or ``"lowest"``
+        (``reference.witnesses.scatter_topology_witnesses``).
+      refuse_full_overwrite: opt-in guard, ValueError when ``num_segments >= k``
+        (``reference.witnesses.check_witness_policy`` gives the reason).
       recall_target, exact: selection mode (see ``reference.selection``).
 
     Returns:
@@ -47,13 +53,14 @@ def streamindex_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, 
     check_topk_args((q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                      distribution), k=k, k_name="k", pages_per_seq=pages_per_seq,
                     one_token_per_seq=one_token_per_seq, num_segments=num_segments,
+                    fill=fill, refuse_full_overwrite=refuse_full_overwrite,
                     recall_target=recall_target, exact=exact)
 
     def finish(scores, token_ok, abs_pos, kv_len):
         scores = jnp.where(token_ok, scores, selection.NEG_INF)
         return selection.select_and_merge(scores, k, selection.causal_token_count(abs_pos, kv_len),
                                           recall_target=recall_target, exact=exact,
-                                          num_segments=num_segments)
+                                          num_segments=num_segments, fill=fill)
 
     return index_scores.score_and_select(
         q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 from reference import index_scores, selection
 from reference._indexer_args import check_topk_args
 
-_STATICS = ("k_pages", "pages_per_seq", "one_token_per_seq", "num_segments", "recall_target",
-            "exact")
+_STATICS = ("k_pages", "pages_per_seq", "one_token_per_seq", "num_segments", "fill",
+            "refuse_full_overwrite", "recall_target", "exact")
 
 
 def page_max(scores: jax.Array, token_ok: jax.Array, page_size: int) -> jax.Array:
@@ -33,7 +33,8 @@ def streamindex_page_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Ar
                               seq_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array,
                               cu_kv_lens: jax.Array, distribution: jax.Array, *, k_pages: int,
                               pages_per_seq: int, one_token_per_seq: bool = False,
-                              num_segments: int = 0,
+                              num_segments: int = 0, fill: str = "tail",
+                              refuse_full_overwrite: bool = False,
                               recall_target: float = selection.DEFAULT_RECALL_TARGET,
                               exact: bool = False) -> jax.Array:
     """Page-level lightning-indexer top-k over a ragged paged batch.
@@ -44,7 +45,9 @@ def streamindex_page_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Ar
 
     Token scores as in ``streamindex_topk_ref``, max-pooled over each page's causal, existing
     tokens; then the selection stage over the sequence's ``pages_per_seq`` pages. Witnesses
-    (``num_segments > 0``) use the row's causal page count as its context length.
+    (``num_segments > 0``) use the row's causal page count as its context length; ``fill``
+    and ``refuse_full_overwrite`` as ``streamindex_topk_ref`` (the guard compares with
+    ``k_pages``).
 
     Returns:
       i32[T, k_pages]: sequence-local page numbers by descending page score, ``-1`` padding;
@@ -53,6 +56,7 @@ def streamindex_page_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Ar
     check_topk_args((q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                      distribution), k=k_pages, k_name="k_pages", pages_per_seq=pages_per_seq,
                     one_token_per_seq=one_token_per_seq, num_segments=num_segments,
+                    fill=fill, refuse_full_overwrite=refuse_full_overwrite,
                     recall_target=recall_target, exact=exact)
     page_size = cache_kv.shape[1]
 
@@ -60,7 +64,7 @@ def streamindex_page_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Ar
         return selection.select_and_merge(
             page_max(scores, token_ok, page_size), k_pages,
             causal_page_count(abs_pos, kv_len, page_size), recall_target=recall_target,
-            exact=exact, num_segments=num_segments)
+            exact=exact, num_segments=num_segments, fill=fill)
 
     return index_scores.score_and_select(
         q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,

@@ -31,14 +31,15 @@ import jax
 import jax.numpy as jnp
 
 from reference import _checks
-from reference.witnesses import scatter_topology_witnesses
+from reference.witnesses import check_witness_policy, scatter_topology_witnesses
 
 NEG_INF = float("-inf")
 DEFAULT_RECALL_TARGET = 0.70
 
 
 def check_selection_args(k: int, recall_target: float, exact: bool, num_segments: int,
-                         *, k_name: str = "k") -> None:
+                         *, k_name: str = "k", fill: str = "tail",
+                         refuse_full_overwrite: bool = False) -> None:
     """Trace-time checks of the selection statics."""
     _checks.positive_int(k_name, k)
     if not isinstance(exact, bool):
@@ -46,6 +47,7 @@ def check_selection_args(k: int, recall_target: float, exact: bool, num_segments
     if not isinstance(recall_target, (int, float)) or not 0.0 < recall_target <= 1.0:
         raise ValueError(f"recall_target must be in (0, 1], got recall_target={recall_target!r}")
     _checks.nonneg_int("num_segments", num_segments)
+    check_witness_policy(num_segments, k, fill, refuse_full_overwrite, topk_name=k_name)
 
 
 def select_topk(scores: jax.Array, k: int, *, recall_target: float = DEFAULT_RECALL_TARGET,
@@ -84,19 +86,23 @@ def causal_token_count(abs_pos: jax.Array, kv_len: jax.Array) -> jax.Array:
 
 
 def select_and_merge(scores: jax.Array, k: int, context_lens: jax.Array, *,
-                     recall_target: float, exact: bool, num_segments: int) -> jax.Array:
+                     recall_target: float, exact: bool, num_segments: int,
+                     fill: str = "tail") -> jax.Array:
     """The whole stage: ``select_topk`` then ``finish_selection``. scores f32[R, N] (-inf for
     non-candidates), context_lens i32[R] -> i32[R, k]."""
     idx = select_topk(scores, k, recall_target=recall_target, exact=exact)
-    return finish_selection(idx, context_lens, num_segments)
+    return finish_selection(idx, context_lens, num_segments, fill)
 
 
-def finish_selection(idx: jax.Array, context_lens: jax.Array, num_segments: int) -> jax.Array:
-    """Apply the segment-witness merge (serving entry) after the guard; identity when 0.
+def finish_selection(idx: jax.Array, context_lens: jax.Array, num_segments: int,
+                     fill: str = "tail") -> jax.Array:
+    """Apply the segment-witness merge (serving entry, ``fill`` as
+    ``scatter_topology_witnesses``) after the guard; identity when 0.
 
     idx: i32[R, k]; context_lens: i32[R] (the row's causal candidate count: tokens, or pages
     for page top-k; ``<= 0`` for rows outside every sequence, which then get no witnesses).
     """
     if num_segments == 0:
         return idx
-    return scatter_topology_witnesses(idx, context_lens.astype(jnp.int32), num_segments)
+    return scatter_topology_witnesses(idx, context_lens.astype(jnp.int32), num_segments,
+                                      fill=fill)

@@ -63,6 +63,8 @@ __all__ = [
     "merge_topology_witnesses",
     "apply_topology_witnesses",
     "scatter_topology_witnesses",
+    "WITNESS_FILLS",
+    "check_witness_policy",
     "random_selector",
     "local_selector",
     "random_null",
@@ -342,6 +344,28 @@ def topology_witness_indices(learned: Any, context_lens: Any, num_segments: int)
     return _witnesses(learned, context_lens, s)
 
 
+def _write_window(learned: jax.Array, witnesses: jax.Array, start: Any, first_rank: Any,
+                  budget: Any) -> jax.Array:
+    """Window slot ``p`` (absolute slot ``start + p``, ``W = min(S, topk)`` slots) takes the
+    row's valid witness of rank ``first_rank + p`` when that rank is in ``[0, budget)``; every
+    other slot is unchanged. ``start`` is a scalar; ``first_rank`` and ``budget`` broadcast
+    against ``[rows, 1]``. A compare-select over ``[rows, W, S]``, then one
+    ``dynamic_update_slice`` of the window: no scatter, no per-element gather."""
+    topk, num_segments = learned.shape[1], witnesses.shape[1]
+    width = min(num_segments, topk)
+    valid = witnesses >= 0
+    rank = jnp.cumsum(valid.astype(jnp.int32), axis=1) - 1  # position among valid witnesses
+    rank = jnp.where(valid & (rank < budget), rank, -1)  # -1: this witness is not written
+    want = first_rank + jnp.arange(width, dtype=jnp.int32)  # rank each window slot takes
+    want = jnp.broadcast_to(want, (learned.shape[0], width))
+    hit = (rank[:, None, :] == want[:, :, None]) & (rank[:, None, :] >= 0)  # [rows, W, S]
+    taken = jnp.any(hit, axis=2)
+    value = jnp.max(jnp.where(hit, witnesses[:, None, :], -1), axis=2)
+    window = jax.lax.dynamic_slice_in_dim(learned, start, width, axis=1)
+    return jax.lax.dynamic_update_slice_in_dim(learned, jnp.where(taken, value, window), start,
+                                               axis=1)
+
+
 @jax.jit
 def _merge(learned: jax.Array, witnesses: jax.Array, keep: Any, budget: Any) -> jax.Array:
     """Unchecked body of the merge for ``budget >= 1`` and at least one row. ``keep`` and
@@ -349,24 +373,24 @@ def _merge(learned: jax.Array, witnesses: jax.Array, keep: Any, budget: Any) -> 
 
     Scatter- and gather-free (a per-element scatter models at ~69x a copy on TPU): every slot
     the merge can write lies in one static window of ``W = min(S, topk)`` slots starting at
-    ``start = min(keep, topk - W)`` (at most ``S`` valid witnesses land in ``[keep, topk)``).
-    Window slot ``p`` is absolute slot ``start + p``, which takes the valid witness of rank
-    ``start + p - keep`` when that rank is in ``[0, budget)``: a compare-select over
-    ``[rows, W, S]``, then one ``dynamic_update_slice`` of the window.
+    ``start = min(keep, topk - W)`` (at most ``S`` valid witnesses land in ``[keep, topk)``);
+    window slot ``p`` takes the valid witness of rank ``start + p - keep``.
     """
-    topk, num_segments = learned.shape[1], witnesses.shape[1]
-    width = min(num_segments, topk)
-    start = jnp.minimum(keep, topk - width)
-    valid = witnesses >= 0
-    rank = jnp.cumsum(valid.astype(jnp.int32), axis=1) - 1  # position among valid witnesses
-    rank = jnp.where(valid & (rank < budget), rank, -1)  # -1: this witness is not written
-    want = start - keep + jnp.arange(width, dtype=jnp.int32)  # rank each window slot takes
-    hit = (rank[:, None, :] == want[None, :, None]) & (rank[:, None, :] >= 0)  # [rows, W, S]
-    taken = jnp.any(hit, axis=2)
-    value = jnp.max(jnp.where(hit, witnesses[:, None, :], -1), axis=2)
-    window = jax.lax.dynamic_slice_in_dim(learned, start, width, axis=1)
-    return jax.lax.dynamic_update_slice_in_dim(learned, jnp.where(taken, value, window), start,
-                                               axis=1)
+    width = min(witnesses.shape[1], learned.shape[1])
+    start = jnp.minimum(keep, learned.shape[1] - width)
+    return _write_window(learned, witnesses, start, start - keep, budget)
+
+
+@jax.jit
+def _merge_lowest(learned: jax.Array, witnesses: jax.Array) -> jax.Array:
+    """Unchecked body of ``fill="lowest"`` (at least one row, ``topk >= 1``): a row with
+    ``w = min(#valid witnesses, topk)`` gets its first ``w`` valid witnesses (ascending
+    segment order) in slots ``[topk - w, topk)``; slots before them are unchanged. Those
+    slots lie in the last ``W = min(S, topk)``, window slot ``p`` taking rank ``p - (W - w)``."""
+    topk = learned.shape[1]
+    width = min(witnesses.shape[1], topk)
+    count = jnp.minimum(jnp.sum(witnesses >= 0, axis=1, keepdims=True), width)  # w per row
+    return _write_window(learned, witnesses, topk - width, count - width, count)
 
 
 def merge_topology_witnesses(
@@ -436,32 +460,80 @@ def apply_topology_witnesses(
     return _merge(learned, witnesses, jnp.int32(learned_keep), jnp.int32(budget))
 
 
-def scatter_topology_witnesses(
-    topk_indices: Any, context_lens: Any, num_segments: int
-) -> jax.Array:
-    """Serving entry point: witnesses written into the last ``S`` slots of each top-k row.
+WITNESS_FILLS = ("tail", "lowest")
 
-    ``learned_keep = max(topk - S, 0)`` and ``max_replacements = S``; ``S = 0`` is the off
-    switch and returns the buffer unchanged. JAX is functional, so the new buffer is returned;
-    under ``jax.jit(..., static_argnums=2, donate_argnums=0)`` XLA updates the donated buffer in
-    place. A refused call raises at trace time, before anything runs, so a donated buffer is
-    left untouched.
+
+def check_witness_policy(num_segments: Any, topk: int, fill: Any = "tail",
+                         refuse_full_overwrite: Any = False, *, topk_name: str = "topk") -> int:
+    """Static checks of the serving witness options; returns ``num_segments`` as an int.
+
+    ``fill`` must be one of ``WITNESS_FILLS`` (ValueError naming it), ``refuse_full_overwrite``
+    a bool (TypeError). With ``refuse_full_overwrite=True`` and ``num_segments > 0``,
+    ``num_segments >= topk`` raises ValueError naming both numbers. The reason: the witnesses
+    may then take every slot, so a row can lose all of its learned entries (under the tail fill
+    ``keep = max(topk - S, 0) = 0``, so every row with ``S`` missing segments does). In
+    EXPERIMENTS.md, ``S = k = 32`` with the tail fill drops a trained indexer's attention-mass
+    recall from 0.53 to 0.09 and costs +0.61 bits per byte.
+    """
+    s = _static_int("num_segments", num_segments)
+    if not isinstance(fill, str) or fill not in WITNESS_FILLS:
+        raise ValueError(f"fill must be one of {WITNESS_FILLS}, got fill={fill!r}")
+    if not isinstance(refuse_full_overwrite, bool):
+        raise TypeError("refuse_full_overwrite must be a bool, got "
+                        f"{type(refuse_full_overwrite).__name__}")
+    if refuse_full_overwrite and s > 0 and s >= topk:
+        raise ValueError(
+            f"num_segments={s} >= {topk_name}={topk} with refuse_full_overwrite=True: the "
+            f"witnesses could overwrite every learned entry of a row; use num_segments < "
+            f"{topk_name}, or refuse_full_overwrite=False to allow it")
+    return s
+
+
+def scatter_topology_witnesses(
+    topk_indices: Any, context_lens: Any, num_segments: int, *, fill: str = "tail",
+    refuse_full_overwrite: bool = False,
+) -> jax.Array:
+    """Serving entry point: each row's missing-segment witnesses written into its top-k row.
+
+    ``fill="tail"`` (the upstream behaviour and the default): the last ``S`` slots are
+    reserved, ``learned_keep = max(topk - S, 0)`` and ``max_replacements = S``, so a row with
+    ``w`` valid witnesses gets them in slots ``topk - S .. topk - S + w - 1`` and the slots
+    after those keep what they held (in a score-sorted row, entries scored *lower* than the
+    ones overwritten). ``fill="lowest"``: the row's ``w`` valid witnesses (``w <= S``, at most
+    ``topk`` of them) overwrite its *last* ``w`` slots, i.e. padding first, then the
+    lowest-scored entries, and slots ``[0, topk - w)`` stay bit-identical. Both write the same
+    witnesses in ascending segment order and agree on rows with ``w = S``; a row without
+    padding ends with ``topk`` valid slots under either (witnesses are disjoint from the row),
+    and a padded row never ends with fewer under ``"lowest"``. ``S = 0`` is the off switch
+    and returns the buffer unchanged.
+
+    JAX is functional, so the new buffer is returned; under ``jax.jit(..., static_argnums=2,
+    donate_argnums=0)`` XLA updates the donated buffer in place. A refused call raises at
+    trace time, before anything runs, so a donated buffer is left untouched.
 
     Args:
       topk_indices: ``i32[rows, topk]`` row-relative token offsets, ``-1`` padding.
       context_lens: ``i32[rows]``.
       num_segments: static Python int in ``[0, MAX_TOPOLOGY_SEGMENTS]``.
+      fill: static, ``"tail"`` or ``"lowest"``.
+      refuse_full_overwrite: opt-in static guard: raise ValueError when ``num_segments >=
+        topk`` (the reason is in ``check_witness_policy``).
 
     Returns:
       ``i32[rows, topk]``.
     """
-    s = _static_int("num_segments", num_segments)
     learned = _check_learned(topk_indices)
+    s = check_witness_policy(num_segments, learned.shape[1], fill, refuse_full_overwrite)
     context_lens = _check_per_row("context_lens", context_lens, learned, ndim=1)
     if s == 0:
         return learned
     topk = learned.shape[1]
-    return apply_topology_witnesses(learned, context_lens, max(topk - s, 0), s, s)
+    if fill == "tail":
+        return apply_topology_witnesses(learned, context_lens, max(topk - s, 0), s, s)
+    s = _check_segments(s)
+    if topk == 0 or learned.shape[0] == 0:
+        return learned
+    return _merge_lowest(learned, _witnesses(learned, context_lens, s))
 
 
 # --------------------------------------------------------------------------------------------

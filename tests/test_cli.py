@@ -23,7 +23,7 @@ def test_the_readme_command_runs_in_a_fresh_process_without_tpu_probe_noise():
     for noise in ("host bounds", "TPU_WORKER_HOSTNAMES", "E0000"):
         assert noise not in out.stderr, out.stderr[-3000:]
     assert "reference: first step" in out.stdout
-    assert "witness coverage (8 segments): mean 1.000" in out.stdout
+    assert "witness coverage (8 segments, fill tail): mean 1.000" in out.stdout
     assert "NaN in out: False" in out.stdout
 
 

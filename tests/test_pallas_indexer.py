@@ -98,11 +98,13 @@ def test_page_scores_are_the_max_over_each_pages_candidates():
 @pytest.mark.parametrize("op,ref,kw", [
     (streamindex_topk, streamindex_topk_ref, {"k": 20}),
     (streamindex_page_topk, streamindex_page_topk_ref, {"k_pages": 5})])
-def test_equals_reference_exactly_with_segment_witnesses(op, ref, kw):
+@pytest.mark.parametrize("fill", ["tail", "lowest"])
+def test_equals_reference_exactly_with_segment_witnesses(op, ref, kw, fill):
     b = _batch("mixed_padding", 5)
-    want = ref(*b.args(), pages_per_seq=PAGES_PER_SEQ, num_segments=4, exact=True, **kw)
-    got = op(*b.args(), pages_per_seq=PAGES_PER_SEQ, num_segments=4, exact=True, block_rows=4,
-             interpret=STRICT, **kw)
+    want = ref(*b.args(), pages_per_seq=PAGES_PER_SEQ, num_segments=4, fill=fill, exact=True,
+               **kw)
+    got = op(*b.args(), pages_per_seq=PAGES_PER_SEQ, num_segments=4, fill=fill, exact=True,
+             block_rows=4, interpret=STRICT, **kw)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 

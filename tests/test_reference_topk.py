@@ -106,8 +106,9 @@ def test_kv_len_past_capacity_is_clipped_to_capacity():
     assert idx[1].max() < PAGE_SIZE * PAGES_PER_SEQ and np.sum(idx[1] >= 0) == 64
 
 
+@pytest.mark.parametrize("fill", ["tail", "lowest"])
 @pytest.mark.parametrize("page_level", [False, True])
-def test_witnesses_are_merged_with_each_rows_causal_context(page_level):
+def test_witnesses_are_merged_with_each_rows_causal_context(page_level, fill):
     from reference.page_topk import causal_page_count
     from reference.witnesses import scatter_topology_witnesses
 
@@ -116,7 +117,7 @@ def test_witnesses_are_merged_with_each_rows_causal_context(page_level):
     op = streamindex_page_topk_ref if page_level else streamindex_topk_ref
     kw = {"k_pages" if page_level else "k": k, "pages_per_seq": PAGES_PER_SEQ, "exact": True}
     plain = np.asarray(op(*b.args(), **kw))
-    merged = np.asarray(op(*b.args(), num_segments=S, **kw))
+    merged = np.asarray(op(*b.args(), num_segments=S, fill=fill, **kw))
     # row contexts from the definition: abs position + 1 tokens (pages: the causal page count)
     from oracle import row_sequences
 
@@ -124,8 +125,24 @@ def test_witnesses_are_merged_with_each_rows_causal_context(page_level):
     ctx = np.array([0 if r is None else r[1] + 1 for r in rows], np.int32)
     if page_level:
         ctx = np.asarray(causal_page_count(jnp.asarray(ctx - 1), jnp.asarray(ctx), PAGE_SIZE))
-    np.testing.assert_array_equal(merged, scatter_topology_witnesses(plain, ctx, S))
+    np.testing.assert_array_equal(merged, scatter_topology_witnesses(plain, ctx, S, fill=fill))
     outside = [i for i, r in enumerate(rows) if r is None]
     assert outside and np.all(merged[outside] == -1)
     assert np.all(merged < np.maximum(ctx, 1)[:, None])  # every entry causal
     np.testing.assert_array_equal(merged[:, : k - S], plain[:, : k - S])
+
+
+@pytest.mark.parametrize("page_level", [False, True])
+def test_the_full_overwrite_guard_and_a_bad_fill_are_refused_by_the_entries(page_level):
+    b = scenario("mixed_padding", seed=21)
+    op = streamindex_page_topk_ref if page_level else streamindex_topk_ref
+    name = "k_pages" if page_level else "k"
+    kw = {name: 4, "pages_per_seq": PAGES_PER_SEQ}
+    with pytest.raises(ValueError, match=rf"num_segments=4 >= {name}=4 with refuse_full"):
+        op(*b.args(), num_segments=4, refuse_full_overwrite=True, **kw)
+    with pytest.raises(ValueError, match="fill must be one of"):
+        op(*b.args(), num_segments=2, fill="top", **kw)
+    # allowed by default (the upstream behaviour), and below k with the guard on
+    assert np.asarray(op(*b.args(), num_segments=4, **kw)).shape[1] == 4
+    assert np.asarray(op(*b.args(), num_segments=3, refuse_full_overwrite=True,
+                         **kw)).shape[1] == 4

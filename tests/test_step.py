@@ -189,6 +189,23 @@ def test_the_step_is_cache_update_then_topk_on_full_layers_then_mla_with_the_sou
     assert np.isfinite(np.asarray(res.out)).all()  # the NaN placeholders were written first
 
 
+def test_the_step_passes_the_witness_fill_and_guard_to_its_top_k():
+    from dsa_jax.context import context_lens
+
+    b, inputs, latent, index = _step_case()
+    plain = _step(b, inputs, latent, index, backend="reference")
+    low = _step(b, inputs, latent, index, num_segments=2, fill="lowest", backend="reference")
+    rb = LAYOUT.batch(latent.shape[-3], *b.meta())
+    ctx = context_lens(rb, b.q.shape[0], page_mode=False, one_token_per_seq=False)
+    for slot in range(TYPES.count("full")):
+        np.testing.assert_array_equal(
+            low.topk[slot], dsa_jax.scatter_topology_witnesses(plain.topk[slot], ctx, 2,
+                                                               fill="lowest"))
+    with pytest.raises(ValueError, match="num_segments=6 >= k=6 with refuse_full_overwrite"):
+        _step(b, inputs, latent, index, num_segments=6, refuse_full_overwrite=True,
+              backend="reference")
+
+
 def test_a_shared_layer_attends_with_its_source_layers_selection_not_its_own_cache_keys():
     b, inputs, latent, index = _step_case()
     res = _step(b, inputs, latent, index, backend="reference")

@@ -724,3 +724,81 @@ def test_the_scatter_free_merge_is_bitwise_the_old_scatter_merge(seed, topk, S, 
     want = learned if budget == 0 else _scatter_merge(learned, jnp.asarray(wit, jnp.int32),
                                                       keep, budget)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# --------------------------------------------------------------------------------------------
+# fill="lowest" and the opt-in S >= topk guard (issue 12 item 4)
+# --------------------------------------------------------------------------------------------
+
+
+def oracle_lowest(row: list[int], L: int, S: int) -> list[int]:
+    """The definition: a row's ``w`` valid witnesses (ascending segment order, at most
+    ``topk``) overwrite its last ``w`` slots; everything before them is kept."""
+    placed = [w for w in oracle_witnesses(row, L, S) if w >= 0][: len(row)]
+    return row[: len(row) - len(placed)] + placed
+
+
+def test_the_lowest_fill_writes_the_row_end_and_the_tail_fill_the_reserved_slots():
+    # L = 16, S = 4 (the seed's geometry); segment 3 is missing from both rows.
+    rows = jnp.array([[5, 9, 2, 3, -1, -1, -1, -1], [5, 9, 2, 3, 6, 7, 1, 0]], jnp.int32)
+    ctx = jnp.array([16, 16])
+    low = as_rows(scatter_topology_witnesses(rows, ctx, 4, fill="lowest"))
+    tail = as_rows(scatter_topology_witnesses(rows, ctx, 4, fill="tail"))
+    assert low == [[5, 9, 2, 3, -1, -1, -1, 12], [5, 9, 2, 3, 6, 7, 1, 12]]
+    assert tail == [[5, 9, 2, 3, 12, -1, -1, -1], [5, 9, 2, 3, 12, 7, 1, 0]]
+    assert as_rows(scatter_topology_witnesses(rows, ctx, 4)) == tail  # "tail" is the default
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=SEEDS, topk=TOPKS, S=SEGMENTS, padding=st.booleans())
+def test_the_lowest_fill_matches_its_definition(seed, topk, S, padding):
+    learned, lens = random_batch(seed, 16, topk, tail_padding=min(S, topk) if padding else 0,
+                                 junk=not padding)
+    out = as_rows(scatter_topology_witnesses(jnp.array(learned), jnp.array(lens), S,
+                                             fill="lowest"))
+    tail = as_rows(scatter_topology_witnesses(jnp.array(learned), jnp.array(lens), S))
+    for row, L, new, old in zip(learned, lens, out, tail, strict=True):
+        assert new == oracle_lowest(row, L, S)
+        w = sum(x >= 0 for x in oracle_witnesses(row, L, S))
+        if w == S:  # every segment missing: the two fills write the same slots
+            assert new == old
+        if padding and L > 0 and w <= min(S, topk):
+            assert segment_coverage(new, L, S) == 1.0  # witnesses landed on padding only
+
+
+def test_the_lowest_fill_under_jit_with_a_donated_buffer():
+    learned, lens = random_batch(5, 32, 24)
+    serve = jax.jit(scatter_topology_witnesses, static_argnames=("num_segments", "fill"),
+                    donate_argnums=0)
+    buf = jnp.array(learned, jnp.int32)
+    out = serve(buf, jnp.array(lens, jnp.int32), num_segments=8, fill="lowest")
+    assert as_rows(out) == [oracle_lowest(r, L, 8) for r, L in zip(learned, lens, strict=True)]
+    assert buf.is_deleted()
+
+
+def test_the_full_overwrite_guard_is_opt_in_and_names_both_numbers():
+    x, ctx = jnp.array([[0, 5, 9, 3]], jnp.int32), jnp.array([16])
+    for fill in ("tail", "lowest"):
+        for s in (4, 5, 64):  # S >= topk: allowed by default (upstream behaviour) ...
+            assert np.asarray(scatter_topology_witnesses(x, ctx, s, fill=fill)).shape == (1, 4)
+            with pytest.raises(ValueError, match=rf"num_segments={s} >= topk=4"):  # ... or refused
+                scatter_topology_witnesses(x, ctx, s, fill=fill, refuse_full_overwrite=True)
+        got = scatter_topology_witnesses(x, ctx, 3, fill=fill, refuse_full_overwrite=True)
+        assert as_rows(got) == as_rows(scatter_topology_witnesses(x, ctx, 3, fill=fill))
+        assert as_rows(scatter_topology_witnesses(x, ctx, 0, refuse_full_overwrite=True)) == [
+            [0, 5, 9, 3]]  # S = 0 is off, never refused
+
+
+def test_bad_fill_and_guard_arguments_are_refused_by_name():
+    x, ctx = jnp.array([[0, 5, 9, -1]], jnp.int32), jnp.array([16])
+    with pytest.raises(ValueError, match=r"fill must be one of \('tail', 'lowest'\), got "
+                                         r"fill='highest'"):
+        scatter_topology_witnesses(x, ctx, 4, fill="highest")
+    with pytest.raises(ValueError, match="fill must be one of"):  # also when S = 0
+        scatter_topology_witnesses(x, ctx, 0, fill=None)
+    with pytest.raises(TypeError, match="refuse_full_overwrite must be a bool, got int"):
+        scatter_topology_witnesses(x, ctx, 4, refuse_full_overwrite=1)
+    with pytest.raises(SegmentsOutOfRange):
+        scatter_topology_witnesses(x, ctx, 65, fill="lowest")
+    with pytest.raises(RowsMismatch):
+        scatter_topology_witnesses(x, jnp.array([8, 8]), 4, fill="lowest")

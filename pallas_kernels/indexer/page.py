@@ -20,9 +20,9 @@ from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, select_rows
 from reference import selection
 from reference._indexer_args import check_topk_args
 
-_STATICS = ("k_pages", "pages_per_seq", "one_token_per_seq", "num_segments", "recall_target",
-            "exact", "block_rows", "block_pages", "blocks", "chip", "score_chunk_bytes",
-            "vmem_limit_bytes", "interpret")
+_STATICS = ("k_pages", "pages_per_seq", "one_token_per_seq", "num_segments", "fill",
+            "refuse_full_overwrite", "recall_target", "exact", "block_rows", "block_pages",
+            "blocks", "chip", "score_chunk_bytes", "vmem_limit_bytes", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATICS)
@@ -30,7 +30,8 @@ def streamindex_page_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array,
                           seq_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array,
                           cu_kv_lens: jax.Array, distribution: jax.Array, *, k_pages: int,
                           pages_per_seq: int, one_token_per_seq: bool = False,
-                          num_segments: int = 0,
+                          num_segments: int = 0, fill: str = "tail",
+                          refuse_full_overwrite: bool = False,
                           recall_target: float = selection.DEFAULT_RECALL_TARGET,
                           exact: bool = False, block_rows: int | None = None,
                           block_pages: int | None = None, blocks: IndexerBlocks | None = None,
@@ -50,6 +51,7 @@ def streamindex_page_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array,
     check_topk_args((q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                      distribution), k=k_pages, k_name="k_pages", pages_per_seq=pages_per_seq,
                     one_token_per_seq=one_token_per_seq, num_segments=num_segments,
+                    fill=fill, refuse_full_overwrite=refuse_full_overwrite,
                     recall_target=recall_target, exact=exact)
     chip, blocks = entry_blocks(chip, blocks, block_rows, block_pages,
                                 one_token_per_seq=one_token_per_seq, pages_per_seq=pages_per_seq,
@@ -59,7 +61,8 @@ def streamindex_page_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array,
                                               distribution),
                        k=k_pages, page_mode=True, pages_per_seq=pages_per_seq,
                        one_token_per_seq=one_token_per_seq, num_segments=num_segments,
-                       recall_target=recall_target, exact=exact, blocks=blocks, chip=chip,
+                       fill=fill, recall_target=recall_target, exact=exact, blocks=blocks,
+                       chip=chip,
                        chunk_bytes=score_chunk_bytes, vmem_limit_bytes=vmem_limit_bytes,
                        interpret=interpret)
 

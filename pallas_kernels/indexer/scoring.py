@@ -30,7 +30,8 @@ def chunk_rows(total_rows: int, width: int, block_rows: int, chunk_bytes: int) -
 
 
 def select_rows(q, weights, cache_kv, meta, *, k: int, page_mode: bool, pages_per_seq: int,
-                one_token_per_seq: bool, num_segments: int, recall_target: float, exact: bool,
+                one_token_per_seq: bool, num_segments: int, fill: str, recall_target: float,
+                exact: bool,
                 blocks: IndexerBlocks, chip: str | None, chunk_bytes: int,
                 vmem_limit_bytes: int | None, interpret) -> jax.Array:
     """The token and page top-k entries after their checks: score in chunks, then select ``k``
@@ -43,7 +44,7 @@ def select_rows(q, weights, cache_kv, meta, *, k: int, page_mode: bool, pages_pe
                    else selection.causal_token_count(abs_pos, kv_eff))
         idx = selection.select_and_merge(scores, k, jnp.where(row_ok, context, 0),
                                          recall_target=recall_target, exact=exact,
-                                         num_segments=num_segments)
+                                         num_segments=num_segments, fill=fill)
         return jnp.where(row_ok[:, None], idx, -1)
 
     return score_and_select(q, weights, cache_kv, b, one_token_per_seq=one_token_per_seq,

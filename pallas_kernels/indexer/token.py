@@ -23,9 +23,9 @@ from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, score_and_select, 
 from reference import batch, selection
 from reference._indexer_args import check_indexer_args, check_topk_args
 
-_STATICS = ("k", "pages_per_seq", "one_token_per_seq", "num_segments", "recall_target", "exact",
-            "block_rows", "block_pages", "blocks", "chip", "score_chunk_bytes", "vmem_limit_bytes",
-            "interpret")
+_STATICS = ("k", "pages_per_seq", "one_token_per_seq", "num_segments", "fill",
+            "refuse_full_overwrite", "recall_target", "exact", "block_rows", "block_pages",
+            "blocks", "chip", "score_chunk_bytes", "vmem_limit_bytes", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATICS)
@@ -33,6 +33,7 @@ def streamindex_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, seq_
                      page_indices: jax.Array, cu_q_lens: jax.Array, cu_kv_lens: jax.Array,
                      distribution: jax.Array, *, k: int, pages_per_seq: int,
                      one_token_per_seq: bool = False, num_segments: int = 0,
+                     fill: str = "tail", refuse_full_overwrite: bool = False,
                      recall_target: float = selection.DEFAULT_RECALL_TARGET, exact: bool = False,
                      block_rows: int | None = None, block_pages: int | None = None,
                      blocks: IndexerBlocks | None = None, chip: str | None = None,
@@ -47,7 +48,8 @@ def streamindex_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, seq_
     arrays as ``reference.batch``.
 
     Args:
-      k, pages_per_seq, one_token_per_seq, num_segments, recall_target, exact: as in
+      k, pages_per_seq, one_token_per_seq, num_segments, fill, refuse_full_overwrite,
+        recall_target, exact: as in
         ``streamindex_topk_ref`` (witness context length: ``min(abs_pos + 1, kv_len)``).
       block_rows, block_pages: kernel blocks (``pallas_kernels.indexer.blocks``); ``None``
         takes ``blocks``' field, else the table default for ``chip``. ``block_rows`` is the
@@ -69,6 +71,7 @@ def streamindex_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, seq_
     check_topk_args((q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                      distribution), k=k, k_name="k", pages_per_seq=pages_per_seq,
                     one_token_per_seq=one_token_per_seq, num_segments=num_segments,
+                    fill=fill, refuse_full_overwrite=refuse_full_overwrite,
                     recall_target=recall_target, exact=exact)
     chip, blocks = entry_blocks(chip, blocks, block_rows, block_pages,
                                 one_token_per_seq=one_token_per_seq, pages_per_seq=pages_per_seq,
@@ -79,7 +82,8 @@ def streamindex_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, seq_
                                               distribution),
                        k=k, page_mode=False, pages_per_seq=pages_per_seq,
                        one_token_per_seq=one_token_per_seq, num_segments=num_segments,
-                       recall_target=recall_target, exact=exact, blocks=blocks, chip=chip,
+                       fill=fill, recall_target=recall_target, exact=exact, blocks=blocks,
+                       chip=chip,
                        chunk_bytes=score_chunk_bytes, vmem_limit_bytes=vmem_limit_bytes,
                        interpret=interpret)
 
