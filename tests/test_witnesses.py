@@ -671,9 +671,10 @@ def test_dtypes_and_statics_are_type_checked():
     assert out.dtype == jnp.int32 and as_rows(out) == [[0, 2, 4, 6]] * 2
 
 
-def test_cost_is_linear_in_topk_plus_segments_squared_with_no_scatter_gather_or_callback():
+@pytest.mark.parametrize("fill", ["tail", "lowest"])
+def test_cost_is_linear_in_topk_plus_segments_squared_with_no_scatter_gather_or_callback(fill):
     rows, topk, S = 8, 256, 64
-    jaxpr = jax.make_jaxpr(lambda a, c: scatter_topology_witnesses(a, c, S))(
+    jaxpr = jax.make_jaxpr(lambda a, c: scatter_topology_witnesses(a, c, S, fill=fill))(
         jnp.zeros((rows, topk), jnp.int32), jnp.ones((rows,), jnp.int32)
     )
     biggest, prims = 0, set()
