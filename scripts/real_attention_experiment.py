@@ -43,6 +43,7 @@ if str(ROOT) not in sys.path:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from notebooks import setup_cell, write_notebook  # noqa: E402
 
 from experiments import data as D  # noqa: E402
 from experiments import measure as X  # noqa: E402
@@ -425,33 +426,7 @@ starting the kernel, or edit `SIZE` in the run cell. `RAE_OUT` names the output 
 a fresh temporary folder). No downloads besides the optional clone/install in the setup cell.
 """
 
-_NB_SETUP = '''\
-# Setup. In a checkout where dsa-jax is installed (`pip install -e '.[experiments]'`) this cell
-# installs nothing: it only puts the repository root (for experiments/) and scripts/ on
-# sys.path. On a fresh Colab runtime, set REPO_URL to this repository's git URL: the cell clones
-# it and pip-installs the package (jax, numpy and matplotlib are preinstalled on Colab).
-import importlib
-import importlib.util
-import sys
-from pathlib import Path
-
-REPO_URL = ""  # e.g. "https://github.com/<owner>/dsa-jax.git" (Colab only)
-_here = Path.cwd().resolve()
-_candidates = [_here, _here / "scripts", _here.parent / "scripts", _here / "dsa-jax" / "scripts"]
-SCRIPTS = next((p for p in _candidates if (p / "real_attention_experiment.py").exists()), None)
-if SCRIPTS is None:
-    if not REPO_URL:
-        raise RuntimeError("scripts/real_attention_experiment.py not found: set REPO_URL (Colab)")
-    !git clone -q --depth 1 {REPO_URL} dsa-jax
-    SCRIPTS = _here / "dsa-jax" / "scripts"
-ROOT = SCRIPTS.parent
-if importlib.util.find_spec("dsa_jax") is None:  # not installed: Colab
-    %pip install -q {ROOT}
-    importlib.invalidate_caches()
-for _p in (ROOT, SCRIPTS):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-'''
+_NB_SETUP = setup_cell("real_attention_experiment.py")
 
 _NB_RUN = '''\
 import os
@@ -517,22 +492,11 @@ test of the pipeline, not a result.
 
 
 def build_notebook(path: Path = NOTEBOOK) -> Path:
-    """Writes the notebook (no outputs) with nbformat."""
-    import nbformat
-    from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
-
-    nb = new_notebook(cells=[new_markdown_cell(_NB_INTRO), new_code_cell(_NB_SETUP),
-                             new_code_cell(_NB_RUN), new_code_cell(_NB_TABLE),
-                             new_code_cell(_NB_PLOTS_RECALL), new_code_cell(_NB_PLOTS_BPB),
-                             new_markdown_cell(_NB_NOTES)])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
-                                 "language": "python"}
-    nb.metadata["language_info"] = {"name": "python"}
-    for i, cell in enumerate(nb.cells):
-        cell["id"] = f"real-attention-{i}"
-    nbformat.validate(nb)
-    nbformat.write(nb, str(path))
-    return path
+    """Writes the notebook (no outputs; ``notebooks.write_notebook``)."""
+    cells = [("markdown", _NB_INTRO), ("code", _NB_SETUP), ("code", _NB_RUN),
+             ("code", _NB_TABLE), ("code", _NB_PLOTS_RECALL), ("code", _NB_PLOTS_BPB),
+             ("markdown", _NB_NOTES)]
+    return write_notebook(path, cells, "real-attention")
 
 
 # --------------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from notebooks import setup_cell, write_notebook  # noqa: E402
 
 from reference import streamindex_topk_ref  # noqa: E402
 from reference.index_scores import index_scores  # noqa: E402
@@ -386,30 +387,7 @@ def write_outputs(result: dict, out: Path, docs: bool = True) -> dict:
 
 NOTEBOOK = Path(__file__).with_suffix(".ipynb")
 
-_NB_SETUP = '''\
-# Setup. In a checkout where dsa-jax is installed (`pip install -e '.[experiments]'`) this cell
-# installs nothing: it only puts scripts/ on sys.path. On a fresh Colab CPU runtime, set
-# REPO_URL to this repository's git URL: the cell clones it and pip-installs the package (jax,
-# numpy and matplotlib are preinstalled on Colab; nothing else is downloaded).
-import importlib
-import importlib.util
-import sys
-from pathlib import Path
-
-REPO_URL = ""  # e.g. "https://github.com/<owner>/dsa-jax.git" (Colab only)
-_here = Path.cwd().resolve()
-_candidates = [_here, _here / "scripts", _here.parent / "scripts", _here / "dsa-jax" / "scripts"]
-SCRIPTS = next((p for p in _candidates if (p / "witness_experiment.py").exists()), None)
-if SCRIPTS is None:
-    if not REPO_URL:
-        raise RuntimeError("scripts/witness_experiment.py not found: set REPO_URL (Colab)")
-    !git clone -q --depth 1 {REPO_URL} dsa-jax
-    SCRIPTS = _here / "dsa-jax" / "scripts"
-if importlib.util.find_spec("dsa_jax") is None:  # not installed: Colab
-    %pip install -q {SCRIPTS.parent}
-    importlib.invalidate_caches()
-sys.path.insert(0, str(SCRIPTS))
-'''
+_NB_SETUP = setup_cell("witness_experiment.py")
 
 _NB_RUN = '''\
 import os
@@ -469,21 +447,10 @@ _NB_NOTES = """\
 
 
 def build_notebook(path: Path = NOTEBOOK) -> Path:
-    """Writes the notebook (no outputs) with nbformat."""
-    import nbformat
-    from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
-
-    nb = new_notebook(cells=[new_markdown_cell(_NB_INTRO), new_code_cell(_NB_SETUP),
-                             new_code_cell(_NB_RUN), new_code_cell(_NB_TABLE),
-                             new_code_cell(_NB_PLOTS), new_markdown_cell(_NB_NOTES)])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
-                                 "language": "python"}
-    nb.metadata["language_info"] = {"name": "python"}
-    for i, cell in enumerate(nb.cells):
-        cell["id"] = f"witness-{i}"
-    nbformat.validate(nb)
-    nbformat.write(nb, str(path))
-    return path
+    """Writes the notebook (no outputs; ``notebooks.write_notebook``)."""
+    cells = [("markdown", _NB_INTRO), ("code", _NB_SETUP), ("code", _NB_RUN),
+             ("code", _NB_TABLE), ("code", _NB_PLOTS), ("markdown", _NB_NOTES)]
+    return write_notebook(path, cells, "witness")
 
 
 # --------------------------------------------------------------------------------------------
