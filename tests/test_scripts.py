@@ -50,7 +50,8 @@ def test_witness_experiment_quick(tmp_path):
 
 def test_bench_witness_merge_quick(tmp_path):
     stdout = _run(["scripts/bench_witness_merge.py", "--quick"], tmp_path)
-    assert "copy" in stdout
+    assert "ratio (median merge / median copy)" in stdout
+    assert "ratio (median lowest-fill merge / median copy)" in stdout
 
 
 def test_hbm_traffic_quick(tmp_path):
