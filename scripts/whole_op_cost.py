@@ -142,6 +142,10 @@ def witness_programs() -> list[Program]:
         Program("witness_donated", "witness merge", "scatter_topology_witnesses (donated)",
                 shape, _fixed(merge, buf + [_s((rows,), I32)], (0,)), rows,
                 _xla_of("copy", "copy"), quick=True),
+        Program("witness_lowest_donated", "witness merge",
+                'scatter_topology_witnesses(fill="lowest") (donated)', shape,
+                _fixed(functools.partial(merge, fill="lowest"), buf + [_s((rows,), I32)], (0,)),
+                rows, _xla_of("copy", "copy"), quick=True),
     ]
 
 
@@ -492,6 +496,7 @@ def op_table(chip: str, rows: list[Row]) -> str:
 GATES = (
     ("witness merge i32[512,2048] S=64, donated (as served) / copy", "witness_donated", 2.0),
     ("witness merge i32[512,2048] S=64, new buffer / copy (regression bound)", "witness", 5.0),
+    ("witness merge, lowest fill, donated / copy", "witness_lowest_donated", 2.0),
     ("select_topk default 64x4096 / approx_max_k", "sel4096", 1.5),
     ("select_topk default 64x131072 / approx_max_k", "sel131072", 1.5),
     ("select_topk exact 64x4096 / top_k", "selx4096", 1.5),

@@ -238,6 +238,9 @@ def _program(key: str):
         "copy": (jnp.copy, [_s((512, 2048), I32)], 512),
         "witness": (functools.partial(scatter_topology_witnesses, num_segments=SEGMENTS),
                     [_s((512, 2048), I32), _s((512,), I32)], 512),
+        "witness_lowest": (functools.partial(scatter_topology_witnesses, num_segments=SEGMENTS,
+                                             fill="lowest"),
+                           [_s((512, 2048), I32), _s((512,), I32)], 512),
         "amk": (amk, [_s((64, n), F32)], 64),
         "topk": (functools.partial(jax.lax.top_k, k=K), [_s((64, n), F32)], 64),
         "select": (functools.partial(selection.select_topk, k=K), [_s((64, n), F32)], 64),
@@ -247,8 +250,8 @@ def _program(key: str):
     if kind in simple:
         fn, specs, rows = simple[kind]
         return fn, specs, (), rows
-    if kind == "witness_donated":  # as served: the top-k buffer updated in place
-        fn, specs, rows = simple["witness"]
+    if kind in ("witness_donated", "witness_lowest_donated"):  # as served: updated in place
+        fn, specs, rows = simple[kind.removesuffix("_donated")]
         return fn, specs, (0,), rows
     if kind in ("indexer_topk", "page_topk"):
         fn, specs, rows, _, _ = _indexer(kind, arg)
@@ -303,23 +306,24 @@ def _check(problems: list[str]):
     assert not problems, "\n".join(problems)
 
 
-def test_witness_merge_gate():
-    """Serving entry, i32[512, 2048], S = 64: no per-element op; <= 2x the bytes of a copy of
-    the buffer when called as it serves (``scatter_topology_witnesses`` documents a donated
-    buffer updated in place; inside the selection stage the buffer is an intermediate).
-    Without donation the call must also allocate and fill a new buffer: XLA then prices it at
-    ~4x a copy (the occupancy read plus an on-chip prefetch of the input); bounded at 5x so a
-    regression to a per-element scatter (69x) still fails."""
-    donated, fresh, copy = _cost("witness_donated"), _cost("witness"), _cost("copy")
+@pytest.mark.parametrize("key", ["witness", "witness_lowest"])
+def test_witness_merge_gate(key):
+    """Serving entry, i32[512, 2048], S = 64, both fills: no per-element op; <= 2x the bytes
+    of a copy of the buffer when called as it serves (``scatter_topology_witnesses`` documents
+    a donated buffer updated in place; inside the selection stage the buffer is an
+    intermediate). Without donation the call must also allocate and fill a new buffer: XLA
+    then prices it at ~4x a copy (the occupancy read plus an on-chip prefetch of the input);
+    bounded at 5x so a regression to a per-element scatter (69x) still fails."""
+    donated, fresh, copy = _cost(f"{key}_donated"), _cost(key), _cost("copy")
     ratio, fresh_ratio = donated.xla_bytes / copy.xla_bytes, fresh.xla_bytes / copy.xla_bytes
-    problems = (_hlo_problems("witness") + _hlo_problems("witness_donated")
-                + _loop_problems("witness") + _loop_problems("copy"))
+    problems = (_hlo_problems(key) + _hlo_problems(f"{key}_donated")
+                + _loop_problems(key) + _loop_problems("copy"))
     if ratio > 2.0:
-        problems.append(f"scatter_topology_witnesses i32[512,2048] S=64, donated: "
+        problems.append(f"{key} i32[512,2048] S=64, donated: "
                         f"{_mb(donated.xla_bytes)} = {ratio:.2f}x a copy "
                         f"({_mb(copy.xla_bytes)}) > 2x")
     if fresh_ratio > 5.0:
-        problems.append(f"scatter_topology_witnesses i32[512,2048] S=64, not donated: "
+        problems.append(f"{key} i32[512,2048] S=64, not donated: "
                         f"{_mb(fresh.xla_bytes)} = {fresh_ratio:.2f}x a copy > 5x")
     _check(problems)
 
