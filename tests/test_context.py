@@ -59,11 +59,11 @@ def _shard(local, ctx, layout):
 
 
 def _check(shape, *, backend="reference", granularity="token", layout=LAYOUT, seeds=None,
-           one_token_per_seq=False, **batch_kw):
+           one_token_per_seq=False, fill="tail", **batch_kw):
     data, ctx, _ = shape
     mesh = Mesh(np.array(jax.devices()).reshape(shape), AXES)
     kw = dict(layout=layout, indexer_types=TYPES, k=10 if granularity == "token" else 3,
-              sm_scale=0.12, exact=True, num_segments=2, backend=backend,
+              sm_scale=0.12, exact=True, num_segments=2, fill=fill, backend=backend,
               granularity=granularity, one_token_per_seq=one_token_per_seq,
               kernel_options={"interpret": True} if backend == "pallas" else None)
     local = [_local_batch(s, layout, **batch_kw) for s in (seeds or range(data))]
@@ -90,6 +90,12 @@ def test_context_sharded_step_equals_the_single_device_step(shape):
 
 def test_page_granularity_over_context_shards():
     _check((1, 4, 2), granularity="page")
+
+
+@pytest.mark.parametrize("granularity", ["token", "page"])
+def test_the_lowest_witness_fill_over_context_shards(granularity):
+    # Witnesses merge after the exact candidate merge, with the global context length.
+    _check((2, 2, 2), granularity=granularity, fill="lowest")
 
 
 def test_decode_batch_one_token_per_seq_over_eight_context_shards():
