@@ -100,10 +100,12 @@ def test_page_scores_are_the_max_over_each_pages_candidates():
     (streamindex_page_topk, streamindex_page_topk_ref, {"k_pages": 5})])
 @pytest.mark.parametrize("fill", ["tail", "lowest"])
 def test_equals_reference_exactly_with_segment_witnesses(op, ref, kw, fill):
+    # S = 6: on this batch the two fills give different rows (token and page), so an entry
+    # that dropped ``fill`` would fail.
     b = _batch("mixed_padding", 5)
-    want = ref(*b.args(), pages_per_seq=PAGES_PER_SEQ, num_segments=4, fill=fill, exact=True,
+    want = ref(*b.args(), pages_per_seq=PAGES_PER_SEQ, num_segments=6, fill=fill, exact=True,
                **kw)
-    got = op(*b.args(), pages_per_seq=PAGES_PER_SEQ, num_segments=4, fill=fill, exact=True,
+    got = op(*b.args(), pages_per_seq=PAGES_PER_SEQ, num_segments=6, fill=fill, exact=True,
              block_rows=4, interpret=STRICT, **kw)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 

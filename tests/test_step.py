@@ -194,12 +194,14 @@ def test_the_step_passes_the_witness_fill_and_guard_to_its_top_k():
 
     b, inputs, latent, index = _step_case()
     plain = _step(b, inputs, latent, index, backend="reference")
-    low = _step(b, inputs, latent, index, num_segments=2, fill="lowest", backend="reference")
+    low = _step(b, inputs, latent, index, num_segments=4, fill="lowest", backend="reference")
+    tail = _step(b, inputs, latent, index, num_segments=4, backend="reference")
+    assert np.any(np.asarray(low.topk) != np.asarray(tail.topk))  # the case tells them apart
     rb = LAYOUT.batch(latent.shape[-3], *b.meta())
     ctx = context_lens(rb, b.q.shape[0], page_mode=False, one_token_per_seq=False)
     for slot in range(TYPES.count("full")):
         np.testing.assert_array_equal(
-            low.topk[slot], dsa_jax.scatter_topology_witnesses(plain.topk[slot], ctx, 2,
+            low.topk[slot], dsa_jax.scatter_topology_witnesses(plain.topk[slot], ctx, 4,
                                                                fill="lowest"))
     with pytest.raises(ValueError, match="num_segments=6 >= k=6 with refuse_full_overwrite"):
         _step(b, inputs, latent, index, num_segments=6, refuse_full_overwrite=True,
