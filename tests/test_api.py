@@ -137,3 +137,19 @@ def test_public_names_are_sorted_resolve_and_include_the_packed_path():
     assert words.shape == (2, 4, dsa_jax.packed_words(256))
     np.testing.assert_array_equal(dsa_jax.unpack_cache(words, 256),
                                   np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32))
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_the_witness_fill_and_guard_reach_both_backends(tiny, backend):
+    kw = dict(k=8, pages_per_seq=PAGES, exact=True, backend=backend)
+    got = {f: np.asarray(dsa_jax.indexer_topk(*tiny.args(), num_segments=5, fill=f, **kw))
+           for f in ("tail", "lowest")}
+    assert np.any(got["tail"] != got["lowest"])  # the case tells the fills apart
+    for f, idx in got.items():
+        np.testing.assert_array_equal(idx, streamindex_topk_ref(
+            *tiny.args(), k=8, pages_per_seq=PAGES, exact=True, num_segments=5, fill=f))
+    with pytest.raises(ValueError, match="num_segments=8 >= k=8 with refuse_full_overwrite"):
+        dsa_jax.indexer_topk(*tiny.args(), num_segments=8, refuse_full_overwrite=True, **kw)
+    with pytest.raises(ValueError, match="num_segments=2 >= k_pages=2"):
+        dsa_jax.page_topk(*tiny.args(), k_pages=2, pages_per_seq=PAGES, num_segments=2,
+                          refuse_full_overwrite=True, backend=backend)
