@@ -237,14 +237,10 @@ class PagedLayout:
         fmt = self.cache_format(kind)
         if kind == "index":
             if fmt == "fp8":
-                k8, s = fp8_cache.quantize_index_rows(values, scale_fmt=self.index_scale_fmt)
-                lanes = fp8_cache.scale_lanes(self.page_size) - self.page_size
-                return fp8_cache.Fp8IndexCache(
-                    k8, jnp.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, lanes)]))
+                return fp8_cache.quantize_index_cache(values, scale_fmt=self.index_scale_fmt)
             return values
         if fmt == "fp8":
-            return fp8_cache.Fp8LatentCache(fp8_cache.quantize_latent_rows(
-                values[..., :self.qk_dim]))
+            return fp8_cache.quantize_latent_cache(values[..., :self.qk_dim])
         d = np.shape(values)[-1]
         values = jnp.pad(values, [(0, 0)] * (np.ndim(values) - 1) + [(0, self.padded_dim - d)])
         return packed_cache.pack_cache(values) if fmt == "packed" else values

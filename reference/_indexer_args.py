@@ -23,9 +23,7 @@ def _check_query(q, cache_kv) -> None:
 def check_indexer_args(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                        distribution, *, pages_per_seq: int, one_token_per_seq: bool) -> None:
     """Refuse inconsistent shapes/dtypes/statics, naming the argument and the numbers."""
-    if isinstance(cache_kv, fp8_cache.Fp8LatentCache):
-        raise TypeError("cache_kv is an Fp8LatentCache (the MLA latent cache); the indexer "
-                        "takes its key cache: an f32/bf16 array or an Fp8IndexCache")
+    fp8_cache.refuse_other_kind("cache_kv", cache_kv, wanted="index")
     _checks.rank("q", q, 3)
     _check_query(q, cache_kv)
     num_rows, heads, dim = np.shape(q)

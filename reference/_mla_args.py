@@ -16,9 +16,7 @@ def check_mla_args(q, cache_kv, kv_lens, selected, page_indices, cu_q_lens, cu_k
     _checks.rank("q", q, 3)
     _checks.floating("q", q)
     num_rows, _, dim = np.shape(q)
-    if isinstance(cache_kv, fp8_cache.Fp8IndexCache):
-        raise TypeError("cache_kv is an Fp8IndexCache (the indexer's keys); sparse MLA takes "
-                        "the latent cache: an array or an Fp8LatentCache")
+    fp8_cache.refuse_other_kind("cache_kv", cache_kv, wanted="latent")
     if isinstance(cache_kv, fp8_cache.Fp8LatentCache):
         fp8_cache.check_latent_cache("cache_kv", cache_kv)
         if dim not in FP8_Q_DIMS:

@@ -86,9 +86,7 @@ class CacheFormat(enum.Enum):
         ``FP8`` for an ``Fp8LatentCache``."""
         if isinstance(cache, fp8_cache.Fp8LatentCache):
             return cls.FP8
-        if isinstance(cache, fp8_cache.Fp8IndexCache):
-            raise TypeError(f"{name} is an Fp8IndexCache (indexer keys); a latent cache is an "
-                            "array or an Fp8LatentCache")
+        fp8_cache.refuse_other_kind(name, cache, wanted="latent")
         dt = jnp.dtype(jnp.result_type(cache))
         for fmt in cls:
             if fmt.storage_dtype == dt and not fmt.fp8:

@@ -166,6 +166,18 @@ def check_index_cache(name: str, cache) -> None:
                          f"{tuple(np.shape(scales))}")
 
 
+def refuse_other_kind(name: str, cache, *, wanted: str) -> None:
+    """TypeError naming ``name`` when ``cache`` is the *other* fp8 cache: ``wanted="latent"``
+    (sparse MLA) refuses an ``Fp8IndexCache``, ``wanted="index"`` (the indexer) an
+    ``Fp8LatentCache``. The one wording of that refusal for every entry."""
+    if wanted == "latent" and isinstance(cache, Fp8IndexCache):
+        raise TypeError(f"{name} is an Fp8IndexCache (the indexer's keys); sparse MLA takes the "
+                        "latent cache: an array or an Fp8LatentCache")
+    if wanted == "index" and isinstance(cache, Fp8LatentCache):
+        raise TypeError(f"{name} is an Fp8LatentCache (the MLA latent cache); the indexer takes "
+                        "its key cache: an f32/bf16 array or an Fp8IndexCache")
+
+
 def check_latent_cache(name: str, cache) -> None:
     """Refuse an ``Fp8LatentCache`` whose words do not match the format."""
     if not isinstance(cache, Fp8LatentCache):
@@ -188,14 +200,21 @@ def quantize_index_rows(x, *, scale_fmt: str | None = "ue8m0") -> tuple[jax.Arra
     return k8, s[..., 0]
 
 
+def _check_paged(name: str, x) -> None:
+    """Refuse values that are not ``[..., P, page_size, D]`` (leading dims: stacked layers)."""
+    if np.ndim(x) < 3:
+        raise ValueError(f"{name} must be [..., num_pages, page_size, D] (rank >= 3), got "
+                         f"rank {np.ndim(x)} (shape {tuple(np.shape(x))})")
+
+
 def quantize_index_cache(keys, *, scale_fmt: str | None = "ue8m0") -> Fp8IndexCache:
-    """``keys: f32|bf16[P, page_size, 128]`` -> the ``Fp8IndexCache`` holding rule 1 of each
-    token (``page_size`` a multiple of 32)."""
-    _checks.rank("keys", keys, 3)
-    check_index_page_size(np.shape(keys)[1], "keys.shape[1] (page_size)")
+    """``keys: f32|bf16[..., P, page_size, 128]`` -> the ``Fp8IndexCache`` holding rule 1 of
+    each token (``page_size`` a multiple of 32; leading dims, e.g. stacked layers, kept)."""
+    _check_paged("keys", keys)
+    check_index_page_size(np.shape(keys)[-2], "keys.shape[-2] (page_size)")
     k8, s = quantize_index_rows(keys, scale_fmt=scale_fmt)
-    pad = scale_lanes(s.shape[1]) - s.shape[1]
-    return Fp8IndexCache(k8, jnp.pad(s, ((0, 0), (0, pad))))
+    pad = scale_lanes(s.shape[-1]) - s.shape[-1]
+    return Fp8IndexCache(k8, jnp.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, pad)]))
 
 
 def dequantize_index_cache(cache: Fp8IndexCache) -> jax.Array:
@@ -311,9 +330,9 @@ def dequantize_latent_words(words) -> jax.Array:
 
 
 def quantize_latent_cache(latent) -> Fp8LatentCache:
-    """``latent: f32|bf16[P, page_size, 576]`` -> the ``Fp8LatentCache`` holding rule 2 of each
-    token."""
-    _checks.rank("latent", latent, 3)
+    """``latent: f32|bf16[..., P, page_size, 576]`` -> the ``Fp8LatentCache`` holding rule 2 of
+    each token (leading dims kept)."""
+    _check_paged("latent", latent)
     return Fp8LatentCache(quantize_latent_rows(latent))
 
 

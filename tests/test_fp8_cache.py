@@ -458,7 +458,7 @@ def _index(ps=64, pages=2, keys_dtype=jnp.float8_e4m3fn, dim=128, lanes=None):
     (lambda: fc.quantize_index_cache(np.ones((2, 64, 128), np.float16)), ValueError,
      "float16"),
     (lambda: fc.quantize_index_cache(np.ones((64, 128), np.float32)), ValueError,
-     r"keys must have rank 3, got rank 2"),
+     r"keys must be \[\.\.\., num_pages, page_size, D\] \(rank >= 3\), got rank 2"),
     (lambda: fc.check_index_cache("c", _index(keys_dtype=jnp.bfloat16)), ValueError,
      "c.keys must have dtype float8_e4m3fn, got bfloat16"),
     (lambda: fc.check_index_cache("c", _index(dim=64)), ValueError,
@@ -516,3 +516,17 @@ def test_write_index_rows_drops_offsets_outside_the_page_and_negative_ids():
     lat2 = fc.write_latent_rows(lat, jnp.array([0, -1]), jnp.array([16, 2]),
                                 rng.normal(size=(2, 576)).astype(np.float32))
     assert np.array_equal(np.asarray(lat2.words), np.asarray(lat.words))
+
+
+def test_whole_cache_quantizers_keep_leading_layer_dims():
+    # A stacked [L, P, ps, D] cache quantizes as each layer on its own (dsa_jax's to_cache).
+    rng = np.random.default_rng(31)
+    keys = rng.standard_normal((2, 3, 32, 128)).astype(np.float32) * 3
+    latent = rng.standard_normal((2, 3, 32, 576)).astype(np.float32)
+    stacked_i, stacked_l = fc.quantize_index_cache(keys), fc.quantize_latent_cache(latent)
+    for layer in range(2):
+        one_i, one_l = fc.quantize_index_cache(keys[layer]), fc.quantize_latent_cache(latent[layer])
+        for a, b in ((stacked_i.keys[layer], one_i.keys), (stacked_i.scales[layer], one_i.scales),
+                     (stacked_l.words[layer], one_l.words)):
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8),
+                                          np.asarray(b).view(np.uint8))
