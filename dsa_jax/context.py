@@ -168,9 +168,8 @@ def check_local_tables(layout, tables, meta, local_pages: int) -> None:
 def _finish(k: int, exact: bool, recall_target: float):
     """A selection hand-off that keeps the scores: ``i32[R, 2k]`` = (indices, f32 score bits)."""
     def pack(scores):
-        idx = selection.select_topk(scores, k, recall_target=recall_target, exact=exact)
-        vals = jnp.take_along_axis(scores, jnp.maximum(idx, 0), axis=1)
-        vals = jnp.where(idx >= 0, vals, -jnp.inf).astype(jnp.float32)
+        idx, vals = selection.select_topk_scored(scores, k, recall_target=recall_target,
+                                                 exact=exact)
         return jnp.concatenate([idx, jax.lax.bitcast_convert_type(vals, jnp.int32)], axis=1)
     return pack
 
@@ -200,6 +199,8 @@ def local_topk(q, weights, cache, arrays, *, k: int, page_mode: bool, pages_per_
 
         opts = dict(kernel_options)
         interpret = opts.get("interpret", False)
+        chunk_bytes = opts.get("score_chunk_bytes", scoring.SCORE_CHUNK_BYTES)
+        iblocks.check_kernel_knobs(chunk_bytes, opts.get("vmem_limit_bytes"))  # as the entries
         chip, blocks = iblocks.entry_blocks(
             opts.get("chip"), opts.get("blocks"), opts.get("block_rows"),
             opts.get("block_pages"), one_token_per_seq=one_token_per_seq,
@@ -207,7 +208,7 @@ def local_topk(q, weights, cache, arrays, *, k: int, page_mode: bool, pages_per_
         b = batch.RaggedBatch.of(cache, *arrays, pages_per_seq=pages_per_seq)
         out = scoring.score_and_select(
             q, weights, cache, b, one_token_per_seq=one_token_per_seq, page_mode=page_mode,
-            blocks=blocks, chunk_bytes=opts.get("score_chunk_bytes", scoring.SCORE_CHUNK_BYTES),
+            blocks=blocks, chunk_bytes=chunk_bytes,
             vmem_limit_bytes=opts.get("vmem_limit_bytes"), interpret=interpret, chip=chip,
             out_width=2 * k, out_dtype=jnp.int32,
             finish=lambda s, row_ok, *_: jnp.where(row_ok[:, None], pack(s), -1))

@@ -63,6 +63,15 @@ def select_topk(scores: jax.Array, k: int, *, recall_target: float = DEFAULT_REC
     Returns:
       i32[R, k] column indices, ``-1`` in the tail.
     """
+    return select_topk_scored(scores, k, recall_target=recall_target, exact=exact)[0]
+
+
+def select_topk_scored(scores: jax.Array, k: int, *,
+                       recall_target: float = DEFAULT_RECALL_TARGET,
+                       exact: bool = False) -> tuple[jax.Array, jax.Array]:
+    """``select_topk`` and the selected scores as the top-k op returns them (no re-gather):
+    ``(i32[R, k] indices, f32[R, k] scores)``, ``-1`` / ``-inf`` in the tail (NaN read as
+    ``-inf``). Context-sharded top-k merges shards by these scores."""
     scores = scores.astype(jnp.float32)
     scores = jnp.where(jnp.isnan(scores), NEG_INF, scores)
     num_cols = scores.shape[-1]
@@ -72,10 +81,13 @@ def select_topk(scores: jax.Array, k: int, *, recall_target: float = DEFAULT_REC
     else:
         vals, idx = jax.lax.approx_max_k(scores, kk, recall_target=recall_target,
                                          aggregate_to_topk=True)
-    idx = jnp.where(vals > NEG_INF, idx, -1).astype(jnp.int32)
+    ok = vals > NEG_INF
+    idx = jnp.where(ok, idx, -1).astype(jnp.int32)
+    vals = jnp.where(ok, vals, NEG_INF)
     if kk < k:
         idx = jnp.pad(idx, ((0, 0), (0, k - kk)), constant_values=-1)
-    return idx
+        vals = jnp.pad(vals, ((0, 0), (0, k - kk)), constant_values=NEG_INF)
+    return idx, vals
 
 
 def causal_token_count(abs_pos: jax.Array, kv_len: jax.Array) -> jax.Array:

@@ -153,6 +153,12 @@ def test_bad_context_arguments_are_refused_before_anything_runs():
     odd = Mesh(np.array(jax.devices()[:6]).reshape(1, 2, 3), AXES)
     with pytest.raises(ValueError, match="H=4 must be divisible"):
         dsa_jax.sharded_dsa_step(odd, inputs, latent, index, meta, ctx_axis="ctx", **kw)
+    # The Pallas context path checks the indexer's kernel knobs as its entries do.
+    with pytest.raises(ValueError, match="score_chunk_bytes must be a positive int"):
+        dsa_jax.sharded_dsa_step(mesh, inputs, latent, index, meta, ctx_axis="ctx",
+                                 **{**kw, "backend": "pallas",
+                                    "kernel_options": {"interpret": True,
+                                                       "score_chunk_bytes": 0}})
 
 
 @pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
