@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from reference import batch, fp8_cache, packed_cache
+from reference import batch, fp8_cache, packed_cache, stacked
 
 GATHER_BLOCK_BYTES = 64 * 1024 * 1024
 
@@ -70,19 +70,24 @@ def _decode_rows(cache, kv, dim: int):
     return kv
 
 
-def attend_selected(q, cache, slots, valid, *, sm_scale: float, v_dim: int):
+def attend_selected(q, cache, slots, valid, *, sm_scale: float, v_dim: int, layer=None):
     """Attend every row of ``q: f[T, H, D]`` over its ``slots i32[T, n]`` of the flattened
     ``cache: f[num_pages, page_size, D]``, the packed bf16 cache ``u32[num_pages, page_size,
     packed_words(D)]`` of ``reference.packed_cache``, or an ``Fp8LatentCache`` (rows are
-    decoded after the gather). Returns (out f32[T, H, v_dim], lse f32[T, H])."""
+    decoded after the gather); with ``layer``, of that layer of a stacked cache, read in place
+    (``reference.stacked``). Returns (out f32[T, H, v_dim], lse f32[T, H])."""
     num_rows, heads, _ = q.shape
     n = slots.shape[1]
-    if isinstance(cache, fp8_cache.Fp8LatentCache):
-        cache_words = cache.words
-    else:
-        cache_words = cache
+    read = stacked.resolve("cache", cache, layer)
+    cache_words = read.stacked
+    if isinstance(cache_words, fp8_cache.Fp8LatentCache):
+        cache_words = cache_words.words
     feat = max(cache_words.shape[-1], q.shape[-1])
+    # [L * P * page_size, W]: the layer, page and row dims merged (a reshape, no copy: the
+    # rows are the tiled dim, whole pages of them); layer l's slot s is row l * P * ps + s
     flat_cache = cache_words.reshape(-1, cache_words.shape[-1])
+    per_layer = flat_cache.shape[0] // read.num_layers
+    base = stacked.safe_layer(read.layer, read.num_layers) * per_layer
     per_row = 4 * (n * feat + 2 * heads * n + heads * v_dim)
     max_chunk = max(1, min(num_rows, GATHER_BLOCK_BYTES // per_row))
     n_chunks = -(-num_rows // max_chunk)
@@ -94,6 +99,7 @@ def attend_selected(q, cache, slots, valid, *, sm_scale: float, v_dim: int):
         sl = jax.lax.dynamic_slice_in_dim(slots, s0, chunk, 0)
         ok = jax.lax.dynamic_slice_in_dim(valid, s0, chunk, 0)
         # One flat gather (measured ~2x faster on CPU than a 2-D index gather).
+        sl = jnp.where(sl < per_layer, base + sl, flat_cache.shape[0])  # one past: no read
         kv = jnp.take(flat_cache, sl.reshape(-1), axis=0, mode="fill", fill_value=0)
         kv = _decode_rows(cache, kv, q.shape[-1]).reshape(chunk, n, -1).astype(jnp.float32)
         o, l_ = _attend_rows(jax.lax.dynamic_slice_in_dim(q, s0, chunk, 0), kv, ok,

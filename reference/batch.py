@@ -105,8 +105,9 @@ class RaggedBatch:
     @classmethod
     def of(cls, cache, kv_lens, page_indices, cu_q_lens, cu_kv_lens, distribution, *,
            pages_per_seq: int) -> RaggedBatch:
-        """The batch of a cache ``[num_pages, page_size, W]`` and the seed's metadata arrays."""
-        num_pages, page_size = cache.shape[0], cache.shape[1]
+        """The batch of a cache ``[num_pages, page_size, W]`` (or a stacked ``[L, num_pages,
+        page_size, W]``, ``reference.stacked``) and the seed's metadata arrays."""
+        num_pages, page_size = cache.shape[-3], cache.shape[-2]
         return cls(kv_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,
                    page_size=int(page_size), pages_per_seq=int(pages_per_seq),
                    num_pages=int(num_pages))

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from reference import batch, fp8_cache
+from reference import batch, fp8_cache, stacked
 
 SCORE_BLOCK_BYTES = 64 * 1024 * 1024
 MAX_WINDOW_ROWS = 256
@@ -70,13 +70,18 @@ def window_ladder(num_rows: int, capacity: int) -> tuple[int, ...]:
 Finish = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
-def gather_keys(cache, page_ids) -> tuple[jax.Array, jax.Array | None]:
+def gather_keys(cache, page_ids, layer=None) -> tuple[jax.Array, jax.Array | None]:
     """A sequence's keys ``[n * page_size, D]`` and, for an ``Fp8IndexCache``, their per-token
-    scales ``f32[n * page_size]`` (the codes are upcast to f32 exactly); ``None`` otherwise."""
-    if isinstance(cache, fp8_cache.Fp8IndexCache):
-        k8, scale = fp8_cache.gather_index_pages(cache, page_ids)
-        return k8.astype(jnp.float32), scale
-    return batch.gather_pages(cache, page_ids), None
+    scales ``f32[n * page_size]`` (the codes are upcast to f32 exactly); ``None`` otherwise.
+    ``layer``: of a stacked cache, read in place (``reference.stacked``); ids ``== num_pages``
+    (and every id of a layer outside the stack) read nothing."""
+    read = stacked.resolve("cache", cache, layer)
+    st, lay = read.stacked, read.layer
+    if isinstance(st, fp8_cache.Fp8IndexCache):
+        k8 = stacked.take(st.keys, lay, page_ids)
+        scale = stacked.take(st.scales, lay, page_ids)[:, :st.page_size]
+        return k8.reshape(-1, st.shape[-1]).astype(jnp.float32), scale.reshape(-1)
+    return stacked.take(st, lay, page_ids).reshape(-1, st.shape[-1]), None
 
 
 def scaled_scores(q, w, keys, key_scale) -> jax.Array:
@@ -110,8 +115,9 @@ def _score_window(width_rows, q, w, keys, key_scale, pages, start, q_start, q_en
 
 def score_and_select(q, weights, cache, kv_lens, page_indices, cu_q_lens, cu_kv_lens,
                      distribution, *, pages_per_seq: int, out_width: int,
-                     one_token_per_seq: bool, finish: Finish) -> jax.Array:
+                     one_token_per_seq: bool, finish: Finish, layer=None) -> jax.Array:
     """Drive ``finish`` over every active sequence's rows; rows outside stay ``-1``.
+    ``layer``: which layer of a stacked ``cache`` to read (``reference.stacked``).
 
     Returns i32[T, out_width].
     """
@@ -126,7 +132,7 @@ def score_and_select(q, weights, cache, kv_lens, page_indices, cu_q_lens, cu_kv_
 
     def seq_body(seq_id, out):
         pages = b.seq_pages(seq_id)
-        keys, key_scale = gather_keys(cache, pages.page_ids)
+        keys, key_scale = gather_keys(cache, pages.page_ids, layer)
         if one_token_per_seq:  # row seq_id is the sequence's last token
             q_start, q_end = seq_id, seq_id + 1
         else:

@@ -7,13 +7,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from reference import index_scores, selection
+from reference import index_scores, selection, stacked
 from reference._indexer_args import check_topk_args
 
 _STATICS = ("k", "pages_per_seq", "one_token_per_seq", "num_segments", "fill",
             "refuse_full_overwrite", "recall_target", "exact")
 
 
+@stacked.checks_layer(cache_pos=2)
 @functools.partial(jax.jit, static_argnames=_STATICS)
 def streamindex_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, seq_lens: jax.Array,
                          page_indices: jax.Array, cu_q_lens: jax.Array, cu_kv_lens: jax.Array,
@@ -21,7 +22,7 @@ def streamindex_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, 
                          one_token_per_seq: bool = False, num_segments: int = 0,
                          fill: str = "tail", refuse_full_overwrite: bool = False,
                          recall_target: float = selection.DEFAULT_RECALL_TARGET,
-                         exact: bool = False) -> jax.Array:
+                         exact: bool = False, layer=None) -> jax.Array:
     """Lightning-indexer token top-k over a ragged paged batch.
 
     Shapes: ``q``: f32|bf16[T, H, D] indexer query heads; ``weights``: f32|bf16[T, H] per-head
@@ -50,7 +51,9 @@ def streamindex_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, 
       i32[T, k]: sequence-local token offsets by descending score, ``-1`` padding in the tail;
       rows outside every sequence are all ``-1``.
     """
-    check_topk_args((q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
+    read = stacked.resolve("cache_kv", cache_kv, layer)
+    one_layer, page_indices = read.one, stacked.mask_table(page_indices, read)
+    check_topk_args((q, weights, one_layer, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                      distribution), k=k, k_name="k", pages_per_seq=pages_per_seq,
                     one_token_per_seq=one_token_per_seq, num_segments=num_segments,
                     fill=fill, refuse_full_overwrite=refuse_full_overwrite,
@@ -65,4 +68,4 @@ def streamindex_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, 
     return index_scores.score_and_select(
         q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,
         pages_per_seq=pages_per_seq, out_width=k, one_token_per_seq=one_token_per_seq,
-        finish=finish)
+        finish=finish, layer=layer)

@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from reference import attend, batch
+from reference import attend, batch, stacked
 from reference._mla_args import check_mla_args
 
 
@@ -20,12 +20,13 @@ def pages_to_tokens(topk_pages: jax.Array, page_size: int, pages_per_seq: int) -
     return tok.reshape(topk_pages.shape[0], -1)
 
 
+@stacked.checks_layer(cache_pos=1)
 @functools.partial(jax.jit, static_argnames=("sm_scale", "pages_per_seq", "v_dim", "return_lse"))
 def page_sparse_mla_ref(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array,
                         topk_pages: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array,
                         cu_kv_lens: jax.Array, distribution: jax.Array, *, sm_scale: float,
                         pages_per_seq: int, v_dim: int, return_lse: bool = False,
-                       ) -> jax.Array | tuple[jax.Array, jax.Array]:
+                        layer=None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Sparse absorbed MLA over per-row page top-k.
 
     Shapes: ``q``: f32|bf16[T, H, D]; ``cache_kv``: f32|bf16[num_pages, page_size, D] (or the
@@ -40,13 +41,16 @@ def page_sparse_mla_ref(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array,
     Returns:
       ``q.dtype[T, H, v_dim]`` (and ``f32[T, H]`` LSE with ``return_lse=True``).
     """
-    check_mla_args(q, cache_kv, kv_lens, topk_pages, page_indices, cu_q_lens, cu_kv_lens,
+    read = stacked.resolve("cache_kv", cache_kv, layer)
+    one_layer, page_indices = read.one, stacked.mask_table(page_indices, read)
+    check_mla_args(q, one_layer, kv_lens, topk_pages, page_indices, cu_q_lens, cu_kv_lens,
                    distribution, sm_scale=sm_scale, pages_per_seq=pages_per_seq, v_dim=v_dim,
                    selected_name="topk_pages")
     b = batch.RaggedBatch.of(cache_kv, kv_lens, page_indices, cu_q_lens, cu_kv_lens,
                              distribution, pages_per_seq=pages_per_seq)
     tokens = pages_to_tokens(topk_pages, b.page_size, pages_per_seq)
     slots, valid = attend.token_slots(tokens, b.rows(q.shape[0]), b, causal=True)
-    out, lse = attend.attend_selected(q, cache_kv, slots, valid, sm_scale=sm_scale, v_dim=v_dim)
+    out, lse = attend.attend_selected(q, cache_kv, slots, valid, sm_scale=sm_scale, v_dim=v_dim,
+                                     layer=layer)
     out = out.astype(q.dtype)
     return (out, lse) if return_lse else out

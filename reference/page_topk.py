@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from reference import index_scores, selection
+from reference import index_scores, selection, stacked
 from reference._indexer_args import check_topk_args
 
 _STATICS = ("k_pages", "pages_per_seq", "one_token_per_seq", "num_segments", "fill",
@@ -28,6 +28,7 @@ def causal_page_count(abs_pos: jax.Array, kv_len: jax.Array, page_size: int) -> 
     return (tokens + page_size - 1) // page_size
 
 
+@stacked.checks_layer(cache_pos=2)
 @functools.partial(jax.jit, static_argnames=_STATICS)
 def streamindex_page_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array,
                               seq_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array,
@@ -36,7 +37,7 @@ def streamindex_page_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Ar
                               num_segments: int = 0, fill: str = "tail",
                               refuse_full_overwrite: bool = False,
                               recall_target: float = selection.DEFAULT_RECALL_TARGET,
-                              exact: bool = False) -> jax.Array:
+                              exact: bool = False, layer=None) -> jax.Array:
     """Page-level lightning-indexer top-k over a ragged paged batch.
 
     Shapes: ``q``: f32|bf16[T, H, D]; ``weights``: f32|bf16[T, H]; ``cache_kv``: f32|bf16[num_pages,
@@ -53,12 +54,14 @@ def streamindex_page_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Ar
       i32[T, k_pages]: sequence-local page numbers by descending page score, ``-1`` padding;
       rows outside every sequence all ``-1``.
     """
-    check_topk_args((q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
+    read = stacked.resolve("cache_kv", cache_kv, layer)
+    one_layer, page_indices = read.one, stacked.mask_table(page_indices, read)
+    check_topk_args((q, weights, one_layer, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                      distribution), k=k_pages, k_name="k_pages", pages_per_seq=pages_per_seq,
                     one_token_per_seq=one_token_per_seq, num_segments=num_segments,
                     fill=fill, refuse_full_overwrite=refuse_full_overwrite,
                     recall_target=recall_target, exact=exact)
-    page_size = cache_kv.shape[1]
+    page_size = cache_kv.shape[-2]
 
     def finish(scores, token_ok, abs_pos, kv_len):
         return selection.select_and_merge(
@@ -69,4 +72,4 @@ def streamindex_page_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Ar
     return index_scores.score_and_select(
         q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,
         pages_per_seq=pages_per_seq, out_width=k_pages, one_token_per_seq=one_token_per_seq,
-        finish=finish)
+        finish=finish, layer=layer)

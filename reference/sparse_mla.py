@@ -6,15 +6,16 @@ import functools
 
 import jax
 
-from reference import attend, batch
+from reference import attend, batch, stacked
 from reference._mla_args import check_mla_args
 
 
+@stacked.checks_layer(cache_pos=1)
 @functools.partial(jax.jit, static_argnames=("sm_scale", "pages_per_seq", "v_dim", "return_lse"))
 def sparse_mla_ref(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_indices: jax.Array,
                    page_indices: jax.Array, cu_q_lens: jax.Array, cu_kv_lens: jax.Array,
                    distribution: jax.Array, *, sm_scale: float, pages_per_seq: int, v_dim: int,
-                   return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+                   return_lse: bool = False, layer=None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Sparse absorbed MLA over per-row token top-k.
 
     Shapes: ``q``: f32|bf16[T, H, D] packed [nope|rope] query in latent space; ``cache_kv``:
@@ -32,12 +33,15 @@ def sparse_mla_ref(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_i
       ``q.dtype[T, H, v_dim]``, and with ``return_lse=True`` also ``f32[T, H]`` natural-log LSE
       (``-inf`` for an empty row).
     """
-    check_mla_args(q, cache_kv, kv_lens, topk_indices, page_indices, cu_q_lens, cu_kv_lens,
+    read = stacked.resolve("cache_kv", cache_kv, layer)
+    one_layer, page_indices = read.one, stacked.mask_table(page_indices, read)
+    check_mla_args(q, one_layer, kv_lens, topk_indices, page_indices, cu_q_lens, cu_kv_lens,
                    distribution, sm_scale=sm_scale, pages_per_seq=pages_per_seq, v_dim=v_dim,
                    selected_name="topk_indices")
     b = batch.RaggedBatch.of(cache_kv, kv_lens, page_indices, cu_q_lens, cu_kv_lens,
                              distribution, pages_per_seq=pages_per_seq)
     slots, valid = attend.token_slots(topk_indices, b.rows(q.shape[0]), b, causal=False)
-    out, lse = attend.attend_selected(q, cache_kv, slots, valid, sm_scale=sm_scale, v_dim=v_dim)
+    out, lse = attend.attend_selected(q, cache_kv, slots, valid, sm_scale=sm_scale, v_dim=v_dim,
+                                     layer=layer)
     out = out.astype(q.dtype)
     return (out, lse) if return_lse else out

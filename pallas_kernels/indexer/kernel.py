@@ -80,7 +80,7 @@ from pallas_kernels.indexer import work_list as wl
 from pallas_kernels.indexer.blocks import IndexerBlocks, vmem_estimate
 from pallas_kernels.indexer.work_list import level_bound, row_ladder
 from pallas_kernels.tpu import LANES
-from reference import batch, fp8, fp8_cache
+from reference import batch, fp8, fp8_cache, stacked
 
 NEG_INF = float("-inf")
 
@@ -104,6 +104,7 @@ class ScoreConfig:
     key_dtype: jnp.dtype
     chip: str | None = None  # the VMEM cap's chip (``tpu.vmem_limit``)
     scale_lanes: int = 0  # fp8 index cache: lanes of a page's scale row (0: no key scales)
+    num_layers: int = 1  # L of the stacked cache the kernel reads in place
 
     @property
     def capacity(self) -> int:
@@ -134,9 +135,10 @@ class ScoreConfig:
 def make_configs(q, cache_kv, *, rows: int, num_seqs: int, pages_per_seq: int,
                  blocks: IndexerBlocks, page_mode: bool, one_token_per_seq: bool,
                  chip: str | None = None) -> list[ScoreConfig]:
-    """Static configs of one chunk of ``rows`` query rows: one per ladder level, ascending."""
+    """Static configs of one chunk of ``rows`` query rows: one per ladder level, ascending.
+    ``cache_kv``: the stacked cache ``[L, P, ps, D]`` (``reference.stacked``)."""
     total_rows, heads, dim = q.shape
-    num_pages, page_size, _ = cache_kv.shape
+    num_layers, num_pages, page_size, _ = cache_kv.shape
     compute, key_dtype, lanes = compute_dtypes(q, cache_kv, chip)
     ladder = row_ladder(blocks.block_rows, rows, one_token_per_seq)
     return [ScoreConfig(page_mode=page_mode, rows=rows, total_rows=total_rows, block_rows=size,
@@ -144,7 +146,7 @@ def make_configs(q, cache_kv, *, rows: int, num_seqs: int, pages_per_seq: int,
                         num_items=level_bound(ladder, i, rows, num_seqs), heads=heads, dim=dim,
                         page_size=page_size, pages_per_seq=pages_per_seq, num_pages=num_pages,
                         compute_dtype=compute, key_dtype=key_dtype, chip=chip,
-                        scale_lanes=lanes)
+                        scale_lanes=lanes, num_layers=num_layers)
             for i, size in enumerate(ladder)]
 
 
@@ -187,7 +189,8 @@ def _field(items_ref, w, f):
     return items_ref[w * wl.NF + f]
 
 
-def _page_copies(cfg: ScoreConfig, items_ref, table_ref, cache_hbm, kbuf, ksem, w, blk, slot):
+def _page_copies(cfg: ScoreConfig, items_ref, table_ref, layer_ref, cache_hbm, kbuf, ksem, w,
+                 blk, slot):
     """``[(fetch?, descriptor)]`` for the ``P`` pages of stage ``blk`` of item ``w``;
     ``cache_hbm`` / ``kbuf`` are ``(keys, scales)`` pairs for an fp8 cache (each page's scale
     row is a second DMA on the same semaphore, started and waited under the same condition).
@@ -195,21 +198,26 @@ def _page_copies(cfg: ScoreConfig, items_ref, table_ref, cache_hbm, kbuf, ksem, 
     Page ``j`` of the item's sequence is ``table[slot0 + j]`` (the page table in SMEM, read on
     the scalar core): fetched only if ``j`` is a page the item needs, the slot lies inside the
     table and the page id inside ``[0, num_pages)`` (``reference.batch.lookup_page``, the rule
-    every op uses)."""
+    every op uses), from layer ``layer_ref[0]`` of the stacked cache, read in place; a layer
+    outside ``[0, L)`` fetches nothing (``reference.stacked``)."""
     npages, slot0 = _field(items_ref, w, wl.NPAGES), _field(items_ref, w, wl.SLOT0)
+    layer = layer_ref[0]
+    layer_ok = stacked.layer_ok(layer, cfg.num_layers)
+    layer = jnp.clip(layer, 0, cfg.num_layers - 1)
     out = []
     for p in range(cfg.block_pages):
         j = blk * cfg.block_pages + p
         pid, ok = batch.lookup_page(table_ref, slot0 + j, cfg.num_pages)
-        ok &= j < npages
+        ok &= (j < npages) & layer_ok
         pid = jnp.clip(pid, 0, cfg.num_pages - 1)
         if cfg.key_scales:
             (keys, scales), (kb, sb) = cache_hbm, kbuf
-            out.append((ok, pltpu.make_async_copy(keys.at[pid], kb.at[slot, p], ksem.at[slot])))
-            out.append((ok, pltpu.make_async_copy(scales.at[pl.ds(pid, 1)],
+            out.append((ok, pltpu.make_async_copy(keys.at[layer, pid], kb.at[slot, p],
+                                                  ksem.at[slot])))
+            out.append((ok, pltpu.make_async_copy(scales.at[layer, pl.ds(pid, 1)],
                                                   sb.at[slot, pl.ds(p, 1)], ksem.at[slot])))
         else:
-            out.append((ok, pltpu.make_async_copy(cache_hbm.at[pid], kbuf.at[slot, p],
+            out.append((ok, pltpu.make_async_copy(cache_hbm.at[layer, pid], kbuf.at[slot, p],
                                                   ksem.at[slot])))
     return out
 
@@ -283,7 +291,7 @@ def _row_copies(cfg: ScoreConfig, items_ref, obuf, out_hbm, osem, w, slot):
 
 def _score_kernel(cfg: ScoreConfig, aliased: bool,
                   # scalar prefetch
-                  items_ref, table_ref,
+                  items_ref, table_ref, layer_ref,
                   # inputs (q [L, H, D], weights [L, H, 1], keys in HBM, [earlier scores])
                   q_ref, w_ref, cache_hbm, *refs):
     if cfg.key_scales:  # fp8 cache: the scale rows follow the keys (inputs and scratch)
@@ -297,7 +305,8 @@ def _score_kernel(cfg: ScoreConfig, aliased: bool,
     n_items = pl.num_programs(0)
     nblk = _field(items_ref, w, wl.NBLK)
     pos0, kv_eff = _field(items_ref, w, wl.POS0), _field(items_ref, w, wl.KVLEN)
-    copies = functools.partial(_page_copies, cfg, items_ref, table_ref, cache_hbm, kbuf, ksem)
+    copies = functools.partial(_page_copies, cfg, items_ref, table_ref, layer_ref, cache_hbm,
+                               kbuf, ksem)
 
     @pl.when(w == 0)
     def _():
@@ -368,11 +377,13 @@ def _score_kernel(cfg: ScoreConfig, aliased: bool,
 # ----------------------------------------------------------------------------- pallas_call
 
 
-def score_call(cfg: ScoreConfig, q, wcol, cache_kv, items, page_table, prev, *,
+def score_call(cfg: ScoreConfig, q, wcol, cache_kv, layer, items, page_table, prev, *,
                vmem_limit_bytes: int | None, interpret):
     """One level's kernel call for the chunk's rows.
 
-    ``q: [T, H, D]`` in the compute dtype, ``wcol: f32[T, H, 1]``. Token mode: ``prev`` is the
+    ``q: [T, H, D]`` in the compute dtype, ``wcol: f32[T, H, 1]``, ``cache_kv`` the stacked
+    cache ``[L, P, ps, D]`` (or fp8 pytree) and ``layer`` the i32 scalar layer it reads in place
+    (scalar-prefetched). Token mode: ``prev`` is the
     earlier levels' ``f32[C, capacity]`` (``None`` for the first level) and the result is it
     with this level's rows written (rows outside sequences undefined). Page mode: ``f32[W_L *
     L, page_cols]``, one row per item slot."""
@@ -399,13 +410,14 @@ def score_call(cfg: ScoreConfig, q, wcol, cache_kv, items, page_table, prev, *,
                         scale_lanes=cfg.scale_lanes)
     limit = tpu.vmem_limit(est, cfg.chip, vmem_limit_bytes)
 
-    def q_rows(w, items_ref, _pages):  # element offset of the item's q block
+    def q_rows(w, items_ref, _pages, _layer):  # element offset of the item's q block
         return items_ref[w * wl.NF + wl.QROW], 0, 0
 
     in_specs = [pl.BlockSpec((pl.Element(r), pl.Element(h), pl.Element(d)), q_rows),
                 pl.BlockSpec((pl.Element(r), pl.Element(h), pl.Element(1)), q_rows),
                 pl.BlockSpec(memory_space=pltpu.HBM)]
-    operands = [items.reshape(-1), page_table, q, wcol]
+    operands = [items.reshape(-1), page_table, jnp.reshape(layer, (1,)).astype(jnp.int32), q,
+                wcol]
     if cfg.key_scales:  # the fp8 cache's two arrays, read by the kernel as they are stored
         in_specs.append(pl.BlockSpec(memory_space=pltpu.HBM))
         operands += [cache_kv.keys, cache_kv.scales]
@@ -415,7 +427,7 @@ def score_call(cfg: ScoreConfig, q, wcol, cache_kv, items, page_table, prev, *,
         in_specs.append(pl.BlockSpec(memory_space=pltpu.HBM))
         operands.append(prev)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2, grid=(cfg.num_items,), in_specs=in_specs, out_specs=out_spec,
+        num_scalar_prefetch=3, grid=(cfg.num_items,), in_specs=in_specs, out_specs=out_spec,
         scratch_shapes=scratch)
     out = pl.pallas_call(
         kernel, out_shape=out_shape, grid_spec=grid_spec,

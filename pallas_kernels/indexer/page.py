@@ -17,7 +17,7 @@ import jax
 
 from pallas_kernels.indexer.blocks import IndexerBlocks, check_kernel_knobs, entry_blocks
 from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, select_rows
-from reference import selection
+from reference import selection, stacked
 from reference._indexer_args import check_topk_args
 
 _STATICS = ("k_pages", "pages_per_seq", "one_token_per_seq", "num_segments", "fill",
@@ -25,6 +25,7 @@ _STATICS = ("k_pages", "pages_per_seq", "one_token_per_seq", "num_segments", "fi
             "blocks", "chip", "score_chunk_bytes", "vmem_limit_bytes", "interpret")
 
 
+@stacked.checks_layer(cache_pos=2)
 @functools.partial(jax.jit, static_argnames=_STATICS)
 def streamindex_page_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array,
                           seq_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array,
@@ -36,7 +37,8 @@ def streamindex_page_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array,
                           exact: bool = False, block_rows: int | None = None,
                           block_pages: int | None = None, blocks: IndexerBlocks | None = None,
                           chip: str | None = None, score_chunk_bytes: int = SCORE_CHUNK_BYTES,
-                          vmem_limit_bytes: int | None = None, interpret=False) -> jax.Array:
+                          vmem_limit_bytes: int | None = None, interpret=False,
+                     layer=None) -> jax.Array:
     """Page top-k of the lightning indexer over a ragged paged batch (Pallas page scores).
 
     Shapes: ``q``: f32|bf16[T, H, D] (fp8 with an fp8 cache); ``weights``: f32|bf16[T, H];
@@ -48,14 +50,15 @@ def streamindex_page_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array,
 
     Returns: what ``reference.streamindex_page_topk_ref`` returns (``i32[T, k_pages]``).
     """
-    check_topk_args((q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
+    one_layer = stacked.resolve("cache_kv", cache_kv, layer).one
+    check_topk_args((q, weights, one_layer, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                      distribution), k=k_pages, k_name="k_pages", pages_per_seq=pages_per_seq,
                     one_token_per_seq=one_token_per_seq, num_segments=num_segments,
                     fill=fill, refuse_full_overwrite=refuse_full_overwrite,
                     recall_target=recall_target, exact=exact)
     chip, blocks = entry_blocks(chip, blocks, block_rows, block_pages,
                                 one_token_per_seq=one_token_per_seq, pages_per_seq=pages_per_seq,
-                                page_size=cache_kv.shape[1], page_mode=True, interpret=interpret)
+                                page_size=cache_kv.shape[-2], page_mode=True, interpret=interpret)
     check_kernel_knobs(score_chunk_bytes, vmem_limit_bytes)
     return select_rows(q, weights, cache_kv, (seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                                               distribution),
@@ -64,5 +67,5 @@ def streamindex_page_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array,
                        fill=fill, recall_target=recall_target, exact=exact, blocks=blocks,
                        chip=chip,
                        chunk_bytes=score_chunk_bytes, vmem_limit_bytes=vmem_limit_bytes,
-                       interpret=interpret)
+                       interpret=interpret, layer=layer)
 

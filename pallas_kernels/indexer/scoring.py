@@ -10,7 +10,7 @@ from pallas_kernels import tpu
 from pallas_kernels.indexer.blocks import IndexerBlocks
 from pallas_kernels.indexer.kernel import NEG_INF, make_configs, score_call
 from pallas_kernels.indexer.work_list import work_list
-from reference import batch, index_scores, selection
+from reference import batch, index_scores, selection, stacked
 from reference.page_topk import causal_page_count
 
 # ----------------------------------------------------------------------------- row chunks
@@ -33,10 +33,11 @@ def select_rows(q, weights, cache_kv, meta, *, k: int, page_mode: bool, pages_pe
                 one_token_per_seq: bool, num_segments: int, fill: str, recall_target: float,
                 exact: bool,
                 blocks: IndexerBlocks, chip: str | None, chunk_bytes: int,
-                vmem_limit_bytes: int | None, interpret) -> jax.Array:
+                vmem_limit_bytes: int | None, interpret, layer=None) -> jax.Array:
     """The token and page top-k entries after their checks: score in chunks, then select ``k``
     per row with the row's causal context (tokens, or pages in page mode) as the witnesses'
-    context length; rows outside every sequence all ``-1``. ``meta``: the five batch arrays."""
+    context length; rows outside every sequence all ``-1``. ``meta``: the five batch arrays;
+    ``layer``: the layer of a stacked ``cache_kv`` to read (``reference.stacked``)."""
     b = batch.RaggedBatch.of(cache_kv, *meta, pages_per_seq=pages_per_seq)
 
     def finish(scores, row_ok, abs_pos, kv_eff):
@@ -50,16 +51,20 @@ def select_rows(q, weights, cache_kv, meta, *, k: int, page_mode: bool, pages_pe
     return score_and_select(q, weights, cache_kv, b, one_token_per_seq=one_token_per_seq,
                             page_mode=page_mode, blocks=blocks, chunk_bytes=chunk_bytes,
                             vmem_limit_bytes=vmem_limit_bytes, interpret=interpret, chip=chip,
-                            out_width=k, out_dtype=jnp.int32, finish=finish)
+                            out_width=k, out_dtype=jnp.int32, finish=finish, layer=layer)
 
 
 def score_and_select(q, weights, cache_kv, b: batch.RaggedBatch, *, one_token_per_seq: bool,
                      page_mode: bool, blocks: IndexerBlocks, chunk_bytes: int,
                      vmem_limit_bytes: int | None, interpret, out_width: int, out_dtype,
-                     finish, chip: str | None = None) -> jax.Array:
+                     finish, chip: str | None = None, layer=None) -> jax.Array:
     """Score the rows in chunks of ``C`` rows (one kernel call each, inside a ``fori_loop``) and
     hand each chunk to ``finish(scores f32[C, N], row_ok bool[C], abs_pos i32[C],
-    kv_eff i32[C]) -> [C, out_width]``. Rows outside every sequence get ``-inf`` scores."""
+    kv_eff i32[C]) -> [C, out_width]``. Rows outside every sequence get ``-inf`` scores.
+    ``cache_kv`` is one layer, or a stacked cache read in place at ``layer``
+    (``reference.stacked``: the kernel gets the stack and the layer as a scalar)."""
+    read = stacked.resolve("cache_kv", cache_kv, layer)
+    cache_kv = read.stacked
     total_rows, pages_per_seq = q.shape[0], b.pages_per_seq
     width = pages_per_seq if page_mode else b.capacity_tokens
     c = chunk_rows(total_rows, width, blocks.block_rows, chunk_bytes)
@@ -76,7 +81,7 @@ def score_and_select(q, weights, cache_kv, b: batch.RaggedBatch, *, one_token_pe
         scores = None
         per_level = []
         for cfg, its in zip(cfgs, items, strict=True):
-            out = score_call(cfg, q_in, wcol, cache_kv, its, table,
+            out = score_call(cfg, q_in, wcol, cache_kv, read.layer, its, table,
                              None if page_mode else scores,
                              vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
             if page_mode:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.indexer.blocks import IndexerBlocks, check_kernel_knobs, entry_blocks
 from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, score_and_select, select_rows
-from reference import batch, selection
+from reference import batch, selection, stacked
 from reference._indexer_args import check_indexer_args, check_topk_args
 
 _STATICS = ("k", "pages_per_seq", "one_token_per_seq", "num_segments", "fill",
@@ -28,6 +28,7 @@ _STATICS = ("k", "pages_per_seq", "one_token_per_seq", "num_segments", "fill",
             "blocks", "chip", "score_chunk_bytes", "vmem_limit_bytes", "interpret")
 
 
+@stacked.checks_layer(cache_pos=2)
 @functools.partial(jax.jit, static_argnames=_STATICS)
 def streamindex_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, seq_lens: jax.Array,
                      page_indices: jax.Array, cu_q_lens: jax.Array, cu_kv_lens: jax.Array,
@@ -38,7 +39,8 @@ def streamindex_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, seq_
                      block_rows: int | None = None, block_pages: int | None = None,
                      blocks: IndexerBlocks | None = None, chip: str | None = None,
                      score_chunk_bytes: int = SCORE_CHUNK_BYTES,
-                     vmem_limit_bytes: int | None = None, interpret=False) -> jax.Array:
+                     vmem_limit_bytes: int | None = None, interpret=False,
+                     layer=None) -> jax.Array:
     """Token top-k of the lightning indexer over a ragged paged batch (Pallas scores).
 
     Shapes: ``q``: f32|bf16[T, H, D] indexer query heads; ``weights``: f32|bf16[T, H] per-head
@@ -68,14 +70,15 @@ def streamindex_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, seq_
       i32[T, k]: sequence-local token offsets by descending score, ``-1`` padding in the tail;
       rows outside every sequence all ``-1``.
     """
-    check_topk_args((q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
+    one_layer = stacked.resolve("cache_kv", cache_kv, layer).one
+    check_topk_args((q, weights, one_layer, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                      distribution), k=k, k_name="k", pages_per_seq=pages_per_seq,
                     one_token_per_seq=one_token_per_seq, num_segments=num_segments,
                     fill=fill, refuse_full_overwrite=refuse_full_overwrite,
                     recall_target=recall_target, exact=exact)
     chip, blocks = entry_blocks(chip, blocks, block_rows, block_pages,
                                 one_token_per_seq=one_token_per_seq, pages_per_seq=pages_per_seq,
-                                page_size=cache_kv.shape[1], page_mode=False, interpret=interpret)
+                                page_size=cache_kv.shape[-2], page_mode=False, interpret=interpret)
     check_kernel_knobs(score_chunk_bytes, vmem_limit_bytes)
 
     return select_rows(q, weights, cache_kv, (seq_lens, page_indices, cu_q_lens, cu_kv_lens,
@@ -85,7 +88,7 @@ def streamindex_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, seq_
                        fill=fill, recall_target=recall_target, exact=exact, blocks=blocks,
                        chip=chip,
                        chunk_bytes=score_chunk_bytes, vmem_limit_bytes=vmem_limit_bytes,
-                       interpret=interpret)
+                       interpret=interpret, layer=layer)
 
 
 @functools.partial(jax.jit, static_argnames=("pages_per_seq", "one_token_per_seq", "page_mode",
@@ -104,7 +107,7 @@ def streamindex_scores(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, 
                        one_token_per_seq=one_token_per_seq)
     chip, blocks = entry_blocks(chip, blocks, block_rows, block_pages,
                                 one_token_per_seq=one_token_per_seq, pages_per_seq=pages_per_seq,
-                                page_size=cache_kv.shape[1], page_mode=page_mode,
+                                page_size=cache_kv.shape[-2], page_mode=page_mode,
                                 interpret=interpret)
     width = pages_per_seq * (1 if page_mode else cache_kv.shape[1])
     b = batch.RaggedBatch.of(cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from pallas_kernels import tpu
 from pallas_kernels.mla.blocks import _COUNT, _END, _LIMIT, _SLOT0, ROW_INFO_WORDS
 from pallas_kernels.mla.kernel import fp8_query, gather_attend
-from reference import batch
+from reference import batch, stacked
 from reference.cache_format import CacheFormat
 
 
@@ -27,13 +27,16 @@ def compute_query(q, fmt: CacheFormat):
 
 def attend_entries(q, cache_kv, entries, b: batch.RaggedBatch, *, mode: str,
                    fmt: CacheFormat, units: int, sm_scale: float, v_dim: int, return_lse: bool,
-                   vmem_limit_bytes: int | None, interpret):
+                   vmem_limit_bytes: int | None, interpret, layer=None):
     """What both entries do after their checks and block choice: ``row_info`` in XLA, the
     kernel over the raw ``entries`` (token offsets or page numbers) and the page table, then the
-    output in ``q``'s dtype (and the LSE ``f32[T, H]`` when ``return_lse``)."""
+    output in ``q``'s dtype (and the LSE ``f32[T, H]`` when ``return_lse``). ``cache_kv``: one
+    layer, or a stacked cache read in place at ``layer`` (``reference.stacked``)."""
     info = row_info(entries, b, mode=mode)
-    cache = cache_kv.words if fmt.fp8 else cache_kv  # the kernel reads the fp8 words directly
-    out, lse = gather_attend(compute_query(q, fmt), cache, entries.astype(jnp.int32), info,
+    read = stacked.resolve("cache_kv", cache_kv, layer)
+    cache = read.stacked.words if fmt.fp8 else read.stacked  # fp8: the words, as stored
+    out, lse = gather_attend(compute_query(q, fmt), cache, read.layer, entries.astype(jnp.int32),
+                             info,
                              tpu.smem_page_table(b.page_indices), mode=mode, fmt=fmt,
                              units=units, pages_per_seq=b.pages_per_seq, sm_scale=sm_scale,
                              v_dim=v_dim, return_lse=return_lse,

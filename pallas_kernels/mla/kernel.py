@@ -80,7 +80,7 @@ from pallas_kernels import tpu
 from pallas_kernels.mla import blocks as mla_blocks
 from pallas_kernels.mla.blocks import _COUNT, _END, _LIMIT, _SLOT0, ROW_INFO_WORDS
 from pallas_kernels.mla.traffic import mla_traffic
-from reference import batch, fp8, fp8_cache, packed_cache
+from reference import batch, fp8, fp8_cache, packed_cache, stacked
 from reference._mla_args import check_mla_args
 from reference.cache_format import CacheFormat, check_packed_width
 
@@ -239,14 +239,16 @@ def _entry_source(mode, e, info, table_ref, *, page_size, pages_per_seq, num_pag
     return ok & found, jnp.clip(pid, 0, num_pages - 1), inner, lim
 
 
-def _kernel(info_ref, table_ref, q_ref, meta_hbm, cache_hbm, out_ref, *refs, mode, fmt,
-            f32, num_rows, page_size, pages_per_seq, num_pages, units, sm_scale, segs,
-            return_lse):
+def _kernel(info_ref, table_ref, layer_ref, q_ref, meta_hbm, cache_hbm, out_ref, *refs, mode,
+            fmt, f32, num_rows, page_size, pages_per_seq, num_pages, num_layers, units,
+            sm_scale, segs, return_lse):
     """One grid step = one query row; see the module docstring for the pipeline.
 
     Refs: prefetch ``info`` (SMEM i32[T * 4]: per row valid-entry count, walk end, first page
-    slot, limit) and ``table`` (SMEM i32[N], the page table); inputs ``q`` block [1, H, D],
-    ``meta`` (HBM i32[T, k], the row's raw entries), ``cache`` (HBM); outputs ``out`` block
+    slot, limit), ``table`` (SMEM i32[N], the page table) and ``layer`` (SMEM i32[1]: the layer
+    of the stacked cache read in place; outside ``[0, L)`` nothing is read,
+    ``reference.stacked``); inputs ``q`` block [1, H, D], ``meta`` (HBM i32[T, k], the row's
+    raw entries), ``cache`` (HBM ``[L, P, page_size, W]``); outputs ``out`` block
     [1, H, v_dim] (and ``lse`` [1, H, 1]); scratch: gather buffers, raw rows of 2 query rows,
     DMA semaphores, rows filled per buffer, in-page limits (page), walk cursor, parity.
     """
@@ -256,6 +258,8 @@ def _kernel(info_ref, table_ref, q_ref, meta_hbm, cache_hbm, out_ref, *refs, mod
     rows = units * unit
     cdt = jnp.float32 if f32 else jnp.bfloat16
     t = pl.program_id(0)
+    layer_ok = stacked.layer_ok(layer_ref[0], num_layers)
+    layer = jnp.clip(layer_ref[0], 0, num_layers - 1)
 
     def meta_copy(row):
         b = row % 2
@@ -264,9 +268,9 @@ def _kernel(info_ref, table_ref, q_ref, meta_hbm, cache_hbm, out_ref, *refs, mod
 
     def unit_copy(buf, i, pid, inner):  # whole rows: Mosaic refuses part-row slices here
         if mode == "token":
-            return pltpu.make_async_copy(cache_hbm.at[pid, pl.ds(inner, 1)],
+            return pltpu.make_async_copy(cache_hbm.at[layer, pid, pl.ds(inner, 1)],
                                          gbuf.at[buf, pl.ds(i, 1)], gsem.at[buf])
-        return pltpu.make_async_copy(cache_hbm.at[pid], gbuf.at[buf, i], gsem.at[buf])
+        return pltpu.make_async_copy(cache_hbm.at[layer, pid], gbuf.at[buf, i], gsem.at[buf])
 
     def issue(row, buf, first):
         """Walk the row's raw entries from the cursor, DMA the next ``units`` valid ones into
@@ -280,6 +284,7 @@ def _kernel(info_ref, table_ref, q_ref, meta_hbm, cache_hbm, out_ref, *refs, mod
             ok, pid, inner, lim = _entry_source(
                 mode, sbuf[row % 2, cur], info, table_ref, page_size=page_size,
                 pages_per_seq=pages_per_seq, num_pages=num_pages)
+            ok &= layer_ok
 
             @pl.when(ok)
             def _():
@@ -391,23 +396,25 @@ def block_shape(mode, *, heads, dim, v_dim, page_size, units, meta_len, q_dtype,
         unpacked_parts=4 if fmt.fp8 else 2 if fmt.packed else 1)
 
 
-def gather_attend(q, cache, entries, info, table, *, mode, fmt, units, pages_per_seq,
+def gather_attend(q, cache, layer, entries, info, table, *, mode, fmt, units, pages_per_seq,
                   sm_scale, v_dim, return_lse, vmem_limit_bytes, interpret):
-    """Run the kernel. ``q: [T, H, D]`` (f32 or bf16: the compute dtype); ``cache``:
-    ``[P, page_size, W]`` (f32 / bf16 rows, or packed u32 words); ``entries: i32[T, k]`` the
+    """Run the kernel. ``q: [T, H, D]`` (f32 or bf16: the compute dtype); ``cache``: the
+    stacked ``[L, P, page_size, W]`` (f32 / bf16 rows, or packed u32 words) read in place at
+    ``layer`` (i32 scalar, scalar-prefetched); ``entries: i32[T, k]`` the
     rows' raw top-k entries (token offsets, or page numbers in page mode); ``info: i32[T, 4]``
     from ``row_info``; ``table: i32[N]`` the page table (``page_indices``) as it is.
 
     Returns ``q.dtype[T, H, v_dim]`` and ``f32[T, H, 1]`` (or None).
     """
     num_rows, heads, dim = q.shape
-    num_pages, page_size, words = cache.shape
+    num_layers, num_pages, page_size, words = cache.shape
     k = entries.shape[1]
     shape = block_shape(mode, heads=heads, dim=dim, v_dim=v_dim, page_size=page_size,
                         units=units, meta_len=k, q_dtype=q.dtype, fmt=fmt)
     kernel = functools.partial(
         _kernel, mode=mode, fmt=fmt, f32=q.dtype == jnp.float32, num_rows=num_rows,
-        page_size=page_size, pages_per_seq=pages_per_seq, num_pages=num_pages, units=units,
+        page_size=page_size, pages_per_seq=pages_per_seq, num_pages=num_pages,
+        num_layers=num_layers, units=units,
         sm_scale=float(sm_scale), segs=segments(dim, v_dim, fmt, words),
         return_lse=return_lse)
     gbuf = (2, units, words) if mode == "token" else (2, units, page_size, words)
@@ -417,7 +424,7 @@ def gather_attend(q, cache, entries, info, table, *, mode, fmt, units, pages_per
         out_shape.append(jax.ShapeDtypeStruct((num_rows, heads, 1), jnp.float32))
         out_specs.append(pl.BlockSpec((1, heads, 1), lambda t, *_: (t, 0, 0)))
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2, grid=(num_rows,),
+        num_scalar_prefetch=3, grid=(num_rows,),
         in_specs=[pl.BlockSpec((1, heads, dim), lambda t, *_: (t, 0, 0)),
                   pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=out_specs,
@@ -441,5 +448,6 @@ def gather_attend(q, cache, entries, info, table, *, mode, fmt, units, pages_per
         cost_estimate=pl.CostEstimate(flops=traffic.flops, transcendentals=0,
                                       bytes_accessed=traffic.bytes_moved),
         interpret=tpu.interpret_params(interpret), name=f"{mode}_sparse_mla")
-    res = call(info.reshape(-1), table, q, entries, cache)
+    res = call(info.reshape(-1), table, jnp.reshape(layer, (1,)).astype(jnp.int32), q, entries,
+               cache)
     return res[0], (res[1] if return_lse else None)

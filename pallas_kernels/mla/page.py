@@ -37,8 +37,10 @@ from pallas_kernels import tpu
 from pallas_kernels.mla import blocks as mla_blocks
 from pallas_kernels.mla.common import attend_entries
 from pallas_kernels.mla.kernel import check_kernel_args
+from reference import stacked
 
 
+@stacked.checks_layer(cache_pos=1)
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "pages_per_seq", "v_dim", "return_lse", "pages_per_block", "blocks",
     "vmem_limit_bytes", "interpret"))
@@ -47,7 +49,7 @@ def page_sparse_mla(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_
                     distribution: jax.Array, *, sm_scale: float, pages_per_seq: int, v_dim: int,
                     return_lse: bool = False, pages_per_block: int | None = None,
                     blocks: mla_blocks.MlaBlocks | None = None, vmem_limit_bytes: int | None = None,
-                    interpret=False) -> jax.Array | tuple[jax.Array, jax.Array]:
+                    interpret=False, layer=None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Page-sparse absorbed MLA (Pallas TPU); same semantics as ``page_sparse_mla_ref``.
 
     Shapes: ``q``: f32|bf16[T, H, D]; ``cache_kv``: f32|bf16[P, ps, D] | u32[P, ps, Wp] packed bf16
@@ -63,13 +65,15 @@ def page_sparse_mla(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_
     Returns:
       ``q.dtype[T, H, v_dim]``; with ``return_lse=True`` also ``f32[T, H]``.
     """
-    fmt, b = check_kernel_args(q, cache_kv, kv_lens, topk_pages, page_indices, cu_q_lens,
+    read = stacked.resolve("cache_kv", cache_kv, layer)
+    fmt, b = check_kernel_args(q, read.one, kv_lens, topk_pages, page_indices, cu_q_lens,
                             cu_kv_lens, distribution, sm_scale=sm_scale,
                             pages_per_seq=pages_per_seq, v_dim=v_dim,
                             selected_name="topk_pages")
-    units = mla_blocks.page_block(topk_pages.shape[1], cache_kv.shape[1], tpu.device_chip(),
+    units = mla_blocks.page_block(topk_pages.shape[1], b.page_size, tpu.device_chip(),
                                   mla_blocks.pick(blocks, "pages_per_block", pages_per_block))
-    return attend_entries(q, cache_kv, topk_pages, b, mode="page", fmt=fmt, units=units,
+    return attend_entries(q, read.stacked, topk_pages, b, mode="page", fmt=fmt, units=units,
                           sm_scale=sm_scale, v_dim=v_dim, return_lse=return_lse,
-                          vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
+                          vmem_limit_bytes=vmem_limit_bytes, interpret=interpret,
+                          layer=read.layer)
 

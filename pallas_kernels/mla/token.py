@@ -21,10 +21,11 @@ from pallas_kernels import tpu
 from pallas_kernels.mla import blocks as mla_blocks
 from pallas_kernels.mla.common import PerformanceWarning, attend_entries
 from pallas_kernels.mla.kernel import check_kernel_args
-from reference import packed_cache
+from reference import packed_cache, stacked
 from reference.cache_format import CacheFormat
 
 
+@stacked.checks_layer(cache_pos=1)
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "pages_per_seq", "v_dim", "return_lse", "tokens_per_block", "blocks",
     "vmem_limit_bytes", "interpret"))
@@ -33,7 +34,7 @@ def sparse_mla(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_indic
                distribution: jax.Array, *, sm_scale: float, pages_per_seq: int, v_dim: int,
                return_lse: bool = False, tokens_per_block: int | None = None,
                blocks: mla_blocks.MlaBlocks | None = None, vmem_limit_bytes: int | None = None,
-               interpret=False) -> jax.Array | tuple[jax.Array, jax.Array]:
+               interpret=False, layer=None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Token-sparse absorbed MLA (Pallas TPU); same semantics as ``sparse_mla_ref``.
 
     Shapes: ``q``: f32|bf16[T, H, D]; ``cache_kv``: f32[P, ps, D] | u32[P, ps, Wp] packed bf16 |
@@ -55,7 +56,8 @@ def sparse_mla(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_indic
     Returns:
       ``q.dtype[T, H, v_dim]``; with ``return_lse=True`` also ``f32[T, H]``.
     """
-    fmt, b = check_kernel_args(q, cache_kv, kv_lens, topk_indices, page_indices, cu_q_lens,
+    read = stacked.resolve("cache_kv", cache_kv, layer)
+    fmt, b = check_kernel_args(q, read.one, kv_lens, topk_indices, page_indices, cu_q_lens,
                             cu_kv_lens, distribution, sm_scale=sm_scale,
                             pages_per_seq=pages_per_seq, v_dim=v_dim,
                             selected_name="topk_indices")
@@ -65,12 +67,14 @@ def sparse_mla(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_indic
                           "call (a full copy of the cache); store it packed "
                           "(reference.packed_cache.pack_cache, or dsa_jax.PagedLayout("
                           "packed_latent=True))", PerformanceWarning, stacklevel=2)
-        cache_kv, fmt = packed_cache.pack_cache(cache_kv), CacheFormat.PACKED_BF16
+        read = read._replace(stacked=packed_cache.pack_cache(read.stacked))
+        fmt = CacheFormat.PACKED_BF16
     units = mla_blocks.token_block(topk_indices.shape[1], tpu.device_chip(),
                                    mla_blocks.pick(blocks, "tokens_per_block", tokens_per_block))
-    return attend_entries(q, cache_kv, topk_indices, b, mode="token", fmt=fmt, units=units,
+    return attend_entries(q, read.stacked, topk_indices, b, mode="token", fmt=fmt, units=units,
                           sm_scale=sm_scale, v_dim=v_dim, return_lse=return_lse,
-                          vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
+                          vmem_limit_bytes=vmem_limit_bytes, interpret=interpret,
+                          layer=read.layer)
 
 
 # ----------------------------------------------------------------------------- cost model
