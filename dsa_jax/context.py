@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from reference import batch, index_scores, selection
+from reference import batch, index_scores, selection, stacked
 from reference._indexer_args import check_topk_args
 from reference.page_topk import causal_page_count, page_max
 
@@ -176,14 +176,16 @@ def _finish(k: int, exact: bool, recall_target: float):
 
 def local_topk(q, weights, cache, arrays, *, k: int, page_mode: bool, pages_per_seq: int,
                one_token_per_seq: bool, exact: bool, recall_target: float, backend: str,
-               kernel_options: dict) -> tuple[jax.Array, jax.Array]:
+               kernel_options: dict, layer=None) -> tuple[jax.Array, jax.Array]:
     """This shard's top-k with scores: ``(i32[T, k] indices, f32[T, k] scores)`` (``-1`` /
-    ``-inf`` in the tail), through the backend's own score path."""
-    check_topk_args((q, weights, cache, *arrays), k=k, k_name="k_pages" if page_mode else "k",
+    ``-inf`` in the tail), through the backend's own score path; ``layer`` of a stacked
+    ``cache``, read in place (``reference.stacked``)."""
+    one_layer = stacked.resolve("cache", cache, layer).one
+    check_topk_args((q, weights, one_layer, *arrays), k=k, k_name="k_pages" if page_mode else "k",
                     pages_per_seq=pages_per_seq, one_token_per_seq=one_token_per_seq,
                     num_segments=0, recall_target=recall_target, exact=exact)
     pack = _finish(k, exact, recall_target)
-    ps = cache.shape[1]
+    ps = cache.shape[-2]
     if backend == "reference":
         def finish(scores, token_ok, abs_pos, kv_len):
             s = (page_max(scores, token_ok, ps) if page_mode
@@ -192,7 +194,8 @@ def local_topk(q, weights, cache, arrays, *, k: int, page_mode: bool, pages_per_
 
         out = index_scores.score_and_select(q, weights, cache, *arrays,
                                             pages_per_seq=pages_per_seq, out_width=2 * k,
-                                            one_token_per_seq=one_token_per_seq, finish=finish)
+                                            one_token_per_seq=one_token_per_seq, finish=finish,
+                                            layer=layer)
     else:
         from pallas_kernels.indexer import blocks as iblocks
         from pallas_kernels.indexer import scoring
@@ -211,7 +214,7 @@ def local_topk(q, weights, cache, arrays, *, k: int, page_mode: bool, pages_per_
             blocks=blocks, chunk_bytes=chunk_bytes,
             vmem_limit_bytes=opts.get("vmem_limit_bytes"), interpret=interpret, chip=chip,
             out_width=2 * k, out_dtype=jnp.int32,
-            finish=lambda s, row_ok, *_: jnp.where(row_ok[:, None], pack(s), -1))
+            finish=lambda s, row_ok, *_: jnp.where(row_ok[:, None], pack(s), -1), layer=layer)
     idx = out[:, :k]
     vals = jax.lax.bitcast_convert_type(out[:, k:], jnp.float32)
     return idx, jnp.where(idx >= 0, vals, -jnp.inf)

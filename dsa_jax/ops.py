@@ -6,7 +6,10 @@ Every op takes the reference's arguments (``reference.*_ref``) plus:
 - ``validate``: run the batch checks of ``dsa_jax.validate`` first (checkify; raises
   ``checkify.JaxRuntimeError`` naming the offending sequence and numbers; eager only);
 - ``kernel_options``: knobs for the Pallas entry (block sizes, ``chip``, ``interpret``...);
-  ignored by the reference.
+  ignored by the reference;
+- ``layer``: with a stacked cache (``[L, num_pages, page_size, W]``, or an fp8 cache with a
+  leading ``L``), the layer to read, in place (``reference.stacked``: a Python int outside
+  ``[0, L)`` is a ``ValueError``; a traced one reads nothing, and ``validate`` reports it).
 
 Both backends have the same semantics; compare top-k results by score (``reference.selection``).
 """
@@ -21,19 +24,23 @@ from jax.experimental import checkify
 
 from dsa_jax import backend as _backend
 from dsa_jax import validate as _validate
+from reference import stacked
 from reference.selection import DEFAULT_RECALL_TARGET
 
 
 def _call(fn, extra, arrays, statics, validate: bool, *, num_rows: int, cache_index: int,
-          seq_lens_index: int, pages_per_seq: int):
-    """Run ``fn(*arrays, **statics, **extra)``, under the checkify rules when ``validate``."""
+          seq_lens_index: int, pages_per_seq: int, layer=None):
+    """Run ``fn(*arrays, **statics, **extra, layer=layer)``, under the checkify rules when
+    ``validate`` (the batch rules, and the layer rule for a stacked cache)."""
     if not validate:
-        return fn(*arrays, **statics, **extra)
+        return fn(*arrays, **statics, **extra, layer=layer)
     cache = arrays[cache_index]  # an array, or an fp8 cache object (both have ``.shape``)
-    num_pages, page_size = (int(d) for d in getattr(cache, "shape", np.shape(cache))[:2])
+    read = stacked.resolve("cache_kv", cache, layer)  # static refusals before tracing
+    shape = tuple(getattr(cache, "shape", np.shape(cache)))
+    num_pages, page_size = (int(d) for d in shape[-3:-1])
     key = (fn, tuple(statics.items()), tuple(sorted(extra.items())), num_rows, seq_lens_index,
-           page_size, pages_per_seq, num_pages)
-    err, out = _checked(key)(*arrays)
+           page_size, pages_per_seq, num_pages, None if layer is None else read.num_layers)
+    err, out = _checked(key)(*arrays, read.layer)
     err.throw()
     return out
 
@@ -41,13 +48,18 @@ def _call(fn, extra, arrays, statics, validate: bool, *, num_rows: int, cache_in
 @functools.lru_cache(maxsize=64)
 def _checked(key):
     """``jit(checkify(fn + the batch rules))``, built once per op and statics."""
-    fn, statics, extra, num_rows, seq_lens_index, page_size, pages_per_seq, num_pages = key
+    (fn, statics, extra, num_rows, seq_lens_index, page_size, pages_per_seq, num_pages,
+     num_layers) = key
 
     def checked(*xs):
+        *xs, layer = xs
         kv, rest = xs[seq_lens_index], xs[-4:]  # page_indices, cu_q_lens, cu_kv_lens, dist
         _validate.check_batch(num_rows, kv, *rest, page_size=page_size,
                               pages_per_seq=pages_per_seq, num_pages=num_pages)
-        return fn(*xs, **dict(statics), **dict(extra))
+        if num_layers is not None:
+            _validate.check_layer(layer, num_layers)
+        return fn(*xs, **dict(statics), **dict(extra),
+                  layer=None if num_layers is None else layer)
 
     return jax.jit(checkify.checkify(checked))
 
@@ -58,7 +70,7 @@ def indexer_topk(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_
                  refuse_full_overwrite: bool = False,
                  recall_target: float = DEFAULT_RECALL_TARGET, exact: bool = False,
                  backend: str | None = None, validate: bool = False,
-                 kernel_options: dict | None = None):
+                 kernel_options: dict | None = None, layer=None):
     """Lightning-indexer token top-k: ``i32[T, k]`` sequence-local token offsets, ``-1`` tail.
 
     Args as ``reference.streamindex_topk_ref`` (q ``f[T, H, D]``, weights ``f[T, H]``, cache
@@ -75,7 +87,7 @@ def indexer_topk(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_
     arrays = (q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution)
     return _call(fn, extra, arrays, statics, validate,
                  num_rows=int(np.shape(q)[0]), cache_index=2, seq_lens_index=3,
-                 pages_per_seq=pages_per_seq)
+                 pages_per_seq=pages_per_seq, layer=layer)
 
 
 def page_topk(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
@@ -83,7 +95,7 @@ def page_topk(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_len
               num_segments: int = 0, fill: str = "tail", refuse_full_overwrite: bool = False,
               recall_target: float = DEFAULT_RECALL_TARGET, exact: bool = False,
               backend: str | None = None, validate: bool = False,
-              kernel_options: dict | None = None):
+              kernel_options: dict | None = None, layer=None):
     """Lightning-indexer page top-k: ``i32[T, k_pages]`` sequence-local page numbers.
 
     Args as ``reference.streamindex_page_topk_ref`` (``fill``, ``refuse_full_overwrite`` as
@@ -98,13 +110,13 @@ def page_topk(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_len
     arrays = (q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution)
     return _call(fn, extra, arrays, statics, validate,
                  num_rows=int(np.shape(q)[0]), cache_index=2, seq_lens_index=3,
-                 pages_per_seq=pages_per_seq)
+                 pages_per_seq=pages_per_seq, layer=layer)
 
 
 def sparse_mla(q, cache_kv, kv_lens, topk_indices, page_indices, cu_q_lens, cu_kv_lens,
                distribution, *, sm_scale: float, pages_per_seq: int, v_dim: int,
                return_lse: bool = False, backend: str | None = None, validate: bool = False,
-               kernel_options: dict | None = None):
+               kernel_options: dict | None = None, layer=None):
     """Token-sparse absorbed MLA: ``q.dtype[T, H, v_dim]`` (and ``f32[T, H]`` LSE).
 
     Args as ``reference.sparse_mla_ref`` plus ``backend`` / ``validate`` / ``kernel_options``.
@@ -113,13 +125,13 @@ def sparse_mla(q, cache_kv, kv_lens, topk_indices, page_indices, cu_q_lens, cu_k
                                cu_kv_lens, distribution),
                 sm_scale=sm_scale, pages_per_seq=pages_per_seq, v_dim=v_dim,
                 return_lse=return_lse, backend=backend, validate=validate,
-                kernel_options=kernel_options)
+                kernel_options=kernel_options, layer=layer)
 
 
 def page_sparse_mla(q, cache_kv, kv_lens, topk_pages, page_indices, cu_q_lens, cu_kv_lens,
                     distribution, *, sm_scale: float, pages_per_seq: int, v_dim: int,
                     return_lse: bool = False, backend: str | None = None,
-                    validate: bool = False, kernel_options: dict | None = None):
+                    validate: bool = False, kernel_options: dict | None = None, layer=None):
     """Page-sparse absorbed MLA (causal inside pages): ``q.dtype[T, H, v_dim]``.
 
     Args as ``reference.page_sparse_mla_ref`` plus ``backend`` / ``validate`` /
@@ -129,14 +141,15 @@ def page_sparse_mla(q, cache_kv, kv_lens, topk_pages, page_indices, cu_q_lens, c
                                     cu_q_lens, cu_kv_lens, distribution),
                 sm_scale=sm_scale, pages_per_seq=pages_per_seq, v_dim=v_dim,
                 return_lse=return_lse, backend=backend, validate=validate,
-                kernel_options=kernel_options)
+                kernel_options=kernel_options, layer=layer)
 
 
 def _mla(op: str, arrays: tuple, *, sm_scale: float, pages_per_seq: int, v_dim: int,
-         return_lse: bool, backend: str | None, validate: bool, kernel_options: dict | None):
+         return_lse: bool, backend: str | None, validate: bool, kernel_options: dict | None,
+         layer=None):
     """Both MLA ops: ``arrays`` = (q, cache, kv_lens, selected, the other batch arrays)."""
     fn, extra = _backend.implementation(op, backend, kernel_options)
     statics = dict(sm_scale=sm_scale, pages_per_seq=pages_per_seq, v_dim=v_dim,
                    return_lse=return_lse)
     return _call(fn, extra, arrays, statics, validate, num_rows=int(np.shape(arrays[0])[0]),
-                 cache_index=1, seq_lens_index=2, pages_per_seq=pages_per_seq)
+                 cache_index=1, seq_lens_index=2, pages_per_seq=pages_per_seq, layer=layer)

@@ -3,12 +3,17 @@
 Per layer ``l`` (in order), for the ragged paged batch of this step:
 
 1. cache update: this step's latent rows into ``latent_caches[l]``; on a ``"full"`` layer also
-   its indexer keys into ``index_caches[slot]`` (``dsa_jax.cache``'s slot and drop rule);
+   its indexer keys into ``index_caches[slot]`` (``dsa_jax.cache``'s slot and drop rule; row
+   scatters into the donated stacks, every layer's before any read);
 2. top-k on ``"full"`` layers only (token top-k, or page top-k with ``granularity="page"``),
    segment witnesses merged when ``num_segments > 0``;
 3. sparse MLA on every layer with the selection of its source layer (``src_slot[l]`` of
    ``reference.build_index_share_map``: its own if full, the nearest preceding full layer's if
    ``"shared"``).
+
+Every op reads the stacked caches in place at its layer (``layer=``, ``reference.stacked``):
+nothing in the step copies a layer's cache out of a stack, on either backend and in every
+format (plain, packed bf16, fp8).
 
 Stacked layouts (``L`` layers, ``F`` full layers, ``T`` rows, ``H`` MLA heads, ``Hi`` indexer
 heads; dims from the ``PagedLayout``):
@@ -38,7 +43,7 @@ from dsa_jax import ops
 from dsa_jax import validate as _validate
 from dsa_jax.layout import PagedLayout
 from pallas_kernels import IndexerBlocks, MlaBlocks
-from reference import build_index_share_map, fp8_cache
+from reference import build_index_share_map
 from reference.selection import DEFAULT_RECALL_TARGET, check_selection_args, finish_selection
 
 GRANULARITIES = ("token", "page")
@@ -165,34 +170,36 @@ def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, 
         mla_opts["blocks"] = mla_blocks
     selections, outs = {}, []
     write = functools.partial(_cache.write_rows, page_id=page_id, offset=offset, layout=layout)
+    # Every write first (row scatters into the donated stacks), then every read: no kernel reads
+    # a stack that a later write updates, so XLA keeps one buffer per stack (no copy).
     for layer in range(len(indexer_types)):
         new_latent = _pad_last(inputs.new_latent[layer], layout.padded_dim)
         latent_caches = write(latent_caches, rows=new_latent, kind="latent", layer=layer)
-        if layer in full_slot:
+    for layer, slot in full_slot.items():
+        index_caches = write(index_caches, rows=inputs.new_index[slot], kind="index", layer=slot)
+    for layer in range(len(indexer_types)):
+        if layer in full_slot:  # the stacked index cache, read in place at this layer's slot
             slot = full_slot[layer]
-            index_caches = write(index_caches, rows=inputs.new_index[slot], kind="index",
-                                 layer=slot)
-            args = (inputs.q_index[slot], inputs.index_weights[slot],
-                    fp8_cache.take_layer(index_caches, slot), *b.arrays)
+            args = (inputs.q_index[slot], inputs.index_weights[slot], index_caches, *b.arrays)
             if ctx_axis is None:
                 selections[slot] = topk_op(
                     *args, **{k_name: k}, pages_per_seq=layout.pages_per_seq,
                     one_token_per_seq=one_token_per_seq, num_segments=num_segments,
                     fill=fill, refuse_full_overwrite=refuse_full_overwrite,
                     recall_target=recall_target, exact=exact, backend=backend,
-                    kernel_options=topk_opts)
+                    kernel_options=topk_opts, layer=slot)
             else:
                 selections[slot] = _context_topk(
                     args, b, k=k, page_mode=granularity == "page", layout=layout,
                     one_token_per_seq=one_token_per_seq, num_segments=num_segments,
                     fill=fill, refuse_full_overwrite=refuse_full_overwrite,
                     recall_target=recall_target, exact=exact, backend=backend,
-                    kernel_options=topk_opts, ctx_axis=ctx_axis)
+                    kernel_options=topk_opts, ctx_axis=ctx_axis, layer=slot)
         q = _pad_last(inputs.q_mla[layer], layout.padded_dim)
-        res = mla_op(q, fp8_cache.take_layer(latent_caches, layer), b.kv_lens,
-                     selections[src_slot[layer]], *b.arrays[1:], sm_scale=sm_scale,
-                     pages_per_seq=layout.pages_per_seq, v_dim=layout.v_dim, backend=backend,
-                     kernel_options=mla_opts, return_lse=ctx_axis is not None)
+        res = mla_op(q, latent_caches, b.kv_lens, selections[src_slot[layer]], *b.arrays[1:],
+                     sm_scale=sm_scale, pages_per_seq=layout.pages_per_seq, v_dim=layout.v_dim,
+                     backend=backend, kernel_options=mla_opts,
+                     return_lse=ctx_axis is not None, layer=layer)
         outs.append(res if ctx_axis is None else _context.merge_lse(*res, ctx_axis)[0])
     topk = jnp.stack([selections[s] for s in range(len(selections))])
     return StepResult(jnp.stack(outs), topk, latent_caches, index_caches)
@@ -200,7 +207,7 @@ def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, 
 
 def _context_topk(args, b, *, k, page_mode, layout, one_token_per_seq, num_segments, fill,
                   refuse_full_overwrite, recall_target, exact, backend, kernel_options,
-                  ctx_axis):
+                  ctx_axis, layer):
     """Top-k over context-sharded KV (``dsa_jax.context``): local top-k with scores, the
     exact merge over ``ctx_axis``, then the witness merge with the global context."""
     check_selection_args(k, recall_target, exact, num_segments,
@@ -209,7 +216,8 @@ def _context_topk(args, b, *, k, page_mode, layout, one_token_per_seq, num_segme
     idx, vals = _context.local_topk(
         args[0], args[1], args[2], args[3:], k=k, page_mode=page_mode,
         pages_per_seq=layout.pages_per_seq, one_token_per_seq=one_token_per_seq, exact=exact,
-        recall_target=recall_target, backend=backend, kernel_options=kernel_options)
+        recall_target=recall_target, backend=backend, kernel_options=kernel_options,
+        layer=layer)
     sel = _context.merge_topk(idx, vals, k, ctx_axis)
     ctx = _context.context_lens(b, sel.shape[0], page_mode=page_mode,
                                 one_token_per_seq=one_token_per_seq)

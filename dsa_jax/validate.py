@@ -15,6 +15,8 @@ the numbers. Rules, one check each:
 4. distribution: ``0 <= decode_end <= prefill_end <= num_seqs <= S``; decode sequences
    (``i < decode_end``) have one query row; active rows fit in ``T``
    (``cu_q_lens[num_seqs] <= T``); an active sequence has ``q_len <= kv_len``.
+5. layer (an op reading a stacked cache): ``0 <= layer < L``; a traced layer outside is masked
+   by ``reference.stacked``'s rule (it reads nothing).
 
 ``check_batch`` emits the checks (call it inside your own ``checkify.checkify``-wrapped
 function); ``run_checked`` wraps a call, runs it, and raises on the first failed check.
@@ -131,6 +133,14 @@ def check_batch(num_rows: int, kv_lens, page_indices, cu_q_lens, cu_kv_lens, dis
     check_distribution(num_rows, b.kv_lens, b.cu_q_lens, b.distribution)
     check_capacity(b)
     check_page_ids(b)
+
+
+def check_layer(layer, num_layers: int) -> None:
+    """Rule 5: the layer read from a stacked cache lies in ``[0, L)``."""
+    layer = jnp.asarray(layer, jnp.int32)
+    checkify.check((layer >= 0) & (layer < num_layers),
+                   "layer {layer} is outside [0, {num_layers}) (the stacked cache's layers)",
+                   layer=layer, num_layers=jnp.int32(num_layers))
 
 
 def run_checked(fn, *args):

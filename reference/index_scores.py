@@ -122,6 +122,7 @@ def score_and_select(q, weights, cache, kv_lens, page_indices, cu_q_lens, cu_kv_
     Returns i32[T, out_width].
     """
     num_rows = q.shape[0]
+    page_indices = stacked.mask_table(page_indices, stacked.resolve("cache", cache, layer))
     b = batch.RaggedBatch.of(cache, kv_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,
                              pages_per_seq=pages_per_seq)
     num_seqs = b.num_seqs

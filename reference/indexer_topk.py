@@ -51,8 +51,7 @@ def streamindex_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, 
       i32[T, k]: sequence-local token offsets by descending score, ``-1`` padding in the tail;
       rows outside every sequence are all ``-1``.
     """
-    read = stacked.resolve("cache_kv", cache_kv, layer)
-    one_layer, page_indices = read.one, stacked.mask_table(page_indices, read)
+    one_layer = stacked.resolve("cache_kv", cache_kv, layer).one
     check_topk_args((q, weights, one_layer, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                      distribution), k=k, k_name="k", pages_per_seq=pages_per_seq,
                     one_token_per_seq=one_token_per_seq, num_segments=num_segments,

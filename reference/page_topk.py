@@ -54,8 +54,7 @@ def streamindex_page_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Ar
       i32[T, k_pages]: sequence-local page numbers by descending page score, ``-1`` padding;
       rows outside every sequence all ``-1``.
     """
-    read = stacked.resolve("cache_kv", cache_kv, layer)
-    one_layer, page_indices = read.one, stacked.mask_table(page_indices, read)
+    one_layer = stacked.resolve("cache_kv", cache_kv, layer).one
     check_topk_args((q, weights, one_layer, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                      distribution), k=k_pages, k_name="k_pages", pages_per_seq=pages_per_seq,
                     one_token_per_seq=one_token_per_seq, num_segments=num_segments,
