@@ -21,7 +21,15 @@ Programs (DeepSeek-V3.2 shapes of the compile gates; ``--quick`` keeps the starr
 - ``dsa_jax.sparse_mla`` / ``page_sparse_mla`` at decode 64x8192 H=128 and H=16*, MTP 16x4@4096
   H=128, prefill 1024@32768 (``sparse_mla.COMPILE_SHAPES`` plus MTP), k = 2048 tokens or 32
   pages of 64; the reference is the kernel's modelled bytes (``compile_cases`` traffic);
-- ``dsa_jax.dsa_step``: two layers (full, shared), decode 64x4096, token and page granularity.
+- ``dsa_jax.dsa_step`` (its body, caches donated, as ``dsa_step`` jits it): 2 and 8 layers
+  (IndexShare pattern of ``python -m dsa_jax run``: ``glm_index_share_pattern(layers,
+  leading_full=1)``), decode 64x4096, H=128, token and page granularity, packed bf16 latent +
+  bf16 index caches and fp8 caches, backends ``"pallas"`` and ``"reference"`` (``--quick``: the
+  2-layer fp8 token Pallas row*), with the cache rows it writes and the XLA-side gate
+  (``XLA <= 0.10 x kernels + rows written``), temp memory, and 8 / 2 layers;
+- the real-size step (``--real-size``; in the full report): 61 layers (16 full), fp8 caches,
+  decode 64x4096, H=128, Pallas, token: bytes against the sum of its kernels' traffic models
+  (modelled and minimum, ``step_kernel_traffic``), temp memory.
 
 Caveats (printed with the report): a ``while`` body is counted once whatever its trip count, so
 a program flagged ``loop`` reports a lower bound (bounds are asserted only on decode programs
@@ -32,8 +40,9 @@ without ``pl.CostEstimate`` counts 0 in XLA's total, so its bytes then appear in
 The report opens with the issue-13 acceptance table per chip (ratio, ``ok`` only within the
 bound with no per-element gather/scatter and negligible loops).
 
-Usage: ``python scripts/whole_op_cost.py [--quick] [--chips v5e,v6e,tpu7x] [--markdown PATH]
-[--json PATH]``
+Usage: ``python scripts/whole_op_cost.py [--quick | --step | --real-size] [--chips
+v5e,v6e,tpu7x] [--markdown PATH] [--json PATH]`` (``--step`` / ``--real-size``: only those
+rows; together: both).
 """
 
 from __future__ import annotations
@@ -66,7 +75,7 @@ from pallas_kernels.indexer import compile_cases as icases  # noqa: E402
 from pallas_kernels.indexer import scoring, work_list  # noqa: E402
 from pallas_kernels.indexer import traffic as itraffic  # noqa: E402
 from pallas_kernels.mla import compile_cases as mcases  # noqa: E402
-from reference import selection  # noqa: E402
+from reference import fp8, fp8_cache, selection  # noqa: E402
 from reference.witnesses import scatter_topology_witnesses  # noqa: E402
 
 I32, F32, BF16, U32 = jnp.int32, jnp.float32, jnp.bfloat16, jnp.uint32
@@ -321,44 +330,158 @@ def cache_write_program() -> Program:
                    lambda chip, done: ("new rows read+written", 2 * seqs * row_bytes), quick=True)
 
 
-def step_programs(quick: bool) -> list[Program]:
-    """``dsa_step`` body, layers (full, shared), 64 decode rows x 4096, H=128, caches donated."""
-    seqs, ctx, ps, heads, layers = 64, 4096, 64, 128, ("full", "shared")
-    layout = dsa_jax.PagedLayout(page_size=ps, pages_per_seq=ctx // ps, packed_latent=True)
-    pages, n, f = seqs * layout.pages_per_seq, len(layers), 1
+# The step rows: 64 decode rows x 4096 tokens, H=128, V3.2 dims (qk 576 padded 640, v_dim 512,
+# index 64 heads x 128), pages of 64; IndexShare pattern of ``python -m dsa_jax run``
+# (``glm_index_share_pattern(layers, leading_full=1)``: one full layer, then shared x3 + full).
+STEP_SEQS, STEP_CTX, STEP_PAGE, STEP_HEADS = 64, 4096, 64, 128
+STEP_LAYERS, REAL_LAYERS = (2, 8), 61  # 61: DeepSeek-V3.2's layer count
+STEP_FORMATS = {  # cache format name -> PagedLayout keywords
+    "packed": dict(packed_latent=True),  # packed bf16 latent words, bf16 index keys
+    "fp8": dict(index_cache_format="fp8", latent_cache_format="fp8"),
+}
+STEP_BACKENDS = ("pallas", "reference")
+
+
+def step_types(layers: int) -> tuple[str, ...]:
+    """The CLI's IndexShare pattern (``dsa_jax/__main__.py``): 2 -> full, shared; 8 -> 2 full;
+    61 -> 16 full."""
+    return tuple(dsa_jax.glm_index_share_pattern(layers, leading_full=1))
+
+
+def step_layout(fmt: str) -> dsa_jax.PagedLayout:
+    return dsa_jax.PagedLayout(page_size=STEP_PAGE, pages_per_seq=STEP_CTX // STEP_PAGE,
+                               **STEP_FORMATS[fmt])
+
+
+def step_rows_written(layers: int, fmt: str) -> int:
+    """Bytes of the cache rows one decode step writes, in the stored format: per layer
+    ``STEP_SEQS`` latent rows (packed 1536 B, fp8 1024 B), per full layer ``STEP_SEQS`` index
+    rows (bf16 256 B; fp8 128 B of e4m3 keys + one f32 scale)."""
+    layout, types = step_layout(fmt), step_types(layers)
+    latent_row = 4 * layout.latent_cache_width  # u32 words either way
+    index_row = (fp8.INDEX_HEAD_DIM + 4 if layout.index_cache_format == "fp8"
+                 else 2 * layout.index_dim)
+    return STEP_SEQS * (layers * latent_row + types.count("full") * index_row)
+
+
+def _step_cache_specs(layout: dsa_jax.PagedLayout, n: int, f: int, pages: int):
+    """Flat leaf specs of the stacked (latent, index) caches and a function rebuilding the two
+    caches from those leaves (an fp8 cache is a pytree of several arrays)."""
+    if layout.latent_cache_format == "fp8":
+        latent = [_s((n, pages, layout.page_size, fp8_cache.LATENT_WORDS), U32)]
+        as_latent = lambda leaves: fp8_cache.Fp8LatentCache(*leaves)  # noqa: E731
+    else:
+        latent = [_s((n, *layout.latent_cache_shape(pages)), U32)]
+        as_latent = lambda leaves: leaves[0]  # noqa: E731
+    if layout.index_cache_format == "fp8":
+        index = [_s((f, *layout.index_cache_shape(pages)), fp8.FP8_DTYPE),
+                 _s((f, pages, fp8_cache.scale_lanes(layout.page_size)), F32)]
+        as_index = lambda leaves: fp8_cache.Fp8IndexCache(*leaves)  # noqa: E731
+    else:
+        index = [_s((f, *layout.index_cache_shape(pages)), BF16)]
+        as_index = lambda leaves: leaves[0]  # noqa: E731
+    return latent, index, as_latent, as_index
+
+
+def step_build(layers: int, gran: str, backend: str, fmt: str):
+    """``build(chip)`` of ``dsa_step``'s body (as ``dsa_step`` jits it, caches donated) over
+    ``layers`` layers (``step_types``), decode ``STEP_SEQS`` x ``STEP_CTX``, H=``STEP_HEADS``,
+    granularity ``gran`` (k = 2048 tokens or 32 pages), cache format ``fmt``
+    (``STEP_FORMATS``). Arguments are ``ShapeDtypeStruct`` leaves (no arrays: the 61-layer
+    caches are many GB); q is ``padded_dim`` wide for the packed cache, ``qk_dim`` for fp8
+    (the fp8 MLA entry lays q out itself)."""
+    layout, types = step_layout(fmt), step_types(layers)
+    seqs, pages = STEP_SEQS, STEP_SEQS * layout.pages_per_seq
+    n, f = len(types), types.count("full")
     hi, di = icases.GATE_HEADS, layout.index_dim
-    specs = [_s((n, seqs, heads, layout.padded_dim), BF16), _s((n, seqs, layout.qk_dim), BF16),
-             _s((f, seqs, hi, di), BF16), _s((f, seqs, hi), F32), _s((f, seqs, di), BF16),
-             _s((n, *layout.latent_cache_shape(pages)), U32),
-             _s((f, *layout.index_cache_shape(pages)), BF16), *_meta_specs(seqs, pages)]
+    q_dim = layout.qk_dim if fmt == "fp8" else layout.padded_dim
+    latent, index, as_latent, as_index = _step_cache_specs(layout, n, f, pages)
+    inputs = [_s((n, seqs, STEP_HEADS, q_dim), BF16), _s((n, seqs, layout.qk_dim), BF16),
+              _s((f, seqs, hi, di), BF16), _s((f, seqs, hi), F32), _s((f, seqs, di), BF16)]
+    specs = inputs + latent + index + _meta_specs(seqs, pages)
+    i0, i1 = len(inputs), len(inputs) + len(latent)
+    i2 = i1 + len(index)
+    body = functools.partial(
+        dsa_step_mod.step_body, layout=layout, indexer_types=types,
+        k=K if gran == "token" else K_PAGES, sm_scale=mcases.MLA_SCALE, num_segments=0,
+        granularity=gran, one_token_per_seq=True, recall_target=RECALL, exact=False,
+        backend=backend, kernel_options=(("interpret", False),) if backend == "pallas" else ())
+
+    def fn(*a):
+        return body(dsa_jax.StepInputs(*a[:i0]), as_latent(a[i0:i1]), as_index(a[i1:i2]),
+                    dsa_jax.BatchMeta(*a[i2:]))
+
+    return _fixed(fn, specs, tuple(range(i0, i2)))
+
+
+def step_kernel_traffic(chip: str, layers: int, gran: str, fmt: str) -> aot.Traffic:
+    """The step's kernels by the existing traffic models, summed over its layers: per layer
+    the sparse MLA call (``mcases.mla_case`` at 64 x 4096, H=128: the compile cases' model),
+    per full layer the indexer call (the ``decode 64x4096`` case of ``icases``, bf16 or
+    ``fp8 keys``). ``bytes_moved``: what the kernels move; ``bytes_min``: each input read
+    once, each output written once."""
+    types = step_types(layers)
+    mode = "token" if gran == "token" else "page"
+    mla = mcases.mla_case(mode, f"step {fmt}", STEP_SEQS, STEP_SEQS, STEP_CTX, STEP_HEADS,
+                          fmt, U32).traffic(chip)
+    name = "decode 64x4096" + (" fp8 keys" if fmt == "fp8" else "")
+    cases = icases.token_cases(quick=True) if gran == "token" else icases.page_cases(quick=True)
+    idx = next(c for c in cases if c.shape == name).traffic(chip)
+    n, f = len(types), types.count("full")
+    return aot.Traffic(n * mla.bytes_moved + f * idx.bytes_moved,
+                       n * mla.bytes_min + f * idx.bytes_min, n * mla.flops + f * idx.flops,
+                       max(mla.vmem_bytes, idx.vmem_bytes))
+
+
+def step_key(layers: int, fmt: str, gran: str, backend: str) -> str:
+    return f"step/{layers}L/{fmt}/{gran}/{backend}"
+
+
+def _step_ref(chip, done, key):
+    return ("its kernels' estimates", done[key].kernel_bytes) if key in done else None
+
+
+def step_programs(quick: bool, layer_counts=STEP_LAYERS) -> list[Program]:
+    """``dsa_step`` body at ``layer_counts`` layers x {packed, fp8} x {token, page} x
+    {pallas, reference}, decode 64 x 4096, H=128, caches donated; the reference quantity is
+    the kernels' own estimates (XLA / ref = XLA-side / kernel bytes). ``--quick`` keeps the
+    2-layer Pallas token fp8 row."""
     out = []
-    for gran in ("token", "page"):
-        for backend in ("pallas", "reference"):
-            if quick:
-                continue
-            body = functools.partial(
-                dsa_step_mod.step_body, layout=layout, indexer_types=layers,
-                k=K if gran == "token" else K_PAGES, sm_scale=mcases.MLA_SCALE, num_segments=0,
-                granularity=gran, one_token_per_seq=True, recall_target=RECALL, exact=False,
-                backend=backend,
-                kernel_options=(("interpret", False),) if backend == "pallas" else ())
-
-            def fn(*a, body=body):
-                return body(dsa_jax.StepInputs(*a[:5]), a[5], a[6], dsa_jax.BatchMeta(*a[7:]))
-
-            out.append(Program(f"step/{gran}/{backend}", "dsa_step", f"{gran}, {backend}",
-                               f"2 layers, decode {seqs}x{ctx}, H={heads}",
-                               _fixed(fn, specs, (5, 6)), seqs,
-                               lambda chip, done, k=f"step/{gran}/{backend}":
-                               ("its kernels' estimates", done[k].kernel_bytes)
-                               if k in done else None))
+    for layers in layer_counts:
+        for fmt in STEP_FORMATS:
+            for gran in ("token", "page"):
+                for backend in STEP_BACKENDS:
+                    key = step_key(layers, fmt, gran, backend)
+                    out.append(Program(
+                        key, "dsa_step", f"{layers} layers, {fmt}, {gran}, {backend}",
+                        f"{layers} layers, decode {STEP_SEQS}x{STEP_CTX}, H={STEP_HEADS}",
+                        step_build(layers, gran, backend, fmt), STEP_SEQS,
+                        functools.partial(_step_ref, key=key),
+                        quick=(layers, fmt, gran, backend) == (2, "fp8", "token", "pallas")))
     return out
 
 
-def programs(quick: bool) -> list[Program]:
-    """Every program of the report, reference programs before the rows that divide by them."""
+def real_size_programs() -> list[Program]:
+    """The 61-layer step (``step_types(61)``: 16 full layers), fp8 caches, decode 64 x 4096,
+    H=128, Pallas: XLA's bytes and temp memory of a real-size step."""
+    key = step_key(REAL_LAYERS, "fp8", "token", "pallas")
+    return [Program(key, "dsa_step (real size)", f"{REAL_LAYERS} layers, fp8, token, pallas",
+                    f"{REAL_LAYERS} layers, decode {STEP_SEQS}x{STEP_CTX}, H={STEP_HEADS}",
+                    step_build(REAL_LAYERS, "token", "pallas", "fp8"), STEP_SEQS,
+                    functools.partial(_step_ref, key=key))]
+
+
+def programs(quick: bool, *, step: bool = False, real_size: bool = False) -> list[Program]:
+    """The programs of the report, reference programs before the rows that divide by them:
+    every one (``quick``: the starred subset), or with ``step`` / ``real_size`` only the step
+    rows (2 and 8 layers) / the 61-layer step (the full report has both)."""
+    if step or real_size:
+        progs = (step_programs(False) if step else []) + (real_size_programs() if real_size
+                                                         else [])
+        return progs
     progs = witness_programs() + selection_programs() + [cache_write_program()]
     progs += indexer_programs(quick) + mla_programs(quick) + step_programs(quick)
+    progs += [] if quick else real_size_programs()
     seen, out = set(), []
     for p in progs:
         if (quick and not p.quick) or p.key in seen:
@@ -381,6 +504,7 @@ class Row:
     ref_label: str = ""
     ref_bytes: float | None = None
     net_bytes: float | None = None
+    temp_bytes: int | None = None  # compiled.memory_analysis().temp_size_in_bytes
 
     @property
     def ratio(self) -> float | None:
@@ -390,6 +514,14 @@ class Row:
             self.ref_bytes
 
 
+def temp_bytes(compiled) -> int | None:
+    """XLA's temp buffer bytes of a compiled program (``memory_analysis``), if it says."""
+    try:
+        return int(compiled.memory_analysis().temp_size_in_bytes)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
 def run_chip(chip: str, progs: list[Program]) -> list[Row]:
     done: dict[str, xla_cost.XlaCost] = {}
     rows = []
@@ -397,14 +529,14 @@ def run_chip(chip: str, progs: list[Program]) -> list[Row]:
         t0 = time.perf_counter()
         try:
             fn, specs, donate = p.build(chip)
-            cost = xla_cost.analyze(xla_cost.compile_program(fn, specs, chip,
-                                                             donate_argnums=donate,
-                                                             case=p.key))
-            err = ""
+            compiled = xla_cost.compile_program(fn, specs, chip, donate_argnums=donate,
+                                                case=p.key)
+            cost, temp, err = xla_cost.analyze(compiled), temp_bytes(compiled), ""
             done[p.key] = cost
         except Exception as e:  # report it, keep going: one failing op must not hide the rest
-            cost, err = None, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-        row = Row(p, chip, cost, err, time.perf_counter() - t0)
+            cost, temp = None, None
+            err = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        row = Row(p, chip, cost, err, time.perf_counter() - t0, temp_bytes=temp)
         ref = p.ref(chip, done) if (p.ref and cost is not None) else None
         if ref is not None:
             row.ref_label, row.ref_bytes = ref
@@ -552,6 +684,7 @@ def rows_json(all_rows: dict[str, list[Row]]) -> list[dict]:
                 "total_bytes": c and c.total_bytes, "kernel_bytes": c and c.kernel_bytes,
                 "xla_bytes": c and c.xla_bytes, "net_bytes": r.net_bytes,
                 "ref_label": r.ref_label, "ref_bytes": r.ref_bytes, "ratio": r.ratio,
+                "temp_bytes": r.temp_bytes,
                 "optimal_seconds": c and c.optimal_seconds,
                 "loops": [(lp.op_name, lp.state_bytes) for lp in c.loops] if c else None,
                 "indexed_ops": [
@@ -576,6 +709,103 @@ def large_table(chip: str, rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+# The step's gates (tests/test_whole_op_cost.py asserts them on v6e): the Pallas step's XLA
+# side <= STEP_XLA_BOUND x its kernels' bytes + the cache rows it writes; 8 layers <=
+# STEP_SCALING_BOUND x 2 layers (total bytes); the 61-layer fp8 step's temp < REAL_TEMP_BOUND.
+STEP_XLA_BOUND, STEP_SCALING_BOUND, REAL_TEMP_BOUND = 0.10, 4.2, 64 << 20
+
+
+def step_xla_allowance(kernel_bytes: float, layers: int, fmt: str) -> float:
+    """The XLA-side bytes the step may spend: ``STEP_XLA_BOUND`` x its kernels' bytes plus the
+    cache rows it writes (``step_rows_written``)."""
+    return STEP_XLA_BOUND * kernel_bytes + step_rows_written(layers, fmt)
+
+
+def _mib(x: float | None) -> str:
+    return "-" if x is None else f"{x / 2**20:.1f}"
+
+
+def _step_rows(all_rows: dict[str, list[Row]], prefix: str = "step/"):
+    for chip, rows in all_rows.items():
+        for r in rows:
+            if r.prog.key.startswith(prefix):
+                _, layers, fmt, gran, backend = r.prog.key.split("/")
+                yield chip, int(layers.removesuffix("L")), fmt, gran, backend, r
+
+
+def step_table(all_rows: dict[str, list[Row]]) -> str:
+    """The step rows: total / kernel / XLA bytes, XLA / kernel, the cache rows written and the
+    XLA-side gate (Pallas rows), temp memory; then the 8-layer / 2-layer total bytes."""
+    lines = [f"### dsa_step, decode {STEP_SEQS}x{STEP_CTX}, H={STEP_HEADS} (V3.2 dims; "
+             "IndexShare pattern of `python -m dsa_jax run`: glm_index_share_pattern(layers, "
+             "leading_full=1): 2 layers = full, shared; 8 layers = 2 full + 6 shared)", "",
+             f"Gate (Pallas): XLA MB <= {STEP_XLA_BOUND:g} x kernel MB + rows written MB "
+             "(rows written: per layer 64 latent rows of the stored format, packed 1536 B / fp8 "
+             "1024 B, per full layer 64 index rows, bf16 256 B / fp8 132 B). The reference "
+             "backend has no kernels: its XLA MB is the whole step.", "",
+             "| chip | layers | cache | granularity | backend | total MB | kernel MB (est.) | "
+             "XLA MB | XLA / kernel | rows written MB | XLA bound MB | gate | temp MiB |",
+             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+    totals = {}
+    for chip, layers, fmt, gran, backend, r in _step_rows(all_rows):
+        head = f"| {chip} | {layers} | {fmt} | {gran} | {backend} |"
+        c = r.cost
+        if c is None:
+            lines.append(f"{head} FAILED: {r.error} | | | | | | | |")
+            continue
+        totals[chip, layers, fmt, gran, backend] = c.total_bytes
+        written = step_rows_written(layers, fmt)
+        ratio = f"{c.xla_bytes / c.kernel_bytes:.2f}" if c.kernel_bytes else "-"
+        bound, gate = "-", "-"
+        if backend == "pallas" and layers in STEP_LAYERS:
+            allowance = step_xla_allowance(c.kernel_bytes, layers, fmt)
+            bound = _mb(allowance)
+            gate = "ok" if c.kernels and c.xla_bytes <= allowance else "FAIL"
+        lines.append(f"{head} {_mb(c.total_bytes)} | {_mb(c.kernel_bytes)} | "
+                     f"{_mb(c.xla_bytes)} | {ratio} | {_mb(written)} | {bound} | {gate} | "
+                     f"{_mib(r.temp_bytes)} |")
+    lo, hi = STEP_LAYERS
+    scaling = [f"| {chip} | {fmt} | {gran} | {backend} | {_mb(t)} | {_mb(t8)} | {t8 / t:.2f} | "
+               + (("ok" if t8 <= STEP_SCALING_BOUND * t else "FAIL") if backend == "pallas"
+                  else "-") + " |"
+               for (chip, layers, fmt, gran, backend), t in totals.items() if layers == lo
+               for t8 in [totals.get((chip, hi, fmt, gran, backend))] if t8 is not None]
+    if scaling:
+        lines += ["", f"{hi} layers / {lo} layers (total bytes; gate for Pallas: <= "
+                  f"{STEP_SCALING_BOUND:g}; kernels alone scale by "
+                  f"{len(step_types(hi))}/{len(step_types(lo))} MLA calls and "
+                  f"{step_types(hi).count('full')}/{step_types(lo).count('full')} indexer "
+                  "calls)", "",
+                  f"| chip | cache | granularity | backend | {lo}L total MB | {hi}L total MB | "
+                  f"{hi}L / {lo}L | gate |", "|---|---|---|---|---:|---:|---:|---|", *scaling]
+    return "\n".join(lines)
+
+
+def real_size_table(all_rows: dict[str, list[Row]]) -> str:
+    """The 61-layer step per chip: XLA's bytes against its kernels' traffic models, temp."""
+    lines = [f"### Real-size step: {REAL_LAYERS} layers ({step_types(REAL_LAYERS).count('full')} "
+             f"full), fp8 caches, decode {STEP_SEQS}x{STEP_CTX}, H={STEP_HEADS}, Pallas, token",
+             "", "Kernels' modelled / minimum: `pallas_kernels.mla.traffic` per layer and "
+             "`pallas_kernels.indexer.traffic` per full layer (the compile cases' models, "
+             "`step_kernel_traffic`); minimum = each input read once, each output written once. "
+             f"Temp gate (v6e): < {REAL_TEMP_BOUND >> 20} MiB.", "",
+             "| chip | total MB | kernel MB (est.) | XLA MB | kernels' modelled MB | "
+             "kernels' minimum MB | total / minimum | temp MiB | compile s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for chip, layers, fmt, gran, _, r in _step_rows(all_rows):
+        if layers != REAL_LAYERS:
+            continue
+        if r.cost is None:
+            lines.append(f"| {chip} | FAILED: {r.error} | | | | | | | |")
+            continue
+        t, c = step_kernel_traffic(chip, layers, gran, fmt), r.cost
+        lines.append(f"| {chip} | {_mb(c.total_bytes)} | {_mb(c.kernel_bytes)} | "
+                     f"{_mb(c.xla_bytes)} | {_mb(t.bytes_moved)} | {_mb(t.bytes_min)} | "
+                     f"{c.total_bytes / t.bytes_min:.2f} | {_mib(r.temp_bytes)} | "
+                     f"{r.seconds:.0f} |")
+    return "\n".join(lines)
+
+
 def measured_tree() -> str:
     """The source tree measured (where ``reference`` was imported from) and its git commit,
     ``+dirty`` when it has uncommitted changes."""
@@ -596,7 +826,12 @@ def measured_tree() -> str:
 def report(all_rows: dict[str, list[Row]], quick: bool, seconds: float) -> str:
     head = [f"Whole-op XLA cost ({'--quick' if quick else 'full'}; tree {measured_tree()}; "
             f"jax {jax.__version__}; {seconds:.0f} s). Bytes in MB (1e6).", "", CAVEATS, ""]
-    body = [gate_table(all_rows), ""]
+    keys = {r.prog.key for rows in all_rows.values() for r in rows}
+    body = [gate_table(all_rows), ""] if any(not k.startswith("step/") for k in keys) else []
+    if any(k.startswith("step/") and not k.startswith(f"step/{REAL_LAYERS}L/") for k in keys):
+        body += [step_table(all_rows), ""]
+    if any(k.startswith(f"step/{REAL_LAYERS}L/") for k in keys):
+        body += [real_size_table(all_rows), ""]
     for chip, rows in all_rows.items():
         body += [table(chip, rows), "", op_table(chip, rows), "", large_table(chip, rows), ""]
     return "\n".join(head + body)
@@ -605,12 +840,18 @@ def report(all_rows: dict[str, list[Row]], quick: bool, seconds: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="the starred subset (CI smoke run)")
+    p.add_argument("--step", action="store_true",
+                   help="only the dsa_step rows (2 and 8 layers, packed and fp8 caches, token "
+                        "and page, pallas and reference) and their tables")
+    p.add_argument("--real-size", action="store_true",
+                   help=f"only the {REAL_LAYERS}-layer fp8 Pallas step (with --step: both); "
+                        "several minutes per chip")
     p.add_argument("--chips", default=",".join(aot.CHIPS), help="comma-separated chips")
     p.add_argument("--markdown", default=None, help="write the tables as Markdown here")
     p.add_argument("--json", default=None, help="write every row as JSON here")
     a = p.parse_args(argv)
     chips = [aot.check_chip(c.strip()) for c in a.chips.split(",") if c.strip()]
-    progs = programs(a.quick)
+    progs = programs(a.quick, step=a.step, real_size=a.real_size)
     t0 = time.perf_counter()
     all_rows = {chip: run_chip(chip, progs) for chip in chips}
     md = report(all_rows, a.quick, time.perf_counter() - t0)

@@ -15,6 +15,10 @@ Unit tests of ``pallas_kernels.xla_cost`` on small programs whose answer is know
   XLA-side bytes <= 0.25x the kernel's modelled bytes;
   indexer token and page top-k (pallas), decode 64 x 4096 and 8 x 131072: XLA-side bytes other
   than the selection stage <= 0.25x the kernel's key bytes.
+- the step (``dsa_step``'s body, Pallas, decode 64 x 4096, H = 128, V3.2 dims; programs from
+  ``scripts/whole_op_cost.py``): at 2 layers, token and page, packed and fp8 caches, XLA-side
+  bytes <= 0.10x the kernels' bytes + the cache rows it writes; 8 layers <= 4.2x the total
+  bytes of 2 layers (fp8, token); the 61-layer fp8 step's temp memory < 64 MiB.
 
 Each gate test compiles its programs once (``_cost`` is cached per process; no two tests share
 a program, so pytest-xdist workers do not compile one twice) and checks the HLO and the bound
@@ -43,6 +47,9 @@ from reference.witnesses import scatter_topology_witnesses
 
 CHIP = "v6e"
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import whole_op_cost as report  # noqa: E402  (the report's step programs: one definition)
+
 I32, F32 = jnp.int32, jnp.float32
 K, K_PAGES, SEGMENTS = 2048, 32, 64
 
@@ -398,3 +405,78 @@ def test_whole_op_cost_quick_report(tmp_path):
     text = md.read_text()
     assert f"### {CHIP}" in text and "FAILED" not in text
     assert "scatter_topology_witnesses" in text and "while loop" in text
+
+
+# ----------------------------------------------------------------------------- the step
+# ``dsa_step``'s body (``report.step_build``: the report's own programs), decode 64 x 4096,
+# H = 128, V3.2 dims, caches donated, IndexShare pattern of the CLI (2 layers: full, shared;
+# 8: 2 full; 61: 16 full). The step must read each layer's cache in place, not copy it out of
+# the stacked caches: copies show as XLA-side bytes (and temp memory) that grow with the cache.
+
+
+@functools.cache
+def _step(layers: int, fmt: str, gran: str) -> tuple[xla_cost.XlaCost, int | None]:
+    """XLA's cost and temp bytes of the Pallas step on ``CHIP``."""
+    fn, specs, donate = report.step_build(layers, gran, "pallas", fmt)(CHIP)
+    compiled = _compile(fn, specs, donate)
+    return xla_cost.analyze(compiled), report.temp_bytes(compiled)
+
+
+def _step_loop_problems(name: str, c: xla_cost.XlaCost) -> list[str]:
+    if c.loops_negligible:
+        return []
+    return [f"{name}: a while loop carries {c.loop_state_bytes} B; XLA counts its body once, so "
+            f"the step's bytes are not a total ({[lp.op_name for lp in c.loops]})"]
+
+
+@pytest.mark.parametrize("gran", ["token", "page"])
+@pytest.mark.parametrize("fmt", ["packed", "fp8"])
+def test_step_xla_side_gate(fmt, gran):
+    """Pallas step, 2 layers (full, shared), decode 64 x 4096, H=128, packed bf16 latent + bf16
+    index caches or fp8 caches: XLA-side bytes <= 0.10x the kernels' estimates + the cache rows
+    the step writes (``report.step_rows_written``)."""
+    c, _ = _step(2, fmt, gran)
+    name = f"dsa_step 2 layers {fmt} {gran}"
+    assert c.kernels, f"{name}: no Pallas call in the program"
+    allowance = report.step_xla_allowance(c.kernel_bytes, 2, fmt)
+    problems = _step_loop_problems(name, c)
+    if c.xla_bytes > allowance:
+        big = ", ".join(f"{r.opcode} {r.shape} {_mb(r.bytes)}" for r in c.large_results[:6])
+        problems.append(
+            f"{name}: XLA side {_mb(c.xla_bytes)} (total {_mb(c.total_bytes)} - kernel "
+            f"estimates {_mb(c.kernel_bytes)}) = {c.xla_bytes / c.kernel_bytes:.2f}x the kernels' "
+            f"bytes > {report.STEP_XLA_BOUND:g}x + rows written "
+            f"{_mb(report.step_rows_written(2, fmt))} = {_mb(allowance)}; largest XLA results: "
+            f"{big or 'none >= 64 MiB'}")
+    _check(problems)
+
+
+def test_step_layer_scaling():
+    """Pallas step, fp8 caches, token, decode 64 x 4096: 8 layers (2 full) move <= 4.2x the
+    bytes of 2 layers (1 full) in total; the kernels alone scale by 4x (MLA) and 2x (indexer),
+    so per-layer XLA glue that grows with the number of stacked layers (a copy of the stack per
+    layer) fails."""
+    two, _ = _step(2, "fp8", "token")
+    eight, _ = _step(8, "fp8", "token")
+    ratio = eight.total_bytes / two.total_bytes
+    problems = (_step_loop_problems("dsa_step 2 layers", two)
+                + _step_loop_problems("dsa_step 8 layers", eight))
+    if ratio > report.STEP_SCALING_BOUND:
+        problems.append(f"dsa_step fp8 token: 8 layers {_mb(eight.total_bytes)} = {ratio:.2f}x "
+                        f"2 layers {_mb(two.total_bytes)} > {report.STEP_SCALING_BOUND:g}x "
+                        f"(XLA side {_mb(eight.xla_bytes)} vs {_mb(two.xla_bytes)})")
+    _check(problems)
+
+
+@pytest.mark.slow
+def test_real_size_step_temp_memory():
+    """The 61-layer Pallas step (16 full layers), fp8 caches (16.4 GB of latent cache),
+    decode 64 x 4096, H=128, on v6e: XLA's temp buffers < 64 MiB (a layer's cache copied out
+    of the stack is 268 MB)."""
+    c, temp = _step(report.REAL_LAYERS, "fp8", "token")
+    assert temp is not None, "memory_analysis() reported no temp size"
+    assert c.kernels, "no Pallas call in the 61-layer step"
+    assert temp < report.REAL_TEMP_BOUND, (
+        f"dsa_step {report.REAL_LAYERS} layers fp8 on {CHIP}: temp {temp / 2**20:.1f} MiB >= "
+        f"{report.REAL_TEMP_BOUND >> 20} MiB (XLA side {_mb(c.xla_bytes)}, kernels "
+        f"{_mb(c.kernel_bytes)})")
