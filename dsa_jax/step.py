@@ -175,7 +175,7 @@ def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, 
     for layer in range(len(indexer_types)):
         new_latent = _pad_last(inputs.new_latent[layer], layout.padded_dim)
         latent_caches = write(latent_caches, rows=new_latent, kind="latent", layer=layer)
-    for layer, slot in full_slot.items():
+    for slot in full_slot.values():
         index_caches = write(index_caches, rows=inputs.new_index[slot], kind="index", layer=slot)
     for layer in range(len(indexer_types)):
         if layer in full_slot:  # the stacked index cache, read in place at this layer's slot

@@ -34,7 +34,7 @@ Bytes per decode row per layer on the busiest shard (a model):
   one shard would not shrink: not modelled;
 - fixed, not divided by N: indexer q + its lane-padded weight column
   ``H_i * (D * 2 + 128 * 4)`` (``indexer.traffic``), MLA q + out ``H * (q_dim + v_dim) * 2``
-  (``mla.traffic``; q_dim 640, fp8 768 plus its XLA q layout ``H * (576 + 768) * 2``), and the
+  (``mla.traffic``; q_dim 640, fp8 576: its kernel reads q as given), and the
   indexer's f32 score row: the kernels write scores over the row's full width on every shard
   (the local tables keep the global shape) and the selection reads them: ``2 * 4 * L`` B ("as
   implemented"; a shard-local width would remove it). The selection's compute, ``merge_topk``'s
@@ -99,7 +99,6 @@ import numpy as np  # noqa: E402
 from pallas_kernels import aot  # noqa: E402
 from pallas_kernels.mla.compile_cases import (  # noqa: E402
     FP8_DIM,
-    FP8_Q_DIM,
     MLA_DIM,
     MLA_PAGE,
     MLA_V_DIM,
@@ -176,7 +175,7 @@ FORMATS = (
     Fmt("bf16", BF16_KEY, CacheFormat.BF16.row_bytes(MLA_DIM)),  # 1280
     Fmt("packed", BF16_KEY, CacheFormat.PACKED_BF16.row_bytes(MLA_DIM)),  # 1536
     Fmt("fp8", fp8_cache.index_bytes_per_token(PAGE), CacheFormat.FP8.row_bytes(FP8_DIM),
-        q_dim=FP8_Q_DIM, q_prep_per_head=(FP8_DIM + FP8_Q_DIM) * BF16),  # 136 + 1024
+        q_dim=FP8_DIM),  # 136 + 1024; q read as given
     Fmt("bf16 unpadded 576 (ref)", BF16_KEY, LATENT * BF16, timed=False),  # 1152
     Fmt("fp8 GPU layout (ref)", fp8.INDEX_TOKEN_BYTES, fp8.LATENT_BYTES, timed=False),  # 132+656
 )

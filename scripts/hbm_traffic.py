@@ -223,10 +223,7 @@ def mla_case(s: Shape, *, page_mode: bool, k: int, block: int, v_dim: int,
                                              dist, tokens_per_block=units, **kw)
 
     mode = "page" if page_mode else "token"
-    kdim = s.dim
-    if fp8_latent:  # the kernel reads q laid out 768 wide; XLA writes that copy (read 576)
-        kdim = mkernel.fp8_query(jnp.zeros((1, s.dim))).shape[-1]
-        prep += s.rows * s.heads * (s.dim + kdim) * 2
+    kdim = s.dim  # the fp8 cache's query too: the kernel reads it as given
     shape = mkernel.block_shape(mode, heads=s.heads, dim=kdim, v_dim=v_dim,
                              page_size=s.page_size, units=units, meta_len=k,
                              q_dtype=jnp.bfloat16, fmt=fmt)

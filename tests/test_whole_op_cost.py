@@ -480,3 +480,64 @@ def test_real_size_step_temp_memory():
         f"dsa_step {report.REAL_LAYERS} layers fp8 on {CHIP}: temp {temp / 2**20:.1f} MiB >= "
         f"{report.REAL_TEMP_BOUND >> 20} MiB (XLA side {_mb(c.xla_bytes)}, kernels "
         f"{_mb(c.kernel_bytes)})")
+
+
+# ----------------------------------------------------------------------------- fp8 and MTP
+# fp8 caches and MTP rows (v6e). The bound the issue asks is 0.10x; where it is not met yet the
+# test pins today's figure as a regression bound and says the cause (scripts/whole_op_cost.py's
+# OPMIN_GATES carry the same labels).
+
+MTP_Q, MTP_KV = [4] * 16, [4096] * 16
+
+
+def _opmin_program(key: str):
+    """(fn, specs, rows, reference bytes) of an fp8-cache or MTP program."""
+    kind, _, arg = key.partition(":")
+    if kind in ("sparse_mla", "page_sparse_mla"):
+        cases = mcases.token_cases if kind == "sparse_mla" else mcases.page_cases
+        if arg == "fp8":
+            (case,) = [c for c in cases(quick=True)
+                       if c.shape.startswith("decode64x8192_h128_") and c.shape.endswith("_fp8")]
+        else:  # MTP: 16 sequences x 4 rows at 4096, H = 128, as whole_op_cost measures it
+            fmt, dt = ("packed", jnp.uint32) if kind == "sparse_mla" else ("bf16", jnp.bfloat16)
+            case = mcases.mla_case("token" if kind == "sparse_mla" else "page", f"mtp_{fmt}",
+                                   64, 16, 4096, 128, fmt, dt)
+        kernel = case.fn_for_chip(CHIP)
+        statics = ("sm_scale", "pages_per_seq", "v_dim")
+        opts = {k: v for k, v in kernel.keywords.items() if k not in statics}
+        fn = functools.partial(getattr(dsa_jax, kind), **{k: kernel.keywords[k] for k in statics},
+                               backend="pallas", kernel_options={**opts, "interpret": False})
+        return fn, case.specs, case.specs[0].shape[0], case.traffic(CHIP).bytes_moved
+    specs, pps = icases.gate_specs(MTP_Q, MTP_KV)
+    page_mode = kind == "page_topk"
+    k = min(K_PAGES, pps) if page_mode else K
+    fn = functools.partial(getattr(dsa_jax, kind), **{"k_pages" if page_mode else "k": k},
+                           pages_per_seq=pps, one_token_per_seq=False, backend="pallas",
+                           kernel_options={"chip": CHIP, "interpret": False})
+    return fn, specs, sum(MTP_Q), _decode_key_bytes(MTP_KV)
+
+
+@pytest.mark.parametrize("key,bound,cause", [
+    ("sparse_mla:fp8", 0.20, "XLA stores the 576-wide q parameter {1,2,0}: a layout copy"),
+    ("page_sparse_mla:fp8", 0.20, "the same q layout copy"),
+    ("sparse_mla:mtp", 0.10, ""),
+    ("page_sparse_mla:mtp", 0.10, ""),
+])
+def test_fp8_and_mtp_mla_gate(key, bound, cause):
+    """fp8 latent cache (decode 64 x 8192, H = 128) and MTP rows: XLA-side bytes over the
+    kernel's modelled bytes (the fp8 q relayout moved into the kernel: 0.51 -> 0.16 on v6e)."""
+    fn, specs, rows, model = _opmin_program(key)
+    c = xla_cost.analyze(_compile(fn, specs))
+    bad = [op.describe() for op in c.indexed_ops
+           if not xla_cost.classify(op, row_limit=rows, allowed=xla_cost.HOT_PATH_ALLOWED).ok]
+    assert not bad and c.loops_negligible, bad
+    assert c.xla_bytes <= bound * model, (key, c.xla_bytes / model, cause)
+
+
+@pytest.mark.parametrize("op", ["indexer_topk", "page_topk"])
+def test_mtp_indexer_keeps_the_cache_in_hbm(op):
+    """MTP 16 x 4 @ 4096: the keys (16.8 MB) stay in HBM: before the kernel pinned them, XLA
+    copied the cache into VMEM for the ladder's later level calls (79 MB of XLA on v6e)."""
+    fn, specs, _, keys = _opmin_program(f"{op}:mtp")
+    c = xla_cost.analyze(_compile(fn, specs))
+    assert c.xla_bytes <= 2.0 * keys, c.xla_bytes / keys  # 1.7x with the selection (v6e)

@@ -50,7 +50,8 @@ Design.
 - Token mode: the stage's scores go to a ``[L, capacity]`` VMEM row buffer (double-buffered
   across items); stages past the item's last needed block are filled with ``-inf``; then the
   item's rows are DMAed to the HBM output, one DMA per row. Page mode: per-page maxima go into
-  a ``[L, pages]`` output block written back by the Pallas pipeline; XLA maps slots to rows.
+  a ``[L, page_cols]`` VMEM row buffer (``-inf`` where no page was reached), DMAed out per row
+  the same way: XLA maps no slot to a row (a per-element gather there before).
 
 - fp8 index cache (``reference.fp8_cache.Fp8IndexCache``): each page is two DMAs on the same
   semaphore, its e4m3 keys ``[page, 128]`` (whole (32, 128) tiles) and its f32 scale row
@@ -60,14 +61,13 @@ Design.
 Traffic (``traffic``): keys ``sum over items of pages_needed * page_size * D * itemsize`` (each
 sequence's causal keys ``ceil(n / R_max)`` times; decode once); q and the lane-padded weight
 column once per q block fetched (``L`` rows per item: decode rows once); scores written once
-(token: the item's rows x capacity; page: ``L`` rows x pages per item). MXU flops ``2 * L * H *
+(the item's rows x capacity, page mode x ``page_cols``). MXU flops ``2 * L * H *
 D`` per key token per item.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import jax
@@ -258,17 +258,18 @@ def _stage_scores(cfg: ScoreConfig, q, wcol, keys, scales, blk, pos0, kv_eff, pa
 
 
 def _put_page_max(cfg: ScoreConfig, out_ref, s, blk):
-    """Max-pool ``s f32[R, P*page]`` per page into columns ``[blk*P, blk*P + P)``."""
+    """Max-pool ``s f32[R, P*page]`` per page into columns ``[blk*P, blk*P + P)`` of the row
+    buffer ``out_ref [R, page_cols]``."""
     nb = cfg.block_tokens
     first = blk * cfg.block_pages
     g0 = pl.multiple_of((first // LANES) * LANES, LANES)
     lane_page = jax.lax.broadcasted_iota(jnp.int32, (1, nb), 1) // cfg.page_size
     col = jax.lax.broadcasted_iota(jnp.int32, (1, LANES), 1) + g0
-    grp = out_ref[0, :, pl.ds(g0, LANES)]
+    grp = out_ref[:, pl.ds(g0, LANES)]
     for p in range(cfg.block_pages):
         m = jnp.max(jnp.where(lane_page == p, s, NEG_INF), axis=1, keepdims=True)  # [R, 1]
         grp = jnp.where(col == first + p, m, grp)
-    out_ref[0, :, pl.ds(g0, LANES)] = grp
+    out_ref[:, pl.ds(g0, LANES)] = grp
 
 
 def _row_copies(cfg: ScoreConfig, items_ref, obuf, out_hbm, osem, w, slot):
@@ -281,8 +282,9 @@ def _row_copies(cfg: ScoreConfig, items_ref, obuf, out_hbm, osem, w, slot):
     n, row = _field(items_ref, w, wl.NROWS), _field(items_ref, w, wl.ROW)
     shift = _field(items_ref, w, wl.SHIFT)
     out = []
+    width = cfg.page_cols if cfg.page_mode else cfg.capacity
     for j in range(cfg.block_rows):
-        src = obuf.at[slot, pl.ds(j, 1), pl.ds(0, cfg.capacity)]
+        src = obuf.at[slot, pl.ds(j, 1), pl.ds(0, width)]
         dst = out_hbm.at[pl.ds(jnp.maximum(row - shift + j, 0), 1)]
         out.append(((j >= shift) & (j < shift + n),
                     pltpu.make_async_copy(src, dst, osem.at[slot])))
@@ -315,15 +317,15 @@ def _score_kernel(cfg: ScoreConfig, aliased: bool,
 
     base = base_ref[0]
     oslot = w % 2
-    if cfg.page_mode:
-        out_ref[...] = jnp.full(out_ref.shape, NEG_INF, jnp.float32)
-    else:
-        obuf, osem = row_scratch
-        rows = functools.partial(_row_copies, cfg, items_ref, obuf, out_ref, osem)
+    obuf, osem = row_scratch
+    rows = functools.partial(_row_copies, cfg, items_ref, obuf, out_ref, osem)
 
-        @pl.when(w >= 2)
-        def _():
-            _wait(rows(w - 2, oslot))  # that slot's previous rows have left VMEM
+    @pl.when(w >= 2)
+    def _():
+        _wait(rows(w - 2, oslot))  # that slot's previous rows have left VMEM
+
+    if cfg.page_mode:  # page maxima are written per stage; pages never reached stay -inf
+        obuf[oslot] = jnp.full(obuf.shape[1:], NEG_INF, jnp.float32)
 
     rh = cfg.block_rows * cfg.heads
     q = q_ref[...].reshape(rh, cfg.dim)
@@ -347,7 +349,7 @@ def _score_kernel(cfg: ScoreConfig, aliased: bool,
         s = _stage_scores(cfg, q, wcol, keys, scales, blk, pos0, kv_eff,
                           [ok for ok, _ in mine[::2 if cfg.key_scales else 1]])
         if cfg.page_mode:
-            _put_page_max(cfg, out_ref, s, blk)
+            _put_page_max(cfg, obuf.at[oslot], s, blk)
         else:
             start = pl.multiple_of(blk * cfg.block_tokens, cfg.block_tokens)
             obuf[oslot, :, pl.ds(start, cfg.block_tokens)] = s
@@ -363,15 +365,15 @@ def _score_kernel(cfg: ScoreConfig, aliased: bool,
             return carry
 
         jax.lax.fori_loop(nblk, cfg.num_blocks, fill, 0)
-        _start(rows(w, oslot))
+    _start(rows(w, oslot))
 
-        @pl.when(w == n_items - 1)
+    @pl.when(w == n_items - 1)
+    def _():
+        @pl.when(w >= 1)
         def _():
-            @pl.when(w >= 1)
-            def _():
-                _wait(rows(w - 1, 1 - oslot))
+            _wait(rows(w - 1, 1 - oslot))
 
-            _wait(rows(w, oslot))
+        _wait(rows(w, oslot))
 
 
 # ----------------------------------------------------------------------------- pallas_call
@@ -382,11 +384,11 @@ def score_call(cfg: ScoreConfig, q, wcol, cache_kv, layer, items, page_table, pr
     """One level's kernel call for the chunk's rows.
 
     ``q: [T, H, D]`` in the compute dtype, ``wcol: f32[T, H, 1]``, ``cache_kv`` the stacked
-    cache ``[L, P, ps, D]`` (or fp8 pytree) and ``layer`` the i32 scalar layer it reads in place
-    (scalar-prefetched). Token mode: ``prev`` is the
-    earlier levels' ``f32[C, capacity]`` (``None`` for the first level) and the result is it
-    with this level's rows written (rows outside sequences undefined). Page mode: ``f32[W_L *
-    L, page_cols]``, one row per item slot."""
+    cache ``[L, P, ps, D]`` (or fp8 pytree) read in place at ``layer`` (an i32 scalar,
+    scalar-prefetched: one compiled kernel serves every layer). ``prev`` is the earlier
+    levels' ``f32[C, width]`` (``None`` for the first level; width: token mode ``capacity``,
+    page mode ``page_cols``) and the result is it with this level's rows written, one DMA per
+    row (rows outside sequences undefined): no slot-to-row map in XLA."""
     check_config(cfg, mosaic=interpret is False)
     r, h, d = cfg.block_rows, cfg.heads, cfg.dim
     aliased = prev is not None
@@ -395,14 +397,11 @@ def score_call(cfg: ScoreConfig, q, wcol, cache_kv, layer, items, page_table, pr
                pltpu.SemaphoreType.DMA((2,)), pltpu.SMEM((1,), jnp.int32)]
     if cfg.key_scales:  # the stage's scale rows, double-buffered like the keys
         scratch.append(pltpu.VMEM((2, cfg.block_pages, cfg.scale_lanes), jnp.float32))
-    if cfg.page_mode:
-        out_shape = jax.ShapeDtypeStruct((cfg.num_items, r, cfg.page_cols), jnp.float32)
-        out_spec = pl.BlockSpec((1, r, cfg.page_cols), lambda w, *_: (w, 0, 0))
-    else:
-        out_shape = jax.ShapeDtypeStruct((cfg.rows, cfg.capacity), jnp.float32)
-        out_spec = pl.BlockSpec(memory_space=pltpu.HBM)
-        scratch += [pltpu.VMEM((2, r, cfg.num_blocks * cfg.block_tokens), jnp.float32),
-                    pltpu.SemaphoreType.DMA((2,))]
+    width = cfg.page_cols if cfg.page_mode else cfg.num_blocks * cfg.block_tokens
+    out_shape = jax.ShapeDtypeStruct(
+        (cfg.rows, cfg.page_cols if cfg.page_mode else cfg.capacity), jnp.float32)
+    out_spec = pl.BlockSpec(memory_space=pltpu.HBM)
+    scratch += [pltpu.VMEM((2, r, width), jnp.float32), pltpu.SemaphoreType.DMA((2,))]
     est = vmem_estimate(block_rows=r, block_pages=cfg.block_pages, num_heads=h, dim=d,
                         page_size=cfg.page_size, pages_per_seq=cfg.pages_per_seq,
                         key_itemsize=cfg.key_dtype.itemsize,
@@ -420,9 +419,9 @@ def score_call(cfg: ScoreConfig, q, wcol, cache_kv, layer, items, page_table, pr
                 wcol]
     if cfg.key_scales:  # the fp8 cache's two arrays, read by the kernel as they are stored
         in_specs.append(pl.BlockSpec(memory_space=pltpu.HBM))
-        operands += [cache_kv.keys, cache_kv.scales]
+        operands += [_in_hbm(cache_kv.keys), _in_hbm(cache_kv.scales)]
     else:
-        operands.append(cache_kv)
+        operands.append(_in_hbm(cache_kv))
     if aliased:
         in_specs.append(pl.BlockSpec(memory_space=pltpu.HBM))
         operands.append(prev)
@@ -434,15 +433,20 @@ def score_call(cfg: ScoreConfig, q, wcol, cache_kv, layer, items, page_table, pr
         input_output_aliases={len(operands) - 1: 0} if aliased else {},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
                                              vmem_limit_bytes=limit),
-        cost_estimate=_cost_estimate(cfg, out_shape),
+        cost_estimate=_cost_estimate(cfg),
         interpret=tpu.interpret_params(interpret),
     )(*operands)
-    if cfg.page_mode:
-        return out.reshape(cfg.num_items * r, cfg.page_cols)
     return out
 
 
-def _cost_estimate(cfg: ScoreConfig, out_shape) -> pl.CostEstimate:
+def _in_hbm(keys):
+    """The keys pinned to HBM for the call. Without it XLA's memory-space assignment may copy a
+    cache small enough for VMEM (16.8 MB at MTP 16 x 4 @ 4096) into VMEM once the ladder's
+    level calls share it: 79 MB of XLA copies in its model for keys the kernel reads once."""
+    return pltpu.with_memory_space_constraint(keys, pltpu.HBM)
+
+
+def _cost_estimate(cfg: ScoreConfig) -> pl.CostEstimate:
     """Upper bound: every item reads its whole capacity (the real kernel reads causal pages)."""
     toks = cfg.num_items * cfg.capacity
     flops = 2 * toks * cfg.block_rows * cfg.heads * cfg.dim
@@ -450,6 +454,7 @@ def _cost_estimate(cfg: ScoreConfig, out_shape) -> pl.CostEstimate:
     key_bytes += cfg.num_items * cfg.pages_per_seq * cfg.scale_lanes * 4
     rows = cfg.num_items * cfg.block_rows * cfg.heads
     io = rows * (cfg.dim * cfg.compute_dtype.itemsize + LANES * 4)
-    io += math.prod(out_shape.shape) * 4
+    width = cfg.page_cols if cfg.page_mode else cfg.capacity
+    io += min(cfg.rows, cfg.num_items * cfg.block_rows) * width * 4  # rows written once
     return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=key_bytes + io)
 

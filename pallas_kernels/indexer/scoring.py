@@ -79,18 +79,10 @@ def score_and_select(q, weights, cache_kv, b: batch.RaggedBatch, *, one_token_pe
         items, row_slot, abs_pos, kv_eff = work_list(b, row0=row0, cfgs=cfgs,
                                                      one_token_per_seq=one_token_per_seq)
         scores = None
-        per_level = []
-        for cfg, its in zip(cfgs, items, strict=True):
-            out = score_call(cfg, q_in, wcol, cache_kv, read.layer, its, table,
-                             None if page_mode else scores,
-                             vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
-            if page_mode:
-                per_level.append(out)
-            else:
-                scores = out
-        if page_mode:
-            flat = jnp.concatenate(per_level)[:, :pages_per_seq]
-            scores = flat[jnp.clip(row_slot, 0, None)]
+        for cfg, its in zip(cfgs, items, strict=True):  # each level DMAs its rows in place
+            scores = score_call(cfg, q_in, wcol, cache_kv, read.layer, its, table, scores,
+                                vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
+        scores = scores[:, :width]
         row_ok = row_slot >= 0
         scores = jnp.where(row_ok[:, None], scores, NEG_INF)
         return finish(scores, row_ok, abs_pos, kv_eff)

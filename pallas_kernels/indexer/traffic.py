@@ -6,7 +6,7 @@ from __future__ import annotations
 from pallas_kernels import aot
 from pallas_kernels.indexer.blocks import IndexerBlocks, vmem_estimate
 from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, chunk_rows
-from pallas_kernels.indexer.work_list import level_bound, row_ladder
+from pallas_kernels.indexer.work_list import row_ladder
 from pallas_kernels.tpu import LANES
 
 
@@ -41,8 +41,8 @@ def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_
 
     Kernel side: key pages per item; one q block ``[L, H, D]`` plus the lane-padded weight
     column ``f32[L, H, 128]`` per change of q row along the grid (the pipeline skips an
-    unchanged block); score rows (token) or out blocks (page). XLA side: page mode's row map
-    (read + write ``f32[T, pages_per_seq]``). Minimum: q and weights read once, each
+    unchanged block); the item's score rows (page mode: ``page_cols`` wide), one DMA each.
+    Minimum: q and weights read once, each
     sequence's ``kv_len`` keys read once, scores written once. ``scale_lanes > 0``: an fp8
     cache, each fetched page also moves its f32 scale row of ``scale_lanes`` lanes (the
     minimum counts 4 scale bytes per key: the GPU layout's 132 B per key)."""
@@ -60,18 +60,14 @@ def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_
     for row0 in chunks:
         levels = replay_items(q_lens, kv_lens, row0=row0, rows=c, total_rows=total,
                               ladder=ladder, page_size=page_size, capacity=cap)
-        for i, (size, items) in enumerate(zip(ladder, levels, strict=True)):
+        for size, items in zip(ladder, levels, strict=True):
             qrows = [qr for qr, _, _ in items] or [0]
             fetches = 1 + sum(a != b for a, b in zip(qrows, qrows[1:], strict=False))
             q_moved += fetches * size * q_row
             for _, n, pages in items:
                 keys += pages * (page_size * key_row + 4 * scale_lanes)
                 flops += 2 * size * heads * dim * pages * page_size
-                out += 0 if page_mode else n * cap * 4
-            if page_mode:
-                out += level_bound(ladder, i, c, len(q_lens)) * size * page_cols * 4
-    if page_mode:
-        out += 2 * total * pages_per_seq * 4  # XLA row map: read + write
+                out += n * (page_cols if page_mode else cap) * 4
     min_key = key_row + (4 if scale_lanes else 0)
     bytes_min = (total * heads * (dim * q_itemsize + 4) + sum(kl * min_key for kl in kv_lens)
                  + total * width * 4)

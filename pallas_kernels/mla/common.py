@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import tpu
 from pallas_kernels.mla.blocks import _COUNT, _END, _LIMIT, _SLOT0, ROW_INFO_WORDS
-from pallas_kernels.mla.kernel import fp8_query, gather_attend
+from pallas_kernels.mla.kernel import gather_attend
 from reference import batch, stacked
 from reference.cache_format import CacheFormat
 
@@ -19,10 +19,9 @@ class PerformanceWarning(UserWarning):
 
 
 def compute_query(q, fmt: CacheFormat):
-    """The query in the compute dtype: f32 when the query or the cache is f32, else bf16; laid
-    out for the fp8 cache's segments (``kernel.fp8_query``) when ``fmt`` is FP8."""
-    q = q.astype(jnp.promote_types(q.dtype, fmt.value_dtype))
-    return fp8_query(q) if fmt.fp8 else q
+    """The query in the compute dtype: f32 when the query or the cache is f32, else bf16 (a
+    no-op for a bf16 query; the fp8 cache's query is read as given, ``kernel.segments``)."""
+    return q.astype(jnp.promote_types(q.dtype, fmt.value_dtype))
 
 
 def attend_entries(q, cache_kv, entries, b: batch.RaggedBatch, *, mode: str,

@@ -39,8 +39,7 @@ def batch_specs(*, rows, heads, dim, seqs, context, page_size, selected, cache_d
 
 # DeepSeek-V3.2 absorbed MLA: 576 latent+rope padded to 640, v_dim 512, pages of 64 tokens.
 MLA_DIM, MLA_V_DIM, MLA_PAGE, MLA_SCALE = 640, 512, 64, 0.1352
-FP8_DIM = 576  # the fp8 latent cache's cases pass the logical query width
-FP8_Q_DIM = 768  # and the kernel reads it laid out by ``kernel.fp8_query``
+FP8_DIM = 576  # the fp8 latent cache's cases pass the logical query width (read as given)
 # (name, rows, seqs, context, heads): 64 decode rows x 8192; a 1024-token prefill at 32768; a
 # mixed serving batch (60 decode rows beside a 512-row prefill chunk: 61 sequences of 8192).
 COMPILE_SHAPES = (("decode64x8192_h128", 64, 64, 8192, 128),
@@ -87,12 +86,12 @@ def mla_case(mode: str, label: str, rows: int, seqs: int, context: int, heads: i
     tokens, ``rows`` query rows, ``heads`` heads, cache format ``fmt`` stored as ``dt``."""
     token = mode == "token"
     entries = K_TOKENS if token else K_PAGES
-    fp8 = fmt == "fp8"  # q of the logical 576 (the entry lays it out 768 wide: FP8_Q_DIM)
+    fp8 = fmt == "fp8"  # q of the logical 576, read by the kernel as given
     specs = batch_specs(rows=rows, heads=heads, dim=FP8_DIM if fp8 else MLA_DIM, seqs=seqs,
                         context=context, page_size=MLA_PAGE, selected=entries, cache_dtype=dt,
                         fp8=fp8)
     kfmt = "packed" if fmt == "bf16" and token else fmt  # the token entry packs bf16 per call
-    kdim = FP8_Q_DIM if fp8 else MLA_DIM  # the kernel's query width
+    kdim = FP8_DIM if fp8 else MLA_DIM  # the kernel's query width
 
     def shape_for(chip):
         units = (mla_blocks.token_block(entries, chip) if token
@@ -109,8 +108,6 @@ def mla_case(mode: str, label: str, rows: int, seqs: int, context: int, heads: i
 
     def traffic(chip):
         prep = rows * entries * PREP_BYTES_PER_ENTRY
-        if fp8:  # XLA lays q out for the kernel: read 576, write 768 bf16 values per head
-            prep += rows * heads * (FP8_DIM + FP8_Q_DIM) * 2
         t = mla_traffic(rows=rows, heads=heads, dim=kdim, v_dim=MLA_V_DIM,
                         selected_rows=entries * (1 if token else MLA_PAGE), fmt=kfmt,
                         q_itemsize=2, meta_words=entries, prep_bytes=prep,

@@ -34,8 +34,9 @@ fp8 latent cache (``reference.fp8_cache.Fp8LatentCache``, 256 u32 words per toke
 module): rows are gathered exactly like packed rows (one DMA per token, 1024 B), then decoded in
 VMEM: byte plane ``j`` of words ``[0, 128)`` is nope tile ``j`` (bitcast to e4m3, upcast, times
 its power-of-two scale from word ``160 + j``: exact in bf16), words ``[128, 160)`` the rope
-halves. The entry lays q out 768 wide (``fp8_query``: nope, rope ``[0, 32)`` and rope ``[32,
-64)`` each padded to 128 lanes), so all six segments are lane aligned.
+halves, the high halves rotated 32 lanes up in VMEM so the 64 rope values sit on lanes 0..63
+as in q's features ``[512, 576)``: q is read as given (576 or 640 wide, no XLA relayout) and
+all five segments start lane aligned.
 
 Pipeline: the grid walks query rows in order; inside a row a loop walks blocks of
 ``tokens_per_block`` gathered rows. The row's raw top-k entries (``i32[k]``, as the caller gave
@@ -91,8 +92,8 @@ def check_kernel_args(q, cache_kv, kv_lens, selected, page_indices, cu_q_lens, c
                       distribution, *, sm_scale, pages_per_seq, v_dim,
                       selected_name) -> tuple[CacheFormat, batch.RaggedBatch]:
     """The reference's checks (a packed cache is checked as the bf16 cache it holds) plus the
-    kernel's: D a multiple of 128 (the fp8 latent cache takes D = 576 or 640: its entry lays the
-    query out itself, ``fp8_query``). Returns the cache's ``CacheFormat`` and the batch."""
+    kernel's: D a multiple of 128 (the fp8 latent cache takes D = 576 or 640: the kernel reads
+    that query as given, ``segments``). Returns the cache's ``CacheFormat`` and the batch."""
     if isinstance(cache_kv, fp8_cache.Fp8LatentCache):  # q: 576 or 640 (reference checks)
         check_mla_args(q, cache_kv, kv_lens, selected, page_indices, cu_q_lens, cu_kv_lens,
                        distribution, sm_scale=sm_scale, pages_per_seq=pages_per_seq,
@@ -140,18 +141,16 @@ def segments(dim: int, v_dim: int, fmt: CacheFormat, words: int):
 
     ``part`` indexes the unpacked operands (``_unpack``): plain: the row itself; packed: 0 = low
     halves = features ``[0, W)``, 1 = high halves = features ``[W, 2W)``; fp8: 0..3 = the nope
-    tiles (features ``[128 j, 128 j + 128)``), 4 / 5 = rope values ``[0, 32)`` / ``[32, 64)`` on
-    lanes 0..31 (the query ``fp8_query`` lays out to match, 768 wide). ``q_lo:q_hi`` are the
-    query (and logit) features of the segment, ``v_lo:v_hi`` its output columns (empty: no
-    accumulator). All starts are multiples of 128, so every slice is lane aligned.
+    tiles (features ``[128 j, 128 j + 128)``), 4 = the 64 rope values on lanes 0..63 (q read
+    as given: its features ``[512, dim)``, dim 576 or 640). ``q_lo:q_hi`` are the query (and
+    logit) features of the segment, ``v_lo:v_hi`` its output columns (empty: no accumulator).
+    All starts are multiples of 128, so every slice is lane aligned.
     """
     if fmt.fp8:
         tile = fp8.LATENT_TILE
         segs = [(j, j * tile, (j + 1) * tile, min(j * tile, v_dim), min((j + 1) * tile, v_dim))
                 for j in range(fp8.LATENT_TILES)]
-        rope0 = fp8.LATENT_NOPE
-        return tuple(segs) + ((4, rope0, rope0 + tile, v_dim, v_dim),
-                              (5, rope0 + tile, rope0 + 2 * tile, v_dim, v_dim))
+        return tuple(segs) + ((fp8.LATENT_TILES, fp8.LATENT_NOPE, dim, v_dim, v_dim),)
     if not fmt.packed:
         return ((0, 0, dim, 0, v_dim),)
     segs = [(0, 0, min(dim, words), 0, min(v_dim, words))]
@@ -160,21 +159,13 @@ def segments(dim: int, v_dim: int, fmt: CacheFormat, words: int):
     return tuple(segs)
 
 
-def fp8_query(q):
-    """``q [..., 576 or 640]`` -> ``[..., 768]`` laid out for the fp8 segments: the 512 nope
-    features, then rope ``[0, 32)`` and rope ``[32, 64)`` each zero-padded to 128 lanes (a
-    640-wide query's padding is zeros by contract and is dropped)."""
-    half = fp8.LATENT_ROPE // 2
-    rope0 = fp8.LATENT_NOPE
-    pad = [(0, 0)] * (q.ndim - 1) + [(0, fp8.LATENT_TILE - half)]
-    return jnp.concatenate([q[..., :rope0], jnp.pad(q[..., rope0:rope0 + half], pad),
-                            jnp.pad(q[..., rope0 + half:rope0 + 2 * half], pad)], axis=-1)
-
-
 def _unpack_fp8(w, cdt):
-    """Gathered fp8 latent words ``u32[rows, 256]`` -> the six operands of ``segments``: each
-    nope tile decoded (byte plane -> e4m3 -> f32, times its scale; exact in bf16) and the two
-    rope halves (lanes past 32 are scales and padding: selected to zero, never multiplied)."""
+    """Gathered fp8 latent words ``u32[rows, 256]`` -> the five operands of ``segments``: each
+    nope tile decoded (byte plane -> e4m3 -> f32, times its scale; exact in bf16), then the
+    rope: word ``j < 32`` holds rope values ``j`` (low half) and ``j + 32`` (high half); the
+    high halves are rotated 32 lanes up so rope value ``i`` sits on lane ``i`` as in the query
+    (lanes past 64 are scales and padding: selected to zero, never multiplied). Done here, per
+    gathered block, so the query needs no relayout in XLA (issue: 0.45x the kernel's bytes)."""
     nope, side = w[:, :fp8_cache.NOPE_WORDS], w[:, fp8_cache.ROPE_WORD0:]
     parts = []
     for j in range(fp8.LATENT_TILES):
@@ -184,14 +175,16 @@ def _unpack_fp8(w, cdt):
         scale = jax.lax.bitcast_convert_type(side[:, at:at + 1], jnp.float32)
         parts.append((vals * scale).astype(cdt))
     lane = jax.lax.broadcasted_iota(jnp.int32, side.shape, 1)
-    rope = lane < fp8_cache.ROPE_PAIRS
-    parts += [jnp.where(rope, x, 0.0).astype(cdt) for x in packed_cache.unpack_words(side)]
-    return parts
+    low, high = packed_cache.unpack_words(side)
+    pairs = fp8_cache.ROPE_PAIRS
+    high = pltpu.roll(high, pairs, 1)  # lane i + 32 <- high half of word i
+    rope = jnp.where(lane < pairs, low, jnp.where(lane < 2 * pairs, high, 0.0))
+    return parts + [rope.astype(cdt)]
 
 
 def _unpack(w, fmt: CacheFormat, cdt):
     """Gathered rows -> operand list (plain: the rows; packed: low and high halves; fp8: the
-    six ``_unpack_fp8`` operands)."""
+    five ``_unpack_fp8`` operands)."""
     if fmt.fp8:
         return _unpack_fp8(w, cdt)
     if not fmt.packed:
