@@ -40,9 +40,9 @@ def _call(fn, extra, arrays, statics, validate: bool, *, num_rows: int, cache_in
     num_pages, page_size = (int(d) for d in shape[-3:-1])
     key = (fn, tuple(statics.items()), tuple(sorted(extra.items())), num_rows, seq_lens_index,
            page_size, pages_per_seq, num_pages, None if layer is None else read.num_layers)
-    err, out = _checked(key)(*arrays, read.layer)
+    err, res = _checked(key)(*arrays, read.layer)
     err.throw()
-    return out
+    return res
 
 
 @functools.lru_cache(maxsize=64)
@@ -119,7 +119,9 @@ def sparse_mla(q, cache_kv, kv_lens, topk_indices, page_indices, cu_q_lens, cu_k
                kernel_options: dict | None = None, layer=None):
     """Token-sparse absorbed MLA: ``q.dtype[T, H, v_dim]`` (and ``f32[T, H]`` LSE).
 
-    Args as ``reference.sparse_mla_ref`` plus ``backend`` / ``validate`` / ``kernel_options``.
+    Args as ``reference.sparse_mla_ref`` plus ``backend`` / ``validate`` / ``kernel_options``
+    and ``layer``; with ``layer``, ``q`` may be the stacked ``[L, T, H, D]``, read in place at
+    that layer (``reference.stacked.layer_query``).
     """
     return _mla("sparse_mla", (q, cache_kv, kv_lens, topk_indices, page_indices, cu_q_lens,
                                cu_kv_lens, distribution),
@@ -135,7 +137,7 @@ def page_sparse_mla(q, cache_kv, kv_lens, topk_pages, page_indices, cu_q_lens, c
     """Page-sparse absorbed MLA (causal inside pages): ``q.dtype[T, H, v_dim]``.
 
     Args as ``reference.page_sparse_mla_ref`` plus ``backend`` / ``validate`` /
-    ``kernel_options``.
+    ``kernel_options`` and ``layer`` (as ``sparse_mla``).
     """
     return _mla("page_sparse_mla", (q, cache_kv, kv_lens, topk_pages, page_indices,
                                     cu_q_lens, cu_kv_lens, distribution),
@@ -151,5 +153,5 @@ def _mla(op: str, arrays: tuple, *, sm_scale: float, pages_per_seq: int, v_dim: 
     fn, extra = _backend.implementation(op, backend, kernel_options)
     statics = dict(sm_scale=sm_scale, pages_per_seq=pages_per_seq, v_dim=v_dim,
                    return_lse=return_lse)
-    return _call(fn, extra, arrays, statics, validate, num_rows=int(np.shape(arrays[0])[0]),
+    return _call(fn, extra, arrays, statics, validate, num_rows=int(np.shape(arrays[0])[-3]),
                  cache_index=1, seq_lens_index=2, pages_per_seq=pages_per_seq, layer=layer)

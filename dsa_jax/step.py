@@ -169,6 +169,10 @@ def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, 
     if mla_blocks is not None:
         mla_opts["blocks"] = mla_blocks
     selections, outs = {}, []
+    # The stacked query, read in place at each layer (no per-layer slice of q); the fp8 latent
+    # cache takes the 576-wide query as given, the other formats the padded width.
+    q_mla = (inputs.q_mla if layout.cache_format("latent") == "fp8"
+             else _pad_last(inputs.q_mla, layout.padded_dim))
     write = functools.partial(_cache.write_rows, page_id=page_id, offset=offset, layout=layout)
     # Every write first (row scatters into the donated stacks), then every read: no kernel reads
     # a stack that a later write updates, so XLA keeps one buffer per stack (no copy).
@@ -195,12 +199,12 @@ def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, 
                     fill=fill, refuse_full_overwrite=refuse_full_overwrite,
                     recall_target=recall_target, exact=exact, backend=backend,
                     kernel_options=topk_opts, ctx_axis=ctx_axis, layer=slot)
-        q = _pad_last(inputs.q_mla[layer], layout.padded_dim)
-        res = mla_op(q, latent_caches, b.kv_lens, selections[src_slot[layer]], *b.arrays[1:],
-                     sm_scale=sm_scale, pages_per_seq=layout.pages_per_seq, v_dim=layout.v_dim,
-                     backend=backend, kernel_options=mla_opts,
-                     return_lse=ctx_axis is not None, layer=layer)
-        outs.append(res if ctx_axis is None else _context.merge_lse(*res, ctx_axis)[0])
+        mla = functools.partial(
+            mla_op, q_mla, latent_caches, b.kv_lens, selections[src_slot[layer]],
+            *b.arrays[1:], sm_scale=sm_scale, pages_per_seq=layout.pages_per_seq,
+            v_dim=layout.v_dim, backend=backend, kernel_options=mla_opts, layer=layer)
+        outs.append(mla() if ctx_axis is None
+                    else _context.merge_lse(*mla(return_lse=True), ctx_axis)[0])
     topk = jnp.stack([selections[s] for s in range(len(selections))])
     return StepResult(jnp.stack(outs), topk, latent_caches, index_caches)
 

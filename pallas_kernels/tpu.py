@@ -43,6 +43,15 @@ GOOGLE_PCI_VENDOR_ID = "0x1ae0"  # TPU chips on the PCI bus (jax._src.hardware_u
 NVIDIA_DEVICE_FILES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")
 
 
+def in_hbm(x):
+    """``x`` pinned to HBM for a kernel call that reads it there (a DMA source or a blocked
+    operand). Without it XLA's memory-space assignment may prefetch an operand small enough for
+    VMEM into VMEM in its own copies, which its cost model then counts as XLA bytes (an MTP
+    indexer cache of 16.8 MB: 79 MB of copies; a stacked query and output: their whole size,
+    twice) for data the kernel moves itself."""
+    return pltpu.with_memory_space_constraint(x, pltpu.HBM)
+
+
 def tpu_attached() -> bool:
     """True when a Google PCI device (a TPU chip) is attached; reads ``/sys`` only."""
     for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):

@@ -43,14 +43,16 @@ def page_sparse_mla_ref(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array,
     """
     read = stacked.resolve("cache_kv", cache_kv, layer)
     one_layer, page_indices = read.one, stacked.mask_table(page_indices, read)
-    check_mla_args(q, one_layer, kv_lens, topk_pages, page_indices, cu_q_lens, cu_kv_lens,
+    q_one = stacked.layer_query(q, read, layer=layer)
+    q = stacked.query_at(q, read)
+    check_mla_args(q_one, one_layer, kv_lens, topk_pages, page_indices, cu_q_lens, cu_kv_lens,
                    distribution, sm_scale=sm_scale, pages_per_seq=pages_per_seq, v_dim=v_dim,
                    selected_name="topk_pages")
     b = batch.RaggedBatch.of(cache_kv, kv_lens, page_indices, cu_q_lens, cu_kv_lens,
                              distribution, pages_per_seq=pages_per_seq)
     tokens = pages_to_tokens(topk_pages, b.page_size, pages_per_seq)
     slots, valid = attend.token_slots(tokens, b.rows(q.shape[0]), b, causal=True)
-    out, lse = attend.attend_selected(q, cache_kv, slots, valid, sm_scale=sm_scale, v_dim=v_dim,
+    o, lse = attend.attend_selected(q, cache_kv, slots, valid, sm_scale=sm_scale, v_dim=v_dim,
                                      layer=layer)
-    out = out.astype(q.dtype)
-    return (out, lse) if return_lse else out
+    res = o.astype(q.dtype)
+    return (res, lse) if return_lse else res

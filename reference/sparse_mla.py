@@ -15,7 +15,8 @@ from reference._mla_args import check_mla_args
 def sparse_mla_ref(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_indices: jax.Array,
                    page_indices: jax.Array, cu_q_lens: jax.Array, cu_kv_lens: jax.Array,
                    distribution: jax.Array, *, sm_scale: float, pages_per_seq: int, v_dim: int,
-                   return_lse: bool = False, layer=None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                   return_lse: bool = False, layer=None
+                   ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Sparse absorbed MLA over per-row token top-k.
 
     Shapes: ``q``: f32|bf16[T, H, D] packed [nope|rope] query in latent space; ``cache_kv``:
@@ -35,13 +36,15 @@ def sparse_mla_ref(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_i
     """
     read = stacked.resolve("cache_kv", cache_kv, layer)
     one_layer, page_indices = read.one, stacked.mask_table(page_indices, read)
-    check_mla_args(q, one_layer, kv_lens, topk_indices, page_indices, cu_q_lens, cu_kv_lens,
+    q_one = stacked.layer_query(q, read, layer=layer)
+    q = stacked.query_at(q, read)
+    check_mla_args(q_one, one_layer, kv_lens, topk_indices, page_indices, cu_q_lens, cu_kv_lens,
                    distribution, sm_scale=sm_scale, pages_per_seq=pages_per_seq, v_dim=v_dim,
                    selected_name="topk_indices")
     b = batch.RaggedBatch.of(cache_kv, kv_lens, page_indices, cu_q_lens, cu_kv_lens,
                              distribution, pages_per_seq=pages_per_seq)
     slots, valid = attend.token_slots(topk_indices, b.rows(q.shape[0]), b, causal=False)
-    out, lse = attend.attend_selected(q, cache_kv, slots, valid, sm_scale=sm_scale, v_dim=v_dim,
+    o, lse = attend.attend_selected(q, cache_kv, slots, valid, sm_scale=sm_scale, v_dim=v_dim,
                                      layer=layer)
-    out = out.astype(q.dtype)
-    return (out, lse) if return_lse else out
+    res = o.astype(q.dtype)
+    return (res, lse) if return_lse else res

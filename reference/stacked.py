@@ -125,6 +125,31 @@ def is_fp8_latent(read: LayerRead) -> bool:
     return isinstance(read.stacked, fp8_cache.Fp8LatentCache)
 
 
+def layer_query(q, read: LayerRead, *, layer):
+    """Static checks of sparse MLA's per-layer query (``reference.stacked``'s rule extended to
+    it): ``q`` is ``[T, H, D]``, or with ``layer=`` the stacked ``[L, T, H, D]`` read in place
+    at that layer. Returns ``q``, or shape-only structs of the one-layer query (what the
+    single-layer checks read)."""
+    if np.ndim(q) != 4:
+        return q
+    if layer is None:
+        raise ValueError(f"q has rank 4 (shape {tuple(np.shape(q))}), a stacked query "
+                         f"[L, T, H, D]: pass layer=")
+    if np.shape(q)[0] != read.num_layers:
+        raise ValueError(f"q.shape[0] = {np.shape(q)[0]} must equal the stacked cache's "
+                         f"layers L = {read.num_layers}")
+    return jax.ShapeDtypeStruct(tuple(np.shape(q))[1:], jnp.result_type(q))
+
+
+def query_at(q, read: LayerRead):
+    """The layer's query: ``q`` itself, or ``q[layer]`` of a stacked ``[L, T, H, D]`` (a
+    dynamic slice; clipped: a layer outside the stack reads no cache, whatever its query)."""
+    if np.ndim(q) != 4:
+        return q
+    return jax.lax.dynamic_index_in_dim(q, jnp.clip(read.layer, 0, read.num_layers - 1), 0,
+                                        keepdims=False)
+
+
 def checks_layer(cache_pos: int):
     """Decorate a jitted op whose cache is positional argument ``cache_pos`` (or ``cache_kv=``)
     so that a Python-int ``layer=`` is checked against the stack before tracing (inside ``jit``

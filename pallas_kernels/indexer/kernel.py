@@ -419,9 +419,9 @@ def score_call(cfg: ScoreConfig, q, wcol, cache_kv, layer, items, page_table, pr
                 wcol]
     if cfg.key_scales:  # the fp8 cache's two arrays, read by the kernel as they are stored
         in_specs.append(pl.BlockSpec(memory_space=pltpu.HBM))
-        operands += [_in_hbm(cache_kv.keys), _in_hbm(cache_kv.scales)]
+        operands += [tpu.in_hbm(cache_kv.keys), tpu.in_hbm(cache_kv.scales)]
     else:
-        operands.append(_in_hbm(cache_kv))
+        operands.append(tpu.in_hbm(cache_kv))
     if aliased:
         in_specs.append(pl.BlockSpec(memory_space=pltpu.HBM))
         operands.append(prev)
@@ -437,13 +437,6 @@ def score_call(cfg: ScoreConfig, q, wcol, cache_kv, layer, items, page_table, pr
         interpret=tpu.interpret_params(interpret),
     )(*operands)
     return out
-
-
-def _in_hbm(keys):
-    """The keys pinned to HBM for the call. Without it XLA's memory-space assignment may copy a
-    cache small enough for VMEM (16.8 MB at MTP 16 x 4 @ 4096) into VMEM once the ladder's
-    level calls share it: 79 MB of XLA copies in its model for keys the kernel reads once."""
-    return pltpu.with_memory_space_constraint(keys, pltpu.HBM)
 
 
 def _cost_estimate(cfg: ScoreConfig) -> pl.CostEstimate:

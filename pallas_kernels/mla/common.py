@@ -30,17 +30,17 @@ def attend_entries(q, cache_kv, entries, b: batch.RaggedBatch, *, mode: str,
     """What both entries do after their checks and block choice: ``row_info`` in XLA, the
     kernel over the raw ``entries`` (token offsets or page numbers) and the page table, then the
     output in ``q``'s dtype (and the LSE ``f32[T, H]`` when ``return_lse``). ``cache_kv``: one
-    layer, or a stacked cache read in place at ``layer`` (``reference.stacked``)."""
+    layer, or a stacked cache read in place at ``layer`` (``reference.stacked``); ``q`` may be
+    stacked too (``[L, T, H, D]``, read at ``layer`` by the kernel's block index)."""
     info = row_info(entries, b, mode=mode)
     read = stacked.resolve("cache_kv", cache_kv, layer)
     cache = read.stacked.words if fmt.fp8 else read.stacked  # fp8: the words, as stored
-    out, lse = gather_attend(compute_query(q, fmt), cache, read.layer, entries.astype(jnp.int32),
-                             info,
-                             tpu.smem_page_table(b.page_indices), mode=mode, fmt=fmt,
+    res, lse = gather_attend(compute_query(q, fmt), cache, read.layer, entries.astype(jnp.int32),
+                             info, tpu.smem_page_table(b.page_indices), mode=mode, fmt=fmt,
                              units=units, pages_per_seq=b.pages_per_seq, sm_scale=sm_scale,
                              v_dim=v_dim, return_lse=return_lse,
                              vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
-    out = out.astype(q.dtype)
+    out = res.astype(q.dtype)
     return (out, lse[..., 0]) if return_lse else out
 
 

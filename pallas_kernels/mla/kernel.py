@@ -389,17 +389,27 @@ def block_shape(mode, *, heads, dim, v_dim, page_size, units, meta_len, q_dtype,
         unpacked_parts=4 if fmt.fp8 else 2 if fmt.packed else 1)
 
 
+def _at_layer(n: int):
+    """Index map of the query block ``[None, 1, H, D]`` of a stacked ``q [n, T, H, D]``: the
+    prefetched layer (clipped into ``[0, n)``), query row ``t``."""
+    def index(t, _info, _table, layer_ref):
+        return jnp.clip(layer_ref[0], 0, n - 1), t, 0, 0
+    return index
+
+
 def gather_attend(q, cache, layer, entries, info, table, *, mode, fmt, units, pages_per_seq,
                   sm_scale, v_dim, return_lse, vmem_limit_bytes, interpret):
-    """Run the kernel. ``q: [T, H, D]`` (f32 or bf16: the compute dtype); ``cache``: the
-    stacked ``[L, P, page_size, W]`` (f32 / bf16 rows, or packed u32 words) read in place at
-    ``layer`` (i32 scalar, scalar-prefetched); ``entries: i32[T, k]`` the
-    rows' raw top-k entries (token offsets, or page numbers in page mode); ``info: i32[T, 4]``
-    from ``row_info``; ``table: i32[N]`` the page table (``page_indices``) as it is.
+    """Run the kernel. ``q: [T, H, D]``, or ``[L, T, H, D]`` read in place at ``layer`` (f32 or
+    bf16: the compute dtype); ``cache``: the stacked ``[L, P, page_size, W]`` (f32 / bf16 rows,
+    or packed u32 words) read in place at ``layer`` (i32 scalar, scalar-prefetched);
+    ``entries: i32[T, k]`` the rows' raw top-k entries (token offsets, or page numbers in page
+    mode); ``info: i32[T, 4]`` from ``row_info``; ``table: i32[N]`` the page table
+    (``page_indices``) as it is. q and the cache are pinned to HBM (``tpu.in_hbm``).
 
     Returns ``q.dtype[T, H, v_dim]`` and ``f32[T, H, 1]`` (or None).
     """
-    num_rows, heads, dim = q.shape
+    q_stack = q if q.ndim == 4 else q[None]  # a reshape: the kernel reads layer 0 or `layer`
+    _, num_rows, heads, dim = q_stack.shape
     num_layers, num_pages, page_size, words = cache.shape
     k = entries.shape[1]
     shape = block_shape(mode, heads=heads, dim=dim, v_dim=v_dim, page_size=page_size,
@@ -418,7 +428,7 @@ def gather_attend(q, cache, layer, entries, info, table, *, mode, fmt, units, pa
         out_specs.append(pl.BlockSpec((1, heads, 1), lambda t, *_: (t, 0, 0)))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3, grid=(num_rows,),
-        in_specs=[pl.BlockSpec((1, heads, dim), lambda t, *_: (t, 0, 0)),
+        in_specs=[pl.BlockSpec((None, 1, heads, dim), _at_layer(q_stack.shape[0])),
                   pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=out_specs,
         scratch_shapes=[pltpu.VMEM(gbuf, cache.dtype),  # gathered rows, double buffer
@@ -441,6 +451,7 @@ def gather_attend(q, cache, layer, entries, info, table, *, mode, fmt, units, pa
         cost_estimate=pl.CostEstimate(flops=traffic.flops, transcendentals=0,
                                       bytes_accessed=traffic.bytes_moved),
         interpret=tpu.interpret_params(interpret), name=f"{mode}_sparse_mla")
-    res = call(info.reshape(-1), table, jnp.reshape(layer, (1,)).astype(jnp.int32), q, entries,
-               cache)
+    operands = [info.reshape(-1), table, jnp.reshape(layer, (1,)).astype(jnp.int32),
+                tpu.in_hbm(q_stack), entries, tpu.in_hbm(cache)]
+    res = call(*operands)
     return res[0], (res[1] if return_lse else None)

@@ -49,7 +49,8 @@ def page_sparse_mla(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_
                     distribution: jax.Array, *, sm_scale: float, pages_per_seq: int, v_dim: int,
                     return_lse: bool = False, pages_per_block: int | None = None,
                     blocks: mla_blocks.MlaBlocks | None = None, vmem_limit_bytes: int | None = None,
-                    interpret=False, layer=None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                    interpret=False, layer=None
+               ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Page-sparse absorbed MLA (Pallas TPU); same semantics as ``page_sparse_mla_ref``.
 
     Shapes: ``q``: f32|bf16[T, H, D]; ``cache_kv``: f32|bf16[P, ps, D] | u32[P, ps, Wp] packed bf16
@@ -66,7 +67,8 @@ def page_sparse_mla(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_
       ``q.dtype[T, H, v_dim]``; with ``return_lse=True`` also ``f32[T, H]``.
     """
     read = stacked.resolve("cache_kv", cache_kv, layer)
-    fmt, b = check_kernel_args(q, read.one, kv_lens, topk_pages, page_indices, cu_q_lens,
+    q_one = stacked.layer_query(q, read, layer=layer)
+    fmt, b = check_kernel_args(q_one, read.one, kv_lens, topk_pages, page_indices, cu_q_lens,
                             cu_kv_lens, distribution, sm_scale=sm_scale,
                             pages_per_seq=pages_per_seq, v_dim=v_dim,
                             selected_name="topk_pages")
