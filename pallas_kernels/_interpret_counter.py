@@ -53,7 +53,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-TESTED_JAX_VERSIONS = ("0.10.2",)
+TESTED_JAX_VERSIONS = ("0.10.2", "0.12.0.1")  # the CI pin and the newest-jax run (README)
 INTERNALS_MODULE = "jax._src.pallas.mosaic.interpret.interpret_pallas_call"
 LANES = 128
 _TILED = {"hbm", "vmem"}

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.kernel_gate  # also run on the newest jax (README)
+
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("compile_grid", ROOT / "scripts/compile_grid.py")
 grid_mod = importlib.util.module_from_spec(_spec)

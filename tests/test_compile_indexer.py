@@ -11,6 +11,8 @@ from pallas_kernels import aot, streamindex_topk
 from pallas_kernels.indexer import blocks as iblocks
 from pallas_kernels.indexer import compile_cases as icases
 
+pytestmark = pytest.mark.kernel_gate  # also run on the newest jax (README)
+
 CASES = icases.compile_cases(quick=True)
 
 

@@ -11,6 +11,8 @@ import pytest
 from pallas_kernels import aot
 from pallas_kernels.mla import compile_cases as mcases
 
+pytestmark = pytest.mark.kernel_gate  # also run on the newest jax (README)
+
 # Several processes (parallel test runs, other tools) may initialise libtpu for topologies;
 # without this libtpu refuses all but the first ("multi-process lockfile").
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")

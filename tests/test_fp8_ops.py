@@ -186,6 +186,7 @@ PALLAS_CASES = [
 ]
 
 
+@pytest.mark.kernel_gate
 @pytest.mark.parametrize("name,page_size,kind,chip,page_mode,block_rows,block_pages",
                          PALLAS_CASES)
 def test_pallas_topk_with_fp8_index_cache(name, page_size, kind, chip, page_mode, block_rows,
@@ -225,6 +226,7 @@ def _check_scores(s, cands, *, page_size=None, width):
                                    err_msg=f"row {r}")
 
 
+@pytest.mark.kernel_gate
 @pytest.mark.parametrize("name,page_size,kind,chip,page_mode", [
     ("mixed", 128, "bf16", None, False),
     ("decode", 32, "fp8", "tpu7x", True),
@@ -383,6 +385,7 @@ def test_reference_mla_v_dim_below_the_nope_width():
 # ----------------------------------------------------------------------------- 4. Pallas
 
 
+@pytest.mark.kernel_gate
 @pytest.mark.parametrize("mode,dtype,dim", [
     ("token", jnp.float32, 576),
     ("token", jnp.bfloat16, 640),

@@ -23,6 +23,8 @@ import hbm_traffic as ht  # noqa: E402
 
 from pallas_kernels import _interpret_counter as counter  # noqa: E402
 
+pytestmark = pytest.mark.kernel_gate  # also run on the newest jax (README)
+
 KERNELS = ("streamindex_topk", "streamindex_page_topk", "sparse_mla", "page_sparse_mla")
 
 

@@ -25,6 +25,8 @@ from reference import batch, streamindex_page_topk_ref, streamindex_topk_ref
 from reference.batch import row_facts
 from reference.synthetic import make_ragged_batch
 
+pytestmark = pytest.mark.kernel_gate  # also run on the newest jax (README)
+
 STRICT = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan",
                                out_of_bounds_reads="raise")
 # H=8 heads (a sublane multiple, like the real 64), D=128 (one lane tile)

@@ -18,6 +18,8 @@ from reference.sparse_mla import sparse_mla_ref
 from tests import batches
 from tests.oracle import mla_oracle
 
+pytestmark = pytest.mark.kernel_gate  # also run on the newest jax (README)
+
 SCALE = 0.125
 TOL = {"f32": 1e-5, "bf16": 2e-2}
 BIG = np.iinfo(np.int32).max
