@@ -394,7 +394,7 @@ def step_build(layers: int, gran: str, backend: str, fmt: str):
     seqs, pages = STEP_SEQS, STEP_SEQS * layout.pages_per_seq
     n, f = len(types), types.count("full")
     hi, di = icases.GATE_HEADS, layout.index_dim
-    q_dim = layout.qk_dim if fmt == "fp8" else layout.padded_dim
+    q_dim = layout.padded_dim  # 640: a 576-wide bf16 q is laid out H-minor by XLA (a relayout copy)
     latent, index, as_latent, as_index = _step_cache_specs(layout, n, f, pages)
     inputs = [_s((n, seqs, STEP_HEADS, q_dim), BF16), _s((n, seqs, layout.qk_dim), BF16),
               _s((f, seqs, hi, di), BF16), _s((f, seqs, hi), F32), _s((f, seqs, di), BF16)]
