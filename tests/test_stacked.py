@@ -39,8 +39,8 @@ def _stack(cache: np.ndarray, seed: int) -> np.ndarray:
     """``[LAYERS, P, ps, D]``: layer ``l`` is ``cache`` plus a different random offset per layer
     (NaN slots stay NaN), so every layer scores and attends differently."""
     rng = np.random.default_rng(seed)
-    return np.stack([cache + l * rng.normal(size=cache.shape).astype(np.float32)
-                     for l in range(LAYERS)])
+    return np.stack([cache + i * rng.normal(size=cache.shape).astype(np.float32)
+                     for i in range(LAYERS)])
 
 
 def _topk(op, b, cache, backend, **kw):
@@ -93,7 +93,7 @@ def test_sparse_mla_reads_the_given_layer_and_a_stacked_query(op, fmt, backend):
     if fmt == "packed":
         cache = packed_cache.pack_cache(cache)
     q = jnp.asarray(b.q, dtype)
-    q_stack = jnp.stack([q * (l + 1) for l in range(LAYERS)])  # layer l's query is (l+1) q
+    q_stack = jnp.stack([q * (i + 1) for i in range(LAYERS)])  # layer i: (i + 1) q
     out, lse = _mla(op, b, sel, q_stack, cache, backend, layer=jnp.int32(layer))
     want, want_lse = mla_oracle(np.asarray(q_stack[layer], np.float32), values[layer],
                                 b.seq_lens, np.asarray(sel), b.page_indices, b.cu_q_lens,
