@@ -43,6 +43,7 @@ from dsa_jax import ops
 from dsa_jax import validate as _validate
 from dsa_jax.layout import PagedLayout
 from pallas_kernels import IndexerBlocks, MlaBlocks
+from pallas_kernels.mla import layers as mla_layers
 from reference import build_index_share_map
 from reference.selection import DEFAULT_RECALL_TARGET, check_selection_args, finish_selection
 
@@ -158,8 +159,7 @@ def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, 
                                              granularity=granularity)
     b = layout.batch(latent_caches.shape[-3], *meta)  # the one batch every op below reads
     page_id, offset = _cache.batch_write_slots(b, inputs.q_mla.shape[1])
-    topk_op, mla_op = ((ops.indexer_topk, ops.sparse_mla) if granularity == "token"
-                       else (ops.page_topk, ops.page_sparse_mla))
+    topk_op = ops.indexer_topk if granularity == "token" else ops.page_topk
     k_name = "k" if granularity == "token" else "k_pages"
     names = (("indexer_topk", "sparse_mla") if granularity == "token"
              else ("page_topk", "page_sparse_mla"))
@@ -168,11 +168,6 @@ def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, 
         topk_opts["blocks"] = indexer_blocks
     if mla_blocks is not None:
         mla_opts["blocks"] = mla_blocks
-    selections, outs = {}, []
-    # The stacked query, read in place at each layer (no per-layer slice of q); the fp8 latent
-    # cache takes the 576-wide query as given, the other formats the padded width.
-    q_mla = (inputs.q_mla if layout.cache_format("latent") == "fp8"
-             else _pad_last(inputs.q_mla, layout.padded_dim))
     write = functools.partial(_cache.write_rows, page_id=page_id, offset=offset, layout=layout)
     # Every write first (row scatters into the donated stacks), then every read: no kernel reads
     # a stack that a later write updates, so XLA keeps one buffer per stack (no copy).
@@ -181,32 +176,55 @@ def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, 
         latent_caches = write(latent_caches, rows=new_latent, kind="latent", layer=layer)
     for slot in full_slot.values():
         index_caches = write(index_caches, rows=inputs.new_index[slot], kind="index", layer=slot)
-    for layer in range(len(indexer_types)):
-        if layer in full_slot:  # the stacked index cache, read in place at this layer's slot
-            slot = full_slot[layer]
-            args = (inputs.q_index[slot], inputs.index_weights[slot], index_caches, *b.arrays)
-            if ctx_axis is None:
-                selections[slot] = topk_op(
-                    *args, **{k_name: k}, pages_per_seq=layout.pages_per_seq,
-                    one_token_per_seq=one_token_per_seq, num_segments=num_segments,
-                    fill=fill, refuse_full_overwrite=refuse_full_overwrite,
-                    recall_target=recall_target, exact=exact, backend=backend,
-                    kernel_options=topk_opts, layer=slot)
-            else:
-                selections[slot] = _context_topk(
-                    args, b, k=k, page_mode=granularity == "page", layout=layout,
-                    one_token_per_seq=one_token_per_seq, num_segments=num_segments,
-                    fill=fill, refuse_full_overwrite=refuse_full_overwrite,
-                    recall_target=recall_target, exact=exact, backend=backend,
-                    kernel_options=topk_opts, ctx_axis=ctx_axis, layer=slot)
-        mla = functools.partial(
-            mla_op, q_mla, latent_caches, b.kv_lens, selections[src_slot[layer]],
-            *b.arrays[1:], sm_scale=sm_scale, pages_per_seq=layout.pages_per_seq,
-            v_dim=layout.v_dim, backend=backend, kernel_options=mla_opts, layer=layer)
+    selections = {}
+    for slot in full_slot.values():  # the stacked index cache, read in place at the slot
+        args = (inputs.q_index[slot], inputs.index_weights[slot], index_caches, *b.arrays)
+        sel_kw = dict(one_token_per_seq=one_token_per_seq, num_segments=num_segments, fill=fill,
+                      refuse_full_overwrite=refuse_full_overwrite, recall_target=recall_target,
+                      exact=exact, backend=backend, kernel_options=topk_opts, layer=slot)
+        if ctx_axis is None:
+            selections[slot] = topk_op(*args, **{k_name: k}, pages_per_seq=layout.pages_per_seq,
+                                       **sel_kw)
+        else:
+            selections[slot] = _context_topk(args, b, k=k, page_mode=granularity == "page",
+                                             layout=layout, ctx_axis=ctx_axis, **sel_kw)
+    # The stacked query, read in place at each layer (no per-layer slice of q); the fp8 latent
+    # cache takes the 576-wide query as given, the other formats the padded width.
+    q_mla = (inputs.q_mla if layout.cache_format("latent") == "fp8"
+             else _pad_last(inputs.q_mla, layout.padded_dim))
+    per_layer = [selections[src_slot[layer]] for layer in range(len(indexer_types))]
+    out = _attend_layers(q_mla, latent_caches, per_layer, b, layout=layout, mode=granularity,
+                         sm_scale=sm_scale, backend=backend, mla_opts=mla_opts,
+                         ctx_axis=ctx_axis)
+    topk = jnp.stack([selections[s] for s in range(len(selections))])
+    return StepResult(out, topk, latent_caches, index_caches)
+
+
+def _attend_layers(q_mla, latent_caches, per_layer, b, *, layout, mode, sm_scale, backend,
+                   mla_opts, ctx_axis):
+    """Sparse MLA of every layer, ``[L, T, H, v_dim]``: on the Pallas backend one kernel call
+    for all layers (``pallas_kernels.mla.layers``: no per-layer outputs for XLA to stack) when
+    the rows' facts fit its SMEM bound and the cache is gatherable as stored; else one call per
+    layer (stacked query and cache read in place) and the outputs stacked."""
+    num_layers, num_rows = q_mla.shape[:2]
+    one_call = (backend == "pallas" and ctx_axis is None and mla_layers.fits(num_layers, num_rows)
+                and not (mode == "token" and layout.cache_format("latent") == "plain"
+                         and jnp.result_type(latent_caches) == jnp.bfloat16))
+    kw = dict(sm_scale=sm_scale, pages_per_seq=layout.pages_per_seq, v_dim=layout.v_dim)
+    if one_call:  # the knobs as the per-layer entry gets them (interpret off TPU)
+        mla_opts = _backend.implementation("sparse_mla" if mode == "token"
+                                           else "page_sparse_mla", backend, mla_opts)[1]
+        return mla_layers.sparse_mla_layers(q_mla, latent_caches, b.kv_lens,
+                                            jnp.stack(per_layer), *b.arrays[1:], mode=mode,
+                                            **kw, **mla_opts)
+    mla_op = ops.sparse_mla if mode == "token" else ops.page_sparse_mla
+    outs = []
+    for layer, sel in enumerate(per_layer):
+        mla = functools.partial(mla_op, q_mla, latent_caches, b.kv_lens, sel, *b.arrays[1:],
+                                **kw, backend=backend, kernel_options=mla_opts, layer=layer)
         outs.append(mla() if ctx_axis is None
                     else _context.merge_lse(*mla(return_lse=True), ctx_axis)[0])
-    topk = jnp.stack([selections[s] for s in range(len(selections))])
-    return StepResult(jnp.stack(outs), topk, latent_caches, index_caches)
+    return jnp.stack(outs)
 
 
 def _context_topk(args, b, *, k, page_mode, layout, one_token_per_seq, num_segments, fill,

@@ -190,3 +190,35 @@ def test_one_trace_serves_every_layer():
                 jnp.asarray(b.q), jnp.asarray(b.weights), stack[layer], *b.meta(), k=4,
                 pages_per_seq=b.pages_per_seq, exact=True))
     assert len(traces) == 1
+
+
+@pytest.mark.parametrize("fmt", ["f32", "packed", "fp8"])
+@pytest.mark.parametrize("op", sorted(MLA))
+def test_one_call_for_every_layer_equals_the_per_layer_calls(op, fmt):
+    """``pallas_kernels.mla.layers.sparse_mla_layers`` (what the step runs: one kernel call, row
+    ``t`` of the ``L x T`` grid reads layer ``t // T``) equals the per-layer entry on every
+    layer, index for index (strict interpreter; distinct layers, NaN in unowned slots)."""
+    from pallas_kernels.mla import layers
+
+    b = batches.scenario("mixed_padding", seed=38, num_heads=4, dim=128)
+    stack = _stack(b.cache, seed=8)
+    sel = jnp.stack([_selection(op, b, jnp.asarray(stack[i])) for i in range(LAYERS)])
+    q = jnp.stack([jnp.asarray(b.q) * (i + 1) for i in range(LAYERS)])
+    if fmt == "fp8":
+        values = np.nan_to_num(stack, nan=0.0)
+        q = jnp.pad(q[..., :64], [(0, 0)] * 3 + [(0, 576 - 64)]).astype(jnp.bfloat16)
+        cache = fp8_cache.quantize_latent_cache(
+            jnp.pad(jnp.asarray(values), [(0, 0)] * 3 + [(0, 576 - 128)]))
+    elif fmt == "packed":
+        q, cache = q.astype(jnp.bfloat16), packed_cache.pack_cache(jnp.asarray(stack,
+                                                                               jnp.bfloat16))
+    else:
+        cache = jnp.asarray(stack)
+    kw = dict(sm_scale=SCALE, pages_per_seq=b.pages_per_seq, v_dim=V_DIM, interpret=True)
+    got = layers.sparse_mla_layers(q, cache, b.seq_lens, sel, *b.meta()[1:], mode=op, **kw)
+    assert got.shape == (LAYERS, *q.shape[1:3], V_DIM) and got.dtype == q.dtype
+    for i in range(LAYERS):
+        want = MLA[op][1](q[i], jax.tree.map(lambda x, i=i: x[i], cache), b.seq_lens, sel[i],
+                          *b.meta()[1:], **kw)
+        np.testing.assert_array_equal(np.asarray(got[i], np.float32),
+                                      np.asarray(want, np.float32))

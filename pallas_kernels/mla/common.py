@@ -45,7 +45,8 @@ def attend_entries(q, cache_kv, entries, b: batch.RaggedBatch, *, mode: str,
 
 
 def row_info(entries, b: batch.RaggedBatch, *, mode: str) -> jax.Array:
-    """Per query row, what the kernel's walk needs: ``i32[T, 4]`` = (entries that can be valid,
+    """Per query row, what the kernel's walk needs: ``i32[..., T, 4]`` (for ``entries i32[...,
+    T, k]``: leading layer dims share the batch's rows) = (entries that can be valid,
     one past the last such entry, the sequence's first page slot, the limit).
 
     Elementwise over ``entries i32[T, k]`` plus two row reductions and per-row metadata: no
@@ -55,7 +56,7 @@ def row_info(entries, b: batch.RaggedBatch, *, mode: str) -> jax.Array:
     below ``limit = min(kv_len, capacity, abs_pos + 1)`` (page); the page slot and page id
     checks happen in the kernel, which may therefore fill fewer rows than this count.
     """
-    num_rows, k = entries.shape
+    num_rows, k = entries.shape[-2:]  # leading dims (layers) share the rows' facts
     rows = b.rows(num_rows)
     limit = b.kv_eff(rows.seq)
     if mode == "page":
@@ -66,12 +67,12 @@ def row_info(entries, b: batch.RaggedBatch, *, mode: str) -> jax.Array:
     else:  # the page's first token is below the limit (clip: no overflow for huge numbers)
         first = jnp.clip(entries, 0, b.pages_per_seq) * b.page_size
         ok = (entries >= 0) & (first < limit[:, None])
-    count = jnp.sum(ok, axis=1, dtype=jnp.int32)
-    end = jnp.max(jnp.where(ok, jnp.arange(1, k + 1, dtype=jnp.int32)[None, :], 0), axis=1,
+    count = jnp.sum(ok, axis=-1, dtype=jnp.int32)
+    end = jnp.max(jnp.where(ok, jnp.arange(1, k + 1, dtype=jnp.int32), 0), axis=-1,
                   initial=0)
-    slot0 = b.first_slot(rows.seq)
+    slot0, limit = (jnp.broadcast_to(x, count.shape) for x in (b.first_slot(rows.seq), limit))
     fields = {_COUNT: count, _END: end, _SLOT0: slot0, _LIMIT: limit}  # the kernel's layout
-    return jnp.stack([fields[i] for i in range(ROW_INFO_WORDS)], axis=1).astype(jnp.int32)
+    return jnp.stack([fields[i] for i in range(ROW_INFO_WORDS)], axis=-1).astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------- entry point

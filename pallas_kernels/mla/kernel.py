@@ -2,7 +2,8 @@
 each query row attends the cache rows (token mode) or whole pages (page mode) its top-k selects.
 
 Module map: ``blocks`` (block table, VMEM estimate), ``common`` (``row_info`` and the entries'
-shared tail), ``token`` / ``page`` (the entries), ``traffic`` (traffic model),
+shared tail), ``token`` / ``page`` (the entries), ``layers`` (every layer of a step in one
+call), ``traffic`` (traffic model),
 ``compile_cases`` (AOT gate shapes). This file: the static validator, the kernel body and its
 ``pallas_call``. Page mode specifics are in ``page``'s docstring.
 
@@ -234,7 +235,7 @@ def _entry_source(mode, e, info, table_ref, *, page_size, pages_per_seq, num_pag
 
 def _kernel(info_ref, table_ref, layer_ref, q_ref, meta_hbm, cache_hbm, out_ref, *refs, mode,
             fmt, f32, num_rows, page_size, pages_per_seq, num_pages, num_layers, units,
-            sm_scale, segs, return_lse):
+            sm_scale, segs, return_lse, rows_per_layer):
     """One grid step = one query row; see the module docstring for the pipeline.
 
     Refs: prefetch ``info`` (SMEM i32[T * 4]: per row valid-entry count, walk end, first page
@@ -251,15 +252,20 @@ def _kernel(info_ref, table_ref, layer_ref, q_ref, meta_hbm, cache_hbm, out_ref,
     rows = units * unit
     cdt = jnp.float32 if f32 else jnp.bfloat16
     t = pl.program_id(0)
-    layer_ok = stacked.layer_ok(layer_ref[0], num_layers)
-    layer = jnp.clip(layer_ref[0], 0, num_layers - 1)
 
     def meta_copy(row):
         b = row % 2
         return pltpu.make_async_copy(meta_hbm.at[pl.ds(row, 1)], sbuf.at[pl.ds(b, 1)],
                                      ssem.at[b])
 
-    def unit_copy(buf, i, pid, inner):  # whole rows: Mosaic refuses part-row slices here
+    def row_layer(row):
+        """The stacked cache's layer query row ``row`` reads: the prefetched layer, plus
+        ``row // rows_per_layer`` when one call serves several layers' rows (every row of a
+        one-layer call reads the prefetched layer); ``(layer clipped, inside the stack?)``."""
+        lay = layer_ref[0] + row // rows_per_layer
+        return jnp.clip(lay, 0, num_layers - 1), stacked.layer_ok(lay, num_layers)
+
+    def unit_copy(buf, i, pid, inner, layer=0):  # whole rows: Mosaic refuses part-row slices
         if mode == "token":
             return pltpu.make_async_copy(cache_hbm.at[layer, pid, pl.ds(inner, 1)],
                                          gbuf.at[buf, pl.ds(i, 1)], gsem.at[buf])
@@ -271,6 +277,7 @@ def _kernel(info_ref, table_ref, layer_ref, q_ref, meta_hbm, cache_hbm, out_ref,
         at = row * ROW_INFO_WORDS
         info = (info_ref[at + _SLOT0], info_ref[at + _LIMIT])
         end = info_ref[at + _END]
+        layer, layer_ok = row_layer(row)
 
         def body(c):
             cur, n = c
@@ -281,7 +288,7 @@ def _kernel(info_ref, table_ref, layer_ref, q_ref, meta_hbm, cache_hbm, out_ref,
 
             @pl.when(ok)
             def _():
-                unit_copy(buf, n, pid, inner).start()
+                unit_copy(buf, n, pid, inner, layer).start()
                 if mode == "page":
                     lim_ref[buf, n] = lim
 
@@ -398,13 +405,17 @@ def _at_layer(n: int):
 
 
 def gather_attend(q, cache, layer, entries, info, table, *, mode, fmt, units, pages_per_seq,
-                  sm_scale, v_dim, return_lse, vmem_limit_bytes, interpret):
+                  sm_scale, v_dim, return_lse, vmem_limit_bytes, interpret,
+                  rows_per_layer=None):
     """Run the kernel. ``q: [T, H, D]``, or ``[L, T, H, D]`` read in place at ``layer`` (f32 or
     bf16: the compute dtype); ``cache``: the stacked ``[L, P, page_size, W]`` (f32 / bf16 rows,
     or packed u32 words) read in place at ``layer`` (i32 scalar, scalar-prefetched);
     ``entries: i32[T, k]`` the rows' raw top-k entries (token offsets, or page numbers in page
     mode); ``info: i32[T, 4]`` from ``row_info``; ``table: i32[N]`` the page table
     (``page_indices``) as it is. q and the cache are pinned to HBM (``tpu.in_hbm``).
+    ``rows_per_layer``: one call for several layers (``layers.sparse_mla_layers``): the rows
+    are ``layers x rows_per_layer`` (layer-major) and row ``t`` reads layer ``layer +
+    t // rows_per_layer``; ``None``: every row reads ``layer``.
 
     Returns ``q.dtype[T, H, v_dim]`` and ``f32[T, H, 1]`` (or None).
     """
@@ -419,7 +430,7 @@ def gather_attend(q, cache, layer, entries, info, table, *, mode, fmt, units, pa
         page_size=page_size, pages_per_seq=pages_per_seq, num_pages=num_pages,
         num_layers=num_layers, units=units,
         sm_scale=float(sm_scale), segs=segments(dim, v_dim, fmt, words),
-        return_lse=return_lse)
+        return_lse=return_lse, rows_per_layer=rows_per_layer or num_rows)
     gbuf = (2, units, words) if mode == "token" else (2, units, page_size, words)
     out_shape = [jax.ShapeDtypeStruct((num_rows, heads, v_dim), q.dtype)]
     out_specs = [pl.BlockSpec((1, heads, v_dim), lambda t, *_: (t, 0, 0))]
