@@ -27,9 +27,21 @@ from reference import batch, fp8_cache, packed_cache, stacked
 GATHER_BLOCK_BYTES = 64 * 1024 * 1024
 
 
+# Row-level page lookup (``token_slots``) while ``pages_per_seq`` and the one-hot's size stay
+# under these. XLA's TPU model of the per-entry page-id gather is ~4.2 KB per entry whatever
+# the table (550 MB at 64 x 2048 entries, v6e); the one-hot select over each row's own page-table
+# row costs 40 / 142 / 550 MB at 64 / 512 / 2048 pages per sequence (scripts: issue 19 note).
+ONE_HOT_MAX_PAGES = 1024
+ONE_HOT_MAX_ELEMS = 1 << 27
+
+
 def token_slots(idx, rows: batch.RowFacts, b: batch.RaggedBatch, *, causal: bool):
     """Flat cache slots (``page_id * page_size + offset``) of ``idx i32[R, n]``, sequence-local
     token offsets of the rows' sequences (``b.token_slots`` is the rule).
+
+    Row-level where small enough (``ONE_HOT_MAX_*``): each row looks up its sequence's
+    ``pages_per_seq`` page ids once (``b.page_ids``, the same rule), and each entry takes its
+    page's id by a compare-select over that row (no per-entry gather); else per entry.
 
     Returns (slots i32[R, n], valid bool[R, n]); invalid slots are ``num_pages * page_size``
     (one past the end, so a fill-mode gather reads nothing).
@@ -37,7 +49,17 @@ def token_slots(idx, rows: batch.RowFacts, b: batch.RaggedBatch, *, causal: bool
     valid = rows.in_seq[:, None] & (idx >= 0) & (idx < b.kv_eff(rows.seq)[:, None])
     if causal:
         valid &= idx <= rows.abs_pos[:, None]
-    pid, offset, valid = b.token_slots(rows.seq[:, None], idx, valid)
+    if (b.pages_per_seq <= ONE_HOT_MAX_PAGES
+            and idx.shape[0] * idx.shape[1] * b.pages_per_seq <= ONE_HOT_MAX_ELEMS):
+        j = jnp.arange(b.pages_per_seq, dtype=jnp.int32)
+        row_pid, row_ok = b.page_ids(rows.seq[:, None], j[None, :],
+                                     jnp.ones((1, b.pages_per_seq), bool))  # [R, pages]
+        hit = (jnp.where(valid, idx, 0) // b.page_size)[:, :, None] == j[None, None, :]
+        pid = jnp.sum(jnp.where(hit, row_pid[:, None, :], 0), axis=-1)
+        valid &= jnp.any(hit & row_ok[:, None, :], axis=-1)
+        offset = jnp.where(valid, idx, 0) % b.page_size
+    else:
+        pid, offset, valid = b.token_slots(rows.seq[:, None], idx, valid)
     flat = pid * b.page_size + offset
     return jnp.where(valid, flat, b.num_pages * b.page_size).astype(jnp.int32), valid
 

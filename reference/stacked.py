@@ -150,19 +150,27 @@ def query_at(q, read: LayerRead):
                                         keepdims=False)
 
 
+class _LayerChecked:
+    """A jitted op behind ``checks_layer``: calls check a Python-int ``layer=`` first; every
+    other attribute (``clear_cache``, ``lower``, ``trace``...) is the jitted function's."""
+
+    def __init__(self, fn, cache_pos: int):
+        functools.update_wrapper(self, fn)
+        self._fn, self._cache_pos = fn, cache_pos
+
+    def __call__(self, *args, layer=None, **kwargs):
+        if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool):
+            pos = self._cache_pos
+            cache = args[pos] if len(args) > pos else kwargs.get("cache_kv")
+            resolve("cache_kv", cache, int(layer))
+        return self._fn(*args, layer=layer, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._fn, name)
+
+
 def checks_layer(cache_pos: int):
     """Decorate a jitted op whose cache is positional argument ``cache_pos`` (or ``cache_kv=``)
     so that a Python-int ``layer=`` is checked against the stack before tracing (inside ``jit``
     an int is a tracer, and a traced layer is masked, not refused)."""
-
-    def wrap(fn):
-        @functools.wraps(fn)
-        def op(*args, layer=None, **kwargs):
-            if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool):
-                cache = args[cache_pos] if len(args) > cache_pos else kwargs.get("cache_kv")
-                resolve("cache_kv", cache, int(layer))
-            return fn(*args, layer=layer, **kwargs)
-
-        return op
-
-    return wrap
+    return lambda fn: _LayerChecked(fn, cache_pos)
