@@ -44,7 +44,7 @@ from dsa_jax import validate as _validate
 from dsa_jax.layout import PagedLayout
 from pallas_kernels import IndexerBlocks, MlaBlocks
 from pallas_kernels.mla import layers as mla_layers
-from reference import build_index_share_map
+from reference import build_index_share_map, fp8_cache
 from reference.selection import DEFAULT_RECALL_TARGET, check_selection_args, finish_selection
 
 GRANULARITIES = ("token", "page")
@@ -176,22 +176,24 @@ def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, 
         latent_caches = write(latent_caches, rows=new_latent, kind="latent", layer=layer)
     for slot in full_slot.values():
         index_caches = write(index_caches, rows=inputs.new_index[slot], kind="index", layer=slot)
-    selections = {}
+    selections, dep = {}, None
     for slot in full_slot.values():  # the stacked index cache, read in place at the slot
-        args = (inputs.q_index[slot], inputs.index_weights[slot], index_caches, *b.arrays)
+        cache, at = _layer_arg(index_caches, slot, ctx_axis)
+        args = (_after(inputs.q_index[slot], dep), inputs.index_weights[slot], cache, *b.arrays)
         sel_kw = dict(one_token_per_seq=one_token_per_seq, num_segments=num_segments, fill=fill,
                       refuse_full_overwrite=refuse_full_overwrite, recall_target=recall_target,
-                      exact=exact, backend=backend, kernel_options=topk_opts, layer=slot)
+                      exact=exact, backend=backend, kernel_options=topk_opts, layer=at)
         if ctx_axis is None:
             selections[slot] = topk_op(*args, **{k_name: k}, pages_per_seq=layout.pages_per_seq,
                                        **sel_kw)
         else:
             selections[slot] = _context_topk(args, b, k=k, page_mode=granularity == "page",
                                              layout=layout, ctx_axis=ctx_axis, **sel_kw)
+        dep = selections[slot]
     # The stacked query, read in place at each layer (no per-layer slice of q); the fp8 latent
     # cache takes the 576-wide query as given, the other formats the padded width.
-    q_mla = (inputs.q_mla if layout.cache_format("latent") == "fp8"
-             else _pad_last(inputs.q_mla, layout.padded_dim))
+    q_mla = _after(inputs.q_mla if layout.cache_format("latent") == "fp8"
+                   else _pad_last(inputs.q_mla, layout.padded_dim), dep)
     per_layer = [selections[src_slot[layer]] for layer in range(len(indexer_types))]
     out = _attend_layers(q_mla, latent_caches, per_layer, b, layout=layout, mode=granularity,
                          sm_scale=sm_scale, backend=backend, mla_opts=mla_opts,
@@ -220,11 +222,34 @@ def _attend_layers(q_mla, latent_caches, per_layer, b, *, layout, mode, sm_scale
     mla_op = ops.sparse_mla if mode == "token" else ops.page_sparse_mla
     outs = []
     for layer, sel in enumerate(per_layer):
-        mla = functools.partial(mla_op, q_mla, latent_caches, b.kv_lens, sel, *b.arrays[1:],
-                                **kw, backend=backend, kernel_options=mla_opts, layer=layer)
+        q = _after(q_mla if ctx_axis is None else q_mla[layer], outs[-1] if outs else None)
+        cache, at = _layer_arg(latent_caches, layer, ctx_axis)
+        mla = functools.partial(mla_op, q, cache, b.kv_lens, sel, *b.arrays[1:],
+                                **kw, backend=backend, kernel_options=mla_opts, layer=at)
         outs.append(mla() if ctx_axis is None
                     else _context.merge_lse(*mla(return_lse=True), ctx_axis)[0])
     return jnp.stack(outs)
+
+
+def _layer_arg(caches, layer: int, ctx_axis):
+    """``(cache, layer)`` an op reads: the stack in place at ``layer``; under ``ctx_axis`` the
+    layer's cache sliced out (a copy per layer and shard), because the Pallas interpreter's
+    per-call device barrier deadlocks with the stacked operand under ``shard_map`` on CPU
+    (seen: tests/test_context.py's Pallas case never finishes; the cause is not pinned down,
+    so the context-parallel step keeps the copy it had until it is)."""
+    if ctx_axis is None:
+        return caches, layer
+    return fp8_cache.take_layer(caches, layer), None
+
+
+def _after(x, dep):
+    """``x``, ordered after ``dep`` is computed (``lax.optimization_barrier``: no data moves).
+    The step's kernel calls form one chain: with every cache write done first, the top-k and
+    MLA calls of different layers are otherwise independent, and XLA's CPU runtime may start
+    them in a different order on each device, where the Pallas interpreter's per-call barrier
+    across devices (``shard_map``) then waits forever. On a TPU the calls run one after another
+    anyway."""
+    return x if dep is None else jax.lax.optimization_barrier((x, dep))[0]
 
 
 def _context_topk(args, b, *, k, page_mode, layout, one_token_per_seq, num_segments, fill,
