@@ -6,6 +6,7 @@ from __future__ import annotations
 from pallas_kernels import aot
 from pallas_kernels.mla import blocks as mla_blocks
 from pallas_kernels.mla.blocks import ROW_INFO_WORDS
+from pallas_kernels.tpu import LANES
 from reference.cache_format import CacheFormat
 
 # XLA index preparation (``row_info``) per top-k entry: each entry is read once (the row
@@ -29,10 +30,12 @@ def mla_traffic(*, rows: int, heads: int, dim: int, v_dim: int, selected_rows: i
     page table (``table_words``) once. ``prep_bytes`` is the XLA side (``row_info``)."""
     fmt = CacheFormat.named(fmt)
     q_out = rows * heads * (dim + v_dim) * q_itemsize
+    # the kernel's q blocks move whole 128-lane groups (a 576-wide fp8-case q: 640 lanes)
+    q_moved = q_out + rows * heads * (-(-dim // LANES) * LANES - dim) * q_itemsize
     gathered = rows * selected_rows * fmt.row_bytes(dim)
     bytes_min = rows * selected_rows * fmt.plain_row_bytes(dim) + q_out
     smem = 4 * rows * meta_words + prefetch_bytes(rows=rows, table_words=table_words)
-    moved = gathered + q_out + smem + prep_bytes
+    moved = gathered + q_moved + smem + prep_bytes
     flops = 2 * rows * heads * selected_rows * (dim + v_dim)
     return aot.Traffic(int(moved), int(bytes_min), int(flops), mla_blocks.vmem_bytes(shape))
 
