@@ -136,9 +136,11 @@ def make_configs(q, cache_kv, *, rows: int, num_seqs: int, pages_per_seq: int,
                  blocks: IndexerBlocks, page_mode: bool, one_token_per_seq: bool,
                  chip: str | None = None) -> list[ScoreConfig]:
     """Static configs of one chunk of ``rows`` query rows: one per ladder level, ascending.
-    ``cache_kv``: the stacked cache ``[L, P, ps, D]`` (``reference.stacked``)."""
+    ``cache_kv``: the stacked cache ``[L, P, ps, D]`` (``reference.stacked``) or one layer.
+    """
     total_rows, heads, dim = q.shape
-    num_layers, num_pages, page_size, _ = cache_kv.shape
+    *lead, num_pages, page_size, _ = cache_kv.shape
+    num_layers = lead[0] if lead else 1
     compute, key_dtype, lanes = compute_dtypes(q, cache_kv, chip)
     ladder = row_ladder(blocks.block_rows, rows, one_token_per_seq)
     return [ScoreConfig(page_mode=page_mode, rows=rows, total_rows=total_rows, block_rows=size,
