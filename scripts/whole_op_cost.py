@@ -731,11 +731,6 @@ def large_table(chip: str, rows: list[Row]) -> str:
 # side <= STEP_XLA_BOUND x its kernels' bytes + the cache rows it writes; 8 layers <=
 # STEP_SCALING_BOUND x 2 layers (total bytes); the 61-layer fp8 step's temp < REAL_TEMP_BOUND.
 STEP_XLA_BOUND, STEP_SCALING_BOUND, REAL_TEMP_BOUND = 0.10, 4.2, 64 << 20
-# Not met yet (issue 19; the tables above mark FAIL against the bounds): the per-layer outputs
-# are stacked by XLA (2 x L x T x H x v_dim bytes, and they all stay live: the temp memory).
-# The tests pin today's figures as regression bounds until the MLA kernel writes its rows into
-# the stacked output in place (v6e: 2 layers 0.10-0.18x, 61 layers 418 MiB temp).
-STEP_XLA_PINNED, REAL_TEMP_PINNED = 0.20, 512 << 20
 
 
 def step_xla_allowance(kernel_bytes: float, layers: int, fmt: str) -> float:
