@@ -179,17 +179,23 @@ def _decode_key_bytes(kv_lens) -> int:
     return pages * icases.GATE_PAGE * icases.GATE_DIM * jnp.dtype(jnp.bfloat16).itemsize
 
 
-def _indexer(op: str, shape: str):
-    """(fn, specs, rows, score columns, k) of a pallas indexer op."""
-    q_lens, kv_lens, otp = icases.GATE_SHAPES[shape]
-    assert otp, shape  # the gate shapes are pure decode batches
+def _indexer_program(op: str, q_lens, kv_lens, otp: bool):
+    """(fn, specs, pages_per_seq, k) of a pallas indexer op compiled for ``CHIP``."""
     specs, pps = icases.gate_specs(q_lens, kv_lens)
     page_mode = op == "page_topk"
     k = min(K_PAGES, pps) if page_mode else K
     fn = functools.partial(getattr(dsa_jax, op), **{"k_pages" if page_mode else "k": k},
-                           pages_per_seq=pps, one_token_per_seq=True, backend="pallas",
+                           pages_per_seq=pps, one_token_per_seq=otp, backend="pallas",
                            kernel_options={"chip": CHIP, "interpret": False})
-    cols = pps if page_mode else pps * icases.GATE_PAGE
+    return fn, specs, pps, k
+
+
+def _indexer(op: str, shape: str):
+    """(fn, specs, rows, score columns, k) of a pallas indexer op."""
+    q_lens, kv_lens, otp = icases.GATE_SHAPES[shape]
+    assert otp, shape  # the gate shapes are pure decode batches
+    fn, specs, pps, k = _indexer_program(op, q_lens, kv_lens, otp)
+    cols = pps if op == "page_topk" else pps * icases.GATE_PAGE
     return fn, specs, len(q_lens), cols, k
 
 
@@ -510,12 +516,7 @@ def _opmin_program(key: str):
         fn = functools.partial(getattr(dsa_jax, kind), **{k: kernel.keywords[k] for k in statics},
                                backend="pallas", kernel_options={**opts, "interpret": False})
         return fn, case.specs, case.specs[0].shape[0], case.traffic(CHIP).bytes_moved
-    specs, pps = icases.gate_specs(MTP_Q, MTP_KV)
-    page_mode = kind == "page_topk"
-    k = min(K_PAGES, pps) if page_mode else K
-    fn = functools.partial(getattr(dsa_jax, kind), **{"k_pages" if page_mode else "k": k},
-                           pages_per_seq=pps, one_token_per_seq=False, backend="pallas",
-                           kernel_options={"chip": CHIP, "interpret": False})
+    fn, specs, _, _ = _indexer_program(kind, MTP_Q, MTP_KV, False)
     return fn, specs, sum(MTP_Q), _decode_key_bytes(MTP_KV)
 
 
