@@ -106,6 +106,11 @@ def compressed_topk(rng, rows, kv_lens, ratio: int, k: int):
     return sel
 
 
+def _pad_cu(cu, pad_seqs):
+    """``cu_lens`` extended over the inactive sequence slots (they own no pages)."""
+    return np.concatenate([cu, np.full(pad_seqs, cu[-1])]).astype(np.int32)
+
+
 def make_v4_batch(seed, *, q_lens, kv_lens, heads=4, ratio=4, window_size=16,
                   window_page_size=4, window_pages_per_seq=None, comp_page_size=4,
                   comp_pages_per_seq=None, k=6, pad_rows=0, pad_seqs=0, release=True,
@@ -126,13 +131,13 @@ def make_v4_batch(seed, *, q_lens, kv_lens, heads=4, ratio=4, window_size=16,
     keep = [max(0, kl - ql - window_size + 1) for ql, kl in zip(q_lens, kv_lens, strict=True)]
     window = paged(rng, kv_lens, window_page_size, wpp, dim, keep_from=keep if release else None,
                    scale=scale)
-    window = (window[0], window[1], np.concatenate([window[2], [window[2][-1]] * pad_seqs]))
+    window = (window[0], window[1], _pad_cu(window[2], pad_seqs))
     comp, sel, cpp = None, None, 0
     if ratio:
         entries = [kl // ratio for kl in kv_lens]
         cpp = comp_pages_per_seq or max(1, -(-max(entries + [1]) // comp_page_size))
         comp = paged(rng, entries, comp_page_size, cpp, dim, scale=scale)
-        comp = (comp[0], comp[1], np.concatenate([comp[2], [comp[2][-1]] * pad_seqs]))
+        comp = (comp[0], comp[1], _pad_cu(comp[2], pad_seqs))
     q = rng.standard_normal((num_rows, heads, dim)).astype(np.float32)
     if pad_rows:
         q[-pad_rows:] = np.nan
