@@ -8,7 +8,7 @@ Tolerances (why):
   f64): ``BF16_TOL`` 1e-2 on the output, which is rounded to bf16 (2^-9 relative, twice on the
   Pallas path: each part, then the merge) and whose probabilities the kernel multiplies in bf16;
   the LSE stays f32 (``LSE_BF16_TOL`` 1e-3: bf16 products are exact in f32, the sums are f32).
-The Pallas path runs in the strict interpreter (race detection, NaN-filled uninitialized memory,
+Both Pallas paths run in the strict interpreter (race detection, NaN-filled uninitialized memory,
 out-of-bounds reads raise). Every slot that must not be read holds NaN (``v4_batches``).
 """
 
@@ -57,7 +57,13 @@ def _pallas(*args, **kw):
     return v4_attention(*args, **kw, interpret=True)
 
 
-BACKENDS = {"reference": _ref, "pallas": _pallas}
+def _fused(*args, **kw):
+    return v4_attention(*args, **kw, interpret=True, fused=True, tokens_per_block=16)
+
+
+# "pallas": milestone 1 (two MLA kernel calls merged in XLA); "fused": the one-kernel path with
+# small blocks (16 rows) so every row walks several blocks across the two sources.
+BACKENDS = {"reference": _ref, "pallas": _pallas, "fused": _fused}
 
 
 def batch(name, ratio, seed=0, **kw):

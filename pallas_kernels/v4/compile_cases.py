@@ -19,6 +19,7 @@ from pallas_kernels.mla import blocks as mla_blocks
 from pallas_kernels.mla import kernel as mla_kernel
 from pallas_kernels.mla.traffic import PREP_BYTES_PER_ENTRY, mla_traffic
 from pallas_kernels.v4.attention import v4_attention
+from pallas_kernels.v4.fused import DEFAULT_BLOCK, INFO_WORDS, fused_traffic
 from reference import packed_cache
 from reference.cache_format import CacheFormat
 from reference.v4_attention import HEAD_DIM, PagedKV
@@ -83,8 +84,23 @@ def v4_traffic(chip: str, *, rows: int, context: int, heads: int, ratio: int,
     return aot.Traffic(int(moved + index_xla + merge), int(bytes_min), int(flops), int(vmem))
 
 
-def compile_cases() -> list[aot.CompileCase]:
-    """One case per ``SHAPES`` entry (the chip picks the MLA blocks)."""
+def fused_v4_traffic(chip: str, *, rows: int, context: int, heads: int, ratio: int,
+                     k: int | None) -> aot.Traffic:
+    """``fused.fused_traffic`` at a compile shape (every row gathers its whole window and
+    every selected / visible entry)."""
+    del chip  # one block size on every chip
+    entries = 0 if not ratio else (k if ratio == 4 else context // ratio)
+    pages = rows * (context // PAGE) + (rows * -(-(context // ratio) // PAGE) if ratio else 1)
+    t = fused_traffic(rows=rows, heads=heads, gathered_rows=WINDOW + entries,
+                      meta_words=k or 1, table_words=pages, block=DEFAULT_BLOCK,
+                      q_itemsize=2, row_bytes=4 * WORDS)
+    return aot.Traffic(t.bytes_moved + rows * INFO_WORDS * 4, t.bytes_min, t.flops,
+                       t.vmem_bytes)  # + row_info written by XLA
+
+
+def compile_cases(fused: bool = False) -> list[aot.CompileCase]:
+    """One case per ``SHAPES`` entry (the chip picks the MLA blocks); ``fused``: the
+    one-kernel path (``v4_attention(..., fused=True)``)."""
     cases = []
     for name, rows, context, heads, ratio, k in SHAPES:
         dims = dict(rows=rows, context=context, heads=heads, ratio=ratio, k=k)
@@ -93,10 +109,12 @@ def compile_cases() -> list[aot.CompileCase]:
         def fn_for_chip(chip, ratio=ratio, c_pages=c_pages, context=context):
             f = functools.partial(v4_attention, sm_scale=SCALE, window_size=WINDOW,
                                   compress_ratio=ratio, window_pages_per_seq=context // PAGE,
-                                  compressed_pages_per_seq=c_pages)
+                                  compressed_pages_per_seq=c_pages, fused=fused)
             return lambda q, w, kv, cu, d, c, i: f(q, w, kv, cu, d, compressed=c,
                                                    compressed_indices=i)
 
-        cases.append(aot.CompileCase("v4_attention", name, fn_for_chip, specs(**dims),
-                                     functools.partial(v4_traffic, **dims), tags=("decode",)))
+        traffic = fused_v4_traffic if fused else v4_traffic
+        cases.append(aot.CompileCase("v4_attention_fused" if fused else "v4_attention", name,
+                                     fn_for_chip, specs(**dims),
+                                     functools.partial(traffic, **dims), tags=("decode",)))
     return cases
