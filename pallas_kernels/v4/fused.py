@@ -2,12 +2,13 @@
 window tokens, then its compressed entries, in one online softmax.
 
 Math: ``reference.v4_attention`` (the union of the window ``max(0, p - W + 1) .. p`` and the
-visible compressed entries, K = V = the 512-dim row; the sink applied after the kernel, on its
-sink-free LSE, ``reference.sinks.apply_sink``).
+visible compressed entries, K = V = the 512-dim row; the sink applied at the end of the row,
+in the kernel, on its sink-free LSE by ``reference.sinks``' rule).
 
 Shapes: ``q bf16|f32[T, H, 512]``; both caches packed bf16 words ``u32[P, ps, 256]``
 (``reference.packed_cache``: word ``j`` holds features ``j`` (low half) and ``j + 256`` (high
-half)); ``entries i32[T, k]`` the ratio-4 row lists (ratio 128 walks an implicit iota, no list).
+half)) or both ``f32[P, ps, 512]``, stacked ``[L, ...]`` read in place at ``layer``;
+``entries i32[T, k]`` the ratio-4 row lists (ratio 128 walks an implicit iota, no list).
 Out ``q.dtype[T, H, 512]`` and ``f32[T, H, 1]`` LSE (natural log, ``-inf`` for an empty row).
 
 Walk (scalar core, per query row = grid step): a stream of ``nw + nc`` positions, the window's
@@ -17,12 +18,11 @@ position is checked (``0 <= e < limit``, page slot inside the table, page id in 
 ``reference.batch.lookup_page``) and each valid one is DMA'd, one 1 KB row, into the next free
 row of a block of ``block`` rows; a full block (or the stream's end) is waited on and attended:
 ``logits = sm_scale * (q[:, :256] . low^T + q[:, 256:] . high^T)``, rows past the filled count
-selected to zero and their logits ``-inf`` (a select: a NaN in VMEM cannot leak). One block is
-in flight at a time: NO double buffer yet. The MLA kernel issues block b+1's gathers (even
-the next query row's) before computing block b; here each block's DMA round trip is exposed
-(about ``rows x ceil((W + k) / block)`` round trips per call). That is why the op's default
-stays the two-call path (``attention``) until this kernel is measured on a TPU or gets the
-same double buffer; ``fused=True`` opts in.
+selected to zero and their logits ``-inf`` (a select: a NaN in VMEM cannot leak). Two gather
+buffers: block b+1 is issued before block b is attended, and a row's last block issues the next
+row's first block (after loading that row's list), so DMA round trips overlap compute across
+blocks and rows (grid steps run in order). Not measured on a TPU (none here): one descriptor
+per row means ``W + k`` DMA issues per query row on the scalar core, as in the MLA kernel.
 
 Traffic per decode row: the ``W`` window rows and the selected entries (1024 B each: the
 minimum), q read once, out written once, ``4 k`` bytes of the row's list into SMEM, the tables
@@ -86,98 +86,149 @@ def _unpack(words, packed: bool):
     return low, pltpu.bitcast(words & jnp.uint32(packed_cache.HIGH_MASK), jnp.float32)
 
 
+def _walk(refs, row, lslot, b, cur, *, listed, block, w_page, c_page, w_pages, c_pages,
+          layer, layer_ok):
+    """Issue the DMAs of query row ``row``'s next ``block`` valid stream positions from
+    ``cur`` into gather buffer ``b`` (densely; its list is in SMEM slot ``lslot``). Returns
+    ``(cursor, rows issued)``; a row's stream is its ``w_n`` window tokens then ``c_n`` list
+    positions (module docstring)."""
+    info_ref, wtab_ref, ctab_ref, wc_hbm, cc_hbm, buf, ent_smem, sem = refs
+    at = row * INFO_WORDS
+    w_first, w_n, w_slot0 = info_ref[at + _WFIRST], info_ref[at + _WN], info_ref[at + _WSLOT0]
+    c_n, c_slot0, c_limit = info_ref[at + _CN], info_ref[at + _CSLOT0], info_ref[at + _CLIMIT]
+
+    def body(c):
+        pos, n = c
+        in_window = pos < w_n
+        j = pos - w_n
+        e = ent_smem[lslot, jnp.clip(j, 0, ent_smem.shape[1] - 1)] if listed else j
+        e_ok = (e >= 0) & (e < c_limit)
+        unit = jnp.where(in_window, w_first + pos, jnp.where(e_ok, e, 0))
+        psize = jnp.where(in_window, w_page, c_page)
+        slot = jnp.where(in_window, w_slot0, c_slot0) + unit // psize
+        w_pid, w_ok = batch.lookup_page(wtab_ref, slot, w_pages)
+        c_pid, c_ok = batch.lookup_page(ctab_ref, slot, c_pages)
+        ok = jnp.where(in_window, w_ok, e_ok & c_ok) & layer_ok
+        for src, pid, here in ((wc_hbm, w_pid, in_window), (cc_hbm, c_pid, ~in_window)):
+            @pl.when(ok & here)
+            def _(src=src, pid=pid):
+                _row_copy(src, buf, sem, layer, pid, unit % psize, b, n).start()
+
+        return pos + 1, n + ok.astype(jnp.int32)
+
+    return jax.lax.while_loop(lambda c: (c[1] < block) & (c[0] < w_n + c_n), body,
+                              (cur, jnp.int32(0)))
+
+
+def _row_copy(src, buf, sem, layer, pid, off, b, n):
+    """One cache row ``src[layer, pid, off]`` -> row ``n`` of gather buffer ``b`` (whole rows:
+    Mosaic refuses part-row slices)."""
+    return pltpu.make_async_copy(src.at[layer, pid, pl.ds(off, 1)], buf.at[b, pl.ds(n, 1)],
+                                 sem.at[b])
+
+
+def _attend(q, words, n, m, l_sum, acc_ref, *, packed, cdt, sm_scale):
+    """One online-softmax step over a gathered block ``words [block, Wc]`` whose first ``n``
+    rows are live (the rest selected to zero, their logits ``-inf``). Returns ``(m, l)``."""
+    live = jax.lax.broadcasted_iota(jnp.int32, (words.shape[0], 1), 0) < n
+    low, high = _unpack(words, packed)
+    low = jnp.where(live, low, 0.0).astype(cdt)
+    high = jnp.where(live, high, 0.0).astype(cdt)
+    nt = (((1,), (1,)), ((), ()))
+    s = (jax.lax.dot_general(q[:, :HALF], low, nt, preferred_element_type=jnp.float32)
+         + jax.lax.dot_general(q[:, HALF:], high, nt, preferred_element_type=jnp.float32))
+    col = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    s = jnp.where(col < n, s * sm_scale, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new)
+    l_sum = alpha * l_sum + jnp.sum(p, axis=1, keepdims=True)
+    pc = p.astype(cdt)
+    acc_ref[:, :HALF] = alpha * acc_ref[:, :HALF] + jnp.dot(pc, low,
+                                                            preferred_element_type=jnp.float32)
+    acc_ref[:, HALF:] = alpha * acc_ref[:, HALF:] + jnp.dot(pc, high,
+                                                            preferred_element_type=jnp.float32)
+    return m_new, l_sum
+
+
 def _kernel(info_ref, wtab_ref, ctab_ref, layer_ref, q_ref, sink_ref, ent_hbm, wc_hbm, cc_hbm,
-            out_ref, lse_ref, buf, ent_smem, sem, esem, acc_ref, *, listed, block, w_page,
-            c_page, w_pages, c_pages, num_layers, sm_scale, cdt, packed):
+            out_ref, lse_ref, buf, ent_smem, sem, esem, state, acc_ref, *, listed, packed, cdt,
+            sm_scale, **walk_statics):
     """One grid step = one query row (module docstring). Refs: prefetch ``info`` (SMEM
     i32[T * 7]), ``wtab`` / ``ctab`` (SMEM page tables), ``layer`` (SMEM i32[1]); inputs ``q``
     block [1, H, 512], ``sink`` f32[H, 1] (``-inf``: none), ``ent`` (HBM i32[T, k]), the stacked
-    caches (HBM [L, P, ps, Wc]); outputs ``out`` [1, H, 512], ``lse`` [1, H, 1]; scratch: the
-    gather block [block, Wc], the row's list (SMEM i32[1, k]), DMA semaphores, the f32
-    accumulator [H, 512]."""
-    t = pl.program_id(0)
-    layer = layer_ref[0]
-    layer_ok = (layer >= 0) & (layer < num_layers)  # reference.stacked: outside reads nothing
-    layer = jnp.clip(layer, 0, num_layers - 1)
-    at = t * INFO_WORDS
-    w_first, w_n, w_slot0 = info_ref[at + _WFIRST], info_ref[at + _WN], info_ref[at + _WSLOT0]
-    c_n, c_slot0, c_limit = info_ref[at + _CN], info_ref[at + _CSLOT0], info_ref[at + _CLIMIT]
-    total = w_n + c_n
-    if listed:
-        cp = pltpu.make_async_copy(ent_hbm.at[pl.ds(t, 1)], ent_smem, esem.at[0])
-        cp.start()
-        cp.wait()
+    caches (HBM [L, P, ps, Wc]); outputs ``out`` [1, H, 512], ``lse`` [1, H, 1]; scratch: two
+    gather buffers [2, block, Wc] and their DMA semaphores, the lists of 2 rows (SMEM i32[2, k])
+    and their semaphore, ``state`` (SMEM i32[4]: this row's cursor, rows in flight, their
+    buffer, whether the next row's first block was issued), the f32 accumulator [H, 512].
 
-    def row_copy(src, pid, off, n):
-        return pltpu.make_async_copy(src.at[layer, pid, pl.ds(off, 1)], buf.at[pl.ds(n, 1)],
-                                     sem.at[0])
+    Pipeline: a row's block b+1 is issued before block b is attended; its last block issues the
+    next row's first block (and loads that row's list), so the DMA round trip is hidden across
+    blocks and rows alike (grid steps run in order: ``dimension_semantics`` arbitrary)."""
+    t, num_rows = pl.program_id(0), pl.num_programs(0)
+    layer, num_layers = layer_ref[0], walk_statics.pop("layers")
+    walk_statics.update(listed=listed, layer=jnp.clip(layer, 0, num_layers - 1),
+                        layer_ok=(layer >= 0) & (layer < num_layers))  # else: read nothing
+    refs = (info_ref, wtab_ref, ctab_ref, wc_hbm, cc_hbm, buf, ent_smem, sem)
 
-    def fill(cur):
-        """Issue the DMAs of the next ``block`` valid positions from ``cur``."""
+    def load_list(row):
+        if listed:
+            cp = pltpu.make_async_copy(ent_hbm.at[pl.ds(row, 1)],
+                                       ent_smem.at[pl.ds(row % 2, 1)], esem.at[0])
+            cp.start()
+            cp.wait()
 
-        def body(c):
-            pos, n = c
-            in_window = pos < w_n
-            tok = w_first + pos
-            j = pos - w_n
-            e = ent_smem[0, jnp.clip(j, 0, ent_smem.shape[1] - 1)] if listed else j
-            e_ok = (e >= 0) & (e < c_limit)
-            unit = jnp.where(in_window, tok, jnp.where(e_ok, e, 0))
-            psize = jnp.where(in_window, w_page, c_page)
-            slot = jnp.where(in_window, w_slot0, c_slot0) + unit // psize
-            w_pid, w_ok = batch.lookup_page(wtab_ref, slot, w_pages)
-            c_pid, c_ok = batch.lookup_page(ctab_ref, slot, c_pages)
-            ok = jnp.where(in_window, w_ok, e_ok & c_ok) & layer_ok
-            off = unit % psize
+    def start_row(row, b):
+        """Load ``row``'s list and issue its first block into buffer ``b``; record it."""
+        load_list(row)
+        cur, n = _walk(refs, row, row % 2, b, jnp.int32(0), **walk_statics)
+        state[0], state[1], state[2] = cur, n, b
 
-            @pl.when(ok & in_window)
-            def _():
-                row_copy(wc_hbm, w_pid, off, n).start()
+    @pl.when(t == 0)
+    def _():
+        start_row(0, 0)
 
-            @pl.when(ok & ~in_window)
-            def _():
-                row_copy(cc_hbm, c_pid, off, n).start()
+    state[3] = 0
 
-            return pos + 1, n + ok.astype(jnp.int32)
+    def prefetch_next(b):
+        @pl.when(t + 1 < num_rows)
+        def _():
+            start_row(t + 1, b)
+            state[3] = 1
 
-        return jax.lax.while_loop(lambda c: (c[1] < block) & (c[0] < total), body,
-                                  (cur, jnp.int32(0)))
+    total = info_ref[t * INFO_WORDS + _WN] + info_ref[t * INFO_WORDS + _CN]
 
     def step(carry):
-        cur, m, l_sum = carry
-        cur, n = fill(cur)
+        cur, n, b, m, l_sum = carry
+
+        def more():
+            return _walk(refs, t, t % 2, 1 - b, cur, **walk_statics)
+
+        def last():
+            prefetch_next(1 - b)
+            return cur, jnp.int32(0)
+
+        cur2, n2 = jax.lax.cond(cur < total, more, last)
 
         def wait(i, c):
-            row_copy(wc_hbm, 0, 0, 0).wait()
+            _row_copy(wc_hbm, buf, sem, 0, 0, 0, b, 0).wait()
             return c
 
         jax.lax.fori_loop(0, n, wait, 0)
-        live = jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0) < n
-        low, high = _unpack(buf[...], packed)
-        low = jnp.where(live, low, 0.0).astype(cdt)
-        high = jnp.where(live, high, 0.0).astype(cdt)
-        q = q_ref[0]
-        nt = (((1,), (1,)), ((), ()))
-        s = (jax.lax.dot_general(q[:, :HALF], low, nt, preferred_element_type=jnp.float32)
-             + jax.lax.dot_general(q[:, HALF:], high, nt, preferred_element_type=jnp.float32))
-        col = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        s = jnp.where(col < n, s * sm_scale, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new)
-        l_sum = alpha * l_sum + jnp.sum(p, axis=1, keepdims=True)
-        pc = p.astype(cdt)
-        acc_ref[:, :HALF] = alpha * acc_ref[:, :HALF] + jnp.dot(
-            pc, low, preferred_element_type=jnp.float32)
-        acc_ref[:, HALF:] = alpha * acc_ref[:, HALF:] + jnp.dot(
-            pc, high, preferred_element_type=jnp.float32)
-        return cur, m_new, l_sum
+        m, l_sum = _attend(q_ref[0], buf[b], n, m, l_sum, acc_ref, packed=packed, cdt=cdt,
+                           sm_scale=sm_scale)
+        return cur2, n2, 1 - b, m, l_sum
 
     heads = q_ref.shape[1]
     acc_ref[...] = jnp.zeros_like(acc_ref)
-    init = (jnp.int32(0), jnp.full((heads, 1), NEG, jnp.float32),
+    init = (state[0], state[1], state[2], jnp.full((heads, 1), NEG, jnp.float32),
             jnp.zeros((heads, 1), jnp.float32))
-    _, m, l_sum = jax.lax.while_loop(lambda c: c[0] < total, step, init)
+    _, _, _, m, l_sum = jax.lax.while_loop(lambda c: c[1] > 0, step, init)
+
+    @pl.when(state[3] == 0)  # an empty row: nothing in flight, buffer 0 is free
+    def _():
+        prefetch_next(0)
+
     empty = l_sum <= 0.0
     lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l_sum)))
     # reference.sinks' rule, 1 / (1 + e^(sink - lse)): e^ overflow gives 0, sink -inf gives 1
@@ -193,14 +244,14 @@ def fused_traffic(*, rows: int, heads: int, gathered_rows: int, meta_words: int,
     rows (window + selected entries) of ``row_bytes`` each: those rows, q read once, out
     written once (plus its f32 LSE), the rows' lists (``meta_words``) and ``row_info`` into
     SMEM, the page tables once. The minimum moves each row once at ``min_row_bytes`` (512 bf16
-    features: 1024 B) plus q and out. VMEM: the gather block, the f32 accumulator, q and out
-    blocks double-buffered."""
+    features: 1024 B) plus q and out. VMEM: the two gather blocks, the f32 accumulator, q and
+    out blocks double-buffered."""
     q_out = rows * heads * (2 * v4.HEAD_DIM * q_itemsize + 4)
     smem = 4 * (rows * (meta_words + INFO_WORDS) + table_words)
     moved = rows * gathered_rows * row_bytes + q_out + smem
     bytes_min = rows * gathered_rows * min_row_bytes + q_out
     flops = 2 * rows * heads * gathered_rows * 2 * v4.HEAD_DIM
-    vmem = block * row_bytes + 4 * heads * v4.HEAD_DIM + 4 * heads * v4.HEAD_DIM * q_itemsize
+    vmem = 2 * block * row_bytes + 4 * heads * v4.HEAD_DIM + 4 * heads * v4.HEAD_DIM * q_itemsize
     return aot.Traffic(int(moved), int(bytes_min), int(flops), int(vmem))
 
 
@@ -217,7 +268,7 @@ def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn
     packed = packed_cache.is_packed(w_cache)
     kernel = functools.partial(
         _kernel, listed=listed, block=block, w_page=w_cache.shape[2], c_page=c_cache.shape[2],
-        w_pages=w_cache.shape[1], c_pages=c_cache.shape[1], num_layers=w_cache.shape[0],
+        w_pages=w_cache.shape[1], c_pages=c_cache.shape[1], layers=w_cache.shape[0],
         sm_scale=float(sm_scale), cdt=jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16,
         packed=packed)
     sink = (jnp.full((heads, 1), -jnp.inf, jnp.float32) if attn_sink is None
@@ -231,9 +282,10 @@ def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn
                   pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=[pl.BlockSpec((1, heads, dim), row_block),
                    pl.BlockSpec((1, heads, 1), row_block)],
-        scratch_shapes=[pltpu.VMEM((block, w_cache.shape[-1]), w_cache.dtype),  # the block
-                        pltpu.SMEM((1, k), jnp.int32),  # the row's compressed list
-                        pltpu.SemaphoreType.DMA((1,)), pltpu.SemaphoreType.DMA((1,)),
+        scratch_shapes=[pltpu.VMEM((2, block, w_cache.shape[-1]), w_cache.dtype),  # blocks
+                        pltpu.SMEM((2, k), jnp.int32),  # the compressed lists of 2 rows
+                        pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((1,)),
+                        pltpu.SMEM((4,), jnp.int32),  # the walk's state across rows
                         pltpu.VMEM((heads, dim), jnp.float32)])  # accumulator
     t = fused_traffic(rows=num_rows, heads=heads, gathered_rows=gathered_rows, meta_words=k,
                       table_words=w_table.shape[0] + c_table.shape[0], block=block,
