@@ -123,8 +123,8 @@ def test_bf16_query_with_packed_and_plain_bf16_caches(ratio, fmt, backend):
     check(out, lse, rounded(b), SINK, tol=BF16_TOL, lse_tol=LSE_BF16_TOL)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_sink_scales_the_output_and_leaves_the_lse_sink_free(backend):
+@pytest.mark.parametrize("backend", ["reference", "fused"])  # "pallas" applies the sink with
+def test_sink_scales_the_output_and_leaves_the_lse_sink_free(backend):  # the reference's code
     b = batch("mixed", 4)
     out0, lse0 = run(b, backend)  # no sink
     check(out0, lse0, b)
@@ -145,7 +145,7 @@ def test_sink_scales_the_output_and_leaves_the_lse_sink_free(backend):
 
 @pytest.mark.parametrize("backend", ["reference", "fused"])  # the MLA kernel's own tests cover
 def test_all_compressed_indices_invalid_is_the_window_alone(backend):  # junk entries for "pallas"
-    b = batch("prefill", 4)
+    b = batch("mixed", 4)
     rows = b.q.shape[0]
     junk = np.tile(np.array([-1, -7, 10**6, np.iinfo(np.int32).max, 9999, -1], np.int32),
                    (rows, 1))
@@ -305,7 +305,7 @@ def test_the_op_dispatches_validates_and_matches_the_oracle():
 
 
 @pytest.mark.kernel_gate
-@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
 @given(spec=batch_specs(page_sizes=(2, 4, 8), capacity=96, max_rows=10, max_seqs=3),
        ratio=st.sampled_from([0, 4, 128]), window=st.sampled_from([8, 16]),
        sink=st.booleans(), backend=st.sampled_from(sorted(BACKENDS)))
@@ -324,7 +324,7 @@ def test_property_ragged_batches_match_the_oracle(spec, ratio, window, sink, bac
 
 @pytest.mark.parametrize("heads,topk,kv,backend", [
     (64, 512, 2400, "reference"), (128, 1024, 4300, "reference"),
-    (64, 512, 2400, "pallas")], ids=["v4_flash", "v4_pro", "v4_flash_pallas"])
+    (64, 512, 2400, "fused")], ids=["v4_flash", "v4_pro", "v4_flash_fused"])
 def test_model_dims_decode(heads, topk, kv, backend):
     b = make_v4_batch(7, q_lens=[1, 1], kv_lens=[kv, 300], heads=heads, ratio=4, k=topk,
                       window_size=128, window_page_size=64, comp_page_size=64)
