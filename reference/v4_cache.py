@@ -10,9 +10,10 @@ nope features, in f32:
 - ``s_t = 2**ceil(log2(max(amax_t / 448, 1e-4)))`` (FlashMLA's ``_cast_scale_inv_to_ue8m0``:
   ``pow(2, clamp_min(amax / 448, 1e-4).log2().ceil())``; the floor is on the *scale*, so
   ``s_t >= 2**-13``, and an all-zero tile gets ``2**-13``). The ceiling is exact here, from the f32
-  bits (``reference.fp8._pow2_ceil``): FlashMLA's float ``log2`` can round a quotient a few ulps
-  above a power of two down to the integer, which gives half our scale there (its e4m3 value
-  then rounds to 448 from ``448 * (1 + 2**-23)``); everywhere else they agree.
+  bits (``reference.fp8._pow2_ceil``). FlashMLA takes an f32 ``log2`` first, which can round a
+  quotient one ulp above a power of two down to the integer (NumPy's f32 ``log2`` does at
+  ``2**-5 (1 + 2**-23)``, not at ``2**-3 (1 + 2**-23)``; torch was not run here): there it
+  would pick half our scale, and its top code would round to 448 from ``448 (1 + 2**-23)``.
 - ``e4m3_t = float8_e4m3fn(clip(x_t / s_t, -448, 448))``, an f32 division, round-to-nearest-even
   (the clip never binds: ``s_t >= amax_t / 448``).
 - The scale is stored as ue8m0 (``float8_e8m0fnu``): its byte is the biased f32 exponent of
@@ -28,7 +29,8 @@ nope features, in f32:
 
 Values: ``dequantize`` gives ``bf16(e4m3 * s_t)`` and the rope bf16, exactly FlashMLA's
 ``dequantize_k_cache`` (which multiplies in bf16): an e4m3 value times a power of two is exact in
-bf16 for every scale this quantizer writes.
+bf16 (no rounding) for every scale this quantizer writes; it overflows to inf only in a tile with
+``amax >= 248 * 2**120`` (about 3.3e38, near f32's largest value), as FlashMLA's would.
 
 TPU storage, ``Fp8V4Cache(nope, rope)`` (pytree; both ``u32``; ``P`` pages of ``ps`` tokens,
 optional leading dims such as a layer stack ``L`` on both parts):
