@@ -73,17 +73,18 @@ numbers are XLA's argument bytes and Mosaic's verdicts):
   bytes, measured at page sizes 4, 8, 16, 32, 64, 256 on all three chips), 0.625x. A
   token-sparse gather moves 512 B nope + the 512 B rope row it shares with three other tokens
   = 1024 B in 2 DMAs (no layout does better: 583 bytes of data per token and 512-byte DMA
-  granules); a read of whole pages (window, HCA) moves 640 B per token. The probe's gather
-  kernel (two whole-row DMAs per token, the quarter picked by lanes, decoded) compiles on v5e,
-  v6e and tpu7x with no relayout copy.
+  granules); a read of whole pages (e.g. HCA's every visible entry) moves 640 B per token. The
+  probe's gather kernel (two whole-row DMAs per token, the quarter picked by lanes, the rope
+  halves unpacked) compiles on v5e, v6e and tpu7x with no relayout copy.
 - Page sizes for the TPU kernels: a multiple of 32, or 4, 8, 16 (``ceil(ps / 4)`` rope rows a
   multiple of 8 or a power of two). Others work here, but XLA's default layout of the rope array
   is then not row-major (measured: ``u32[256, 6, 128]{2,0,1}`` at ``ps = 24``), so a Pallas
   kernel pays a relayout copy per call; ``ps`` 1 and 2 cost 1024 / 768 B per token.
 - tpu-inference (``kernels/experimental/deepseek_v4``, ``csa_gather``) stores the same split:
-  a ``(4, 128)`` u8 nope record per token (448 e4m3 + 7 e8m0 + pad; its int32 view is this
-  module's record) and a rope array of 128 B per token, four tokens per 128-lane int32 row
-  (byte planes there, lane quarters here, so a TensorCore kernel selects by lanes).
+  a ``(4, 128)`` u8 nope record per token (448 e4m3, 7 e8m0, zero pad, gathered as one 128-lane
+  int32 row) and a rope array of 128 B per token, four tokens per 128-lane int32 row (byte
+  planes there, gathered by SparseCore; lane quarters here, so a TensorCore kernel selects by
+  lanes).
 
 FlashMLA interop (MODEL1, verified against ``tests/quant.py`` ``quantize_k_cache`` and the sm90
 decode kernel ``csrc/sm90/decode/sparse_fp8/splitkv_mla.cuh``, which addresses a token's 576
