@@ -24,6 +24,10 @@ writer, the multi-layer DSA step (IndexShare), opt-in checkify validation, mesh 
   ``quantize_latent_cache`` / ``dequantize_latent_cache``, and the GPU byte layouts
   ``latent_cache_to_flashmla`` / ``latent_cache_from_flashmla`` (FlashMLA V32, 656 B per
   token) and ``index_cache_to_paged_fp8`` / ``index_cache_from_paged_fp8`` (vLLM / DeepGEMM).
+- The DeepSeek-V4 fp8 cache (``reference.v4_cache``: FlashMLA's MODEL1 rule, 448 e4m3 in 7
+  ue8m0-scaled tiles of 64 + 64 bf16 rope; 640 B per token on TPU): ``Fp8V4Cache``,
+  ``quantize_v4_cache`` / ``dequantize_v4_cache``, the row writer ``write_v4_rows``, and
+  FlashMLA's MODEL1 pages (584 B per token) ``v4_cache_to_flashmla`` / ``v4_cache_from_flashmla``.
 - Segment witnesses (``reference.witnesses``) re-exported.
 """
 
@@ -51,6 +55,14 @@ from reference.fp8_cache import (
     quantize_latent_cache,
 )
 from reference.packed_cache import pack_cache, packed_words, unpack_cache
+from reference.v4_cache import (
+    Fp8V4Cache,
+    dequantize_v4_cache,
+    quantize_v4_cache,
+    v4_cache_from_flashmla,
+    v4_cache_to_flashmla,
+    write_v4_rows,
+)
 from reference.witnesses import (
     MAX_TOPOLOGY_SEGMENTS,
     LearnedKeepOutOfRange,
@@ -76,6 +88,7 @@ __all__ = [
     "CacheFormat",
     "Fp8IndexCache",
     "Fp8LatentCache",
+    "Fp8V4Cache",
     "IndexerBlocks",
     "LayoutError",
     "LearnedKeepOutOfRange",
@@ -97,6 +110,7 @@ __all__ = [
     "dequantize_index_cache",
     "dequantize_latent_cache",
     "dequantize_latent_fp8",
+    "dequantize_v4_cache",
     "dsa_step",
     "glm_index_share_pattern",
     "index_cache_from_paged_fp8",
@@ -115,6 +129,7 @@ __all__ = [
     "quantize_index_cache",
     "quantize_latent_cache",
     "quantize_latent_fp8",
+    "quantize_v4_cache",
     "random_null",
     "random_selector",
     "resolve_backend",
@@ -127,5 +142,8 @@ __all__ = [
     "topology_witness_indices",
     "unpack_cache",
     "update_kv_cache",
+    "v4_cache_from_flashmla",
+    "v4_cache_to_flashmla",
     "write_slots",
+    "write_v4_rows",
 ]
