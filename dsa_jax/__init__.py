@@ -27,6 +27,10 @@ writer, the multi-layer DSA step (IndexShare), opt-in checkify validation, mesh 
 - DeepSeek-V4 attention (``dsa_jax.v4``): ``V4Layout`` (window + compressed caches, declared
   once), ``PagedKV`` (a cache with its page table), ``v4_attention`` (window union compressed
   entries, one softmax, attention sink; ``backend=`` as the other ops).
+- The DeepSeek-V4 fp8 cache (``reference.v4_cache``: FlashMLA's MODEL1 rule, 448 e4m3 in 7
+  ue8m0-scaled tiles of 64 + 64 bf16 rope; 640 B per token on TPU): ``Fp8V4Cache``,
+  ``quantize_v4_cache`` / ``dequantize_v4_cache``, the row writer ``write_v4_rows``, and
+  FlashMLA's MODEL1 pages (584 B per token) ``v4_cache_to_flashmla`` / ``v4_cache_from_flashmla``.
 - Segment witnesses (``reference.witnesses``) re-exported.
 """
 
@@ -56,6 +60,14 @@ from reference.fp8_cache import (
 )
 from reference.packed_cache import pack_cache, packed_words, unpack_cache
 from reference.v4_attention import PagedKV
+from reference.v4_cache import (
+    Fp8V4Cache,
+    dequantize_v4_cache,
+    quantize_v4_cache,
+    v4_cache_from_flashmla,
+    v4_cache_to_flashmla,
+    write_v4_rows,
+)
 from reference.witnesses import (
     MAX_TOPOLOGY_SEGMENTS,
     LearnedKeepOutOfRange,
@@ -81,6 +93,7 @@ __all__ = [
     "CacheFormat",
     "Fp8IndexCache",
     "Fp8LatentCache",
+    "Fp8V4Cache",
     "IndexerBlocks",
     "LayoutError",
     "LearnedKeepOutOfRange",
@@ -104,6 +117,7 @@ __all__ = [
     "dequantize_index_cache",
     "dequantize_latent_cache",
     "dequantize_latent_fp8",
+    "dequantize_v4_cache",
     "dsa_step",
     "glm_index_share_pattern",
     "index_cache_from_paged_fp8",
@@ -122,6 +136,7 @@ __all__ = [
     "quantize_index_cache",
     "quantize_latent_cache",
     "quantize_latent_fp8",
+    "quantize_v4_cache",
     "random_null",
     "random_selector",
     "resolve_backend",
@@ -135,5 +150,8 @@ __all__ = [
     "unpack_cache",
     "update_kv_cache",
     "v4_attention",
+    "v4_cache_from_flashmla",
+    "v4_cache_to_flashmla",
     "write_slots",
+    "write_v4_rows",
 ]
