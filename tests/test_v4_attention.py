@@ -252,9 +252,10 @@ def test_layout_refuses_a_page_size_that_does_not_divide_the_window():
     with pytest.raises(LayoutError, match="compress_ratio=0 .window only. has no compressed"):
         V4Layout(compress_ratio=0, window_page_size=64, window_pages_per_seq=4,
                  compressed_page_size=64)
-    with pytest.raises(LayoutError, match="reserved for the MODEL1 fp8 cache"):
+    with pytest.raises(LayoutError, match=r"window_cache_format must be one of \('plain', "
+                                          r"'packed', 'fp8'\), got 'e5m2'"):
         V4Layout(compress_ratio=0, window_page_size=64, window_pages_per_seq=4,
-                 window_cache_format="fp8")
+                 window_cache_format="e5m2")
     with pytest.raises(LayoutError, match="head_dim=512"):
         V4Layout(compress_ratio=0, window_page_size=64, window_pages_per_seq=4, head_dim=576)
 
@@ -330,3 +331,46 @@ def test_model_dims_decode(heads, topk, kv, backend):
                       window_size=128, window_page_size=64, comp_page_size=64)
     out, lse = run(b, backend, sink=np.linspace(-2, 2, heads).astype(np.float32))
     check(out, lse, b, np.linspace(-2, 2, heads).astype(np.float32))
+
+
+# ----------------------------------------------------------------------------- fp8 caches
+
+
+def test_layout_serves_fp8_caches_and_warns_on_transposed_rope_page_sizes():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # 64 / 4 / 16 / 32: row-major rope arrays, no warning
+        lay = V4Layout(compress_ratio=4, window_page_size=64, window_pages_per_seq=2,
+                       compressed_page_size=32, compressed_pages_per_seq=2,
+                       window_cache_format="fp8", compressed_cache_format="fp8")
+    assert lay.cache_shape("window", 3) == (3, 64, 512)
+    x = np.zeros((3, 64, 512), np.float32)
+    cache = lay.to_cache(x, "window")
+    assert isinstance(cache, dsa_jax.Fp8V4Cache)
+    assert cache.nope.shape == (3, 64, 128) and cache.rope.shape == (3, 16, 128)
+    lay.check_cache("window.cache", cache, "window")
+    with pytest.raises(ValueError, match="declares compressed_cache_format='fp8'"):
+        lay.check_cache("compressed.cache", x[:, :32], "compressed")
+    with pytest.raises(ValueError, match=r"window.cache.nope must be \[..., num_pages, 64, "
+                                         r"128\]"):
+        lay.check_cache("window.cache", lay.to_cache(x[:, :32], "window"), "window")
+    with pytest.warns(dsa_jax.V4LayoutWarning, match=r"compressed_page_size=24: .*u32\[P, 6, "
+                                                     r"128\] transposed"):
+        V4Layout(compress_ratio=128, window_page_size=64, window_pages_per_seq=2,
+                 compressed_page_size=24, compressed_pages_per_seq=2,
+                 compressed_cache_format="fp8")
+
+
+def test_reference_reads_fp8_and_mixed_caches():
+    from v4_batches import fp8_view, to_fp8
+
+    b = fp8_view(batch("mixed", 4), which=("window",))  # fp8 window, plain compressed
+    args = (b.q, PagedKV(to_fp8(b.window[0]), *b.window[1:]), *b.args()[2:])
+    out, lse = v4_attention_ref(*args, sm_scale=SCALE, return_lse=True, **b.kwargs(sink=SINK))
+    check(out, lse, b, SINK)
+    bad = to_fp8(b.window[0])
+    bad = dsa_jax.Fp8V4Cache(bad.nope, bad.rope[:, :-1])
+    with pytest.raises(ValueError, match=r"window.cache.rope must have shape \(\d+, 1, 128\)"):
+        v4_attention_ref(b.q, PagedKV(bad, *b.window[1:]), *b.args()[2:], sm_scale=SCALE,
+                         **b.kwargs())
