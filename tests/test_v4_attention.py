@@ -54,15 +54,16 @@ def _ref(*args, **kw):
 
 
 def _pallas(*args, **kw):
-    return v4_attention(*args, **kw, interpret=True)
+    return v4_attention(*args, **kw, interpret=True, fused=False)
 
 
 def _fused(*args, **kw):
-    return v4_attention(*args, **kw, interpret=True, fused=True, tokens_per_block=16)
+    return v4_attention(*args, **kw, interpret=True, tokens_per_block=16)  # fused: the default
 
 
-# "pallas": milestone 1 (two MLA kernel calls merged in XLA); "fused": the one-kernel path with
-# small blocks (16 rows) so every row walks several blocks across the two sources.
+# "pallas": milestone 1 (two MLA kernel calls merged in XLA, fused=False); "fused": the
+# one-kernel path (the default) with small blocks (16 rows) so every row walks several blocks
+# across the two sources.
 BACKENDS = {"reference": _ref, "pallas": _pallas, "fused": _fused}
 
 
