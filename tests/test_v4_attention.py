@@ -375,3 +375,79 @@ def test_reference_reads_fp8_and_mixed_caches():
     with pytest.raises(ValueError, match=r"window.cache.rope must have shape \(\d+, 1, 128\)"):
         v4_attention_ref(b.q, PagedKV(bad, *b.window[1:]), *b.args()[2:], sm_scale=SCALE,
                          **b.kwargs())
+
+
+def _fp8_run(b, backend, **kw):
+    from v4_batches import to_fp8
+
+    return run(b, backend, cast=to_fp8, **kw)
+
+
+def _assert_nan_words_everywhere_unread(b):
+    """The fp8 caches hold NaN bit patterns in unread records, in rope rows shared by a read
+    token and unread ones, and in every record's pad bytes (``v4_batches.to_fp8``)."""
+    from v4_batches import NAN_WORD, PAD_WORDS, to_fp8
+
+    for part in (b.window, b.compressed):
+        c = to_fp8(part[0])
+        nope, rope = np.asarray(c.nope), np.asarray(c.rope)
+        dead = (nope == NAN_WORD).all(axis=-1)
+        assert dead.any() and (~dead).any()
+        assert ((nope[..., PAD_WORDS] >> 24) == 0xFF).all()
+        quarters = rope.reshape(*rope.shape[:-1], 4, 32)
+        q_dead = (quarters == NAN_WORD).all(axis=-1)
+        assert (q_dead.any(axis=-1) & ~q_dead.all(axis=-1)).any()  # a row read and NaN
+
+
+@pytest.mark.kernel_gate
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_fp8_caches_match_the_reference_and_the_oracle(ratio):
+    """Both caches fp8 (``Fp8V4Cache``), sink on: the fused kernel in the strict interpreter
+    equals the reference (both decode the same values exactly; f32 sums in another order) and
+    both match the f64 oracle on the dequantized caches. Ratio 128 reads stacked caches at a
+    traced layer (the other layers noise)."""
+    from v4_batches import fp8_view
+
+    b = fp8_view(batch("mixed", ratio, seed=3))
+    _assert_nan_words_everywhere_unread(b)
+    run_b, layer = b, None
+    if ratio == 128:
+        def stack(x):
+            noise = np.random.default_rng(4).standard_normal((2, *x.shape)).astype(np.float32)
+            noise[1] = x
+            return noise
+
+        run_b = dataclasses.replace(b, window=(stack(b.window[0]), *b.window[1:]),
+                                    compressed=(stack(b.compressed[0]), *b.compressed[1:]))
+        layer = jnp.int32(1)
+    out, lse = _fp8_run(run_b, "fused", sink=SINK, layer=layer)
+    ref, ref_lse = _fp8_run(run_b, "reference", sink=SINK, layer=layer)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **F32_TOL)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), **F32_TOL)
+    check(out, lse, b, SINK)
+    check(ref, ref_lse, b, SINK)
+
+
+@pytest.mark.kernel_gate
+def test_fp8_caches_with_a_bf16_query():
+    from v4_batches import fp8_view
+
+    b = fp8_view(batch("prefill", 4, seed=2))
+    out, lse = _fp8_run(b, "fused", dtype=jnp.bfloat16, sink=SINK)
+    assert out.dtype == jnp.bfloat16
+    check(out, lse, rounded(b), SINK, tol=BF16_TOL, lse_tol=LSE_BF16_TOL)
+
+
+@pytest.mark.kernel_gate
+def test_fp8_refusals_name_the_formats():
+    from v4_batches import to_fp8
+
+    b = batch("mixed", 4)
+    fp8_w = PagedKV(to_fp8(b.window[0]), *b.window[1:])
+    kw = _kw(b)
+    with pytest.raises(NotImplementedError, match=r"window.cache fp8 \(Fp8V4Cache\) and "
+                                                  r"compressed.cache float32"):
+        v4_attention(b.q, fp8_w, *b.args()[2:], **kw, interpret=True)
+    with pytest.raises(NotImplementedError, match="window.cache is an fp8 Fp8V4Cache: "
+                                                  "milestone 1 .fused=False"):
+        v4_attention(b.q, fp8_w, *b.args()[2:], **kw, interpret=True, fused=False)

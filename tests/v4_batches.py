@@ -150,16 +150,22 @@ def make_v4_batch(seed, *, q_lens, kv_lens, heads=4, ratio=4, window_size=16,
 NAN_WORD = 0xFFFFFFFF  # every byte 0xFF: e4m3 NaN codes, ue8m0 NaN scales, bf16 NaN rope halves
 
 
+PAD_WORDS = slice(71, 128)  # record bytes 455..511: byte 3 of words 71..127 (zero by format)
+
+
 def to_fp8(x):
-    """``f32[..., P, ps, 512]`` -> ``Fp8V4Cache`` quantized by ``quantize_v4_rows``, with every
-    word of a token that holds a NaN (a slot that must not be read), and every quarter of the
-    rope array no token owns, set to ``NAN_WORD``: NaN in each slot the kernels must not read.
-    Deterministic, and values are idempotent (``to_fp8(dequantized(to_fp8(x)))`` holds the
-    same values), so a cast of the dequantized batch reproduces the cache."""
+    """``f32[..., P, ps, 512]`` -> ``Fp8V4Cache`` quantized by ``quantize_v4_rows``, with NaN
+    bit patterns in every byte the kernels must not read: every word of a token that holds a
+    NaN (a slot that must not be read), every quarter of the rope array no token owns
+    (``NAN_WORD``), and the pad bytes of every record (0xFF: an e4m3 NaN code, on the lanes the
+    kernel replaces by the rope). Deterministic, and values are idempotent
+    (``to_fp8(dequantized(to_fp8(x)))`` holds the same values), so a cast of the dequantized
+    batch reproduces the cache."""
     from reference import v4_cache as vc
 
     x = np.asarray(x, np.float32)
     words = np.array(vc.quantize_v4_rows(x))  # u32[..., P, ps, 160]
+    words[..., PAD_WORDS] |= np.uint32(0xFF000000)
     words[np.isnan(x).any(axis=-1)] = NAN_WORD
     *lead, ps, _ = words.shape
     rope = np.full((*lead, vc.rope_rows(ps) * vc.ROPE_TOKENS_PER_ROW, vc.ROPE_WORDS), NAN_WORD,
