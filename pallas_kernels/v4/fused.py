@@ -40,8 +40,9 @@ dequantized cache up to f32 summation order.
 
 Traffic per decode row: the ``W`` window rows and the selected entries (packed: 1024 B each,
 the minimum; fp8: 1024 B moved by the 2 DMAs against 640 B stored, 1.6x on those bytes), q
-read once, out written once, ``4 k`` bytes of the row's list into SMEM, the tables once. Versus milestone 1 (``attention``): q is not read twice, and no partial outputs are
-written, read back and merged.
+read once, out written once, ``4 k`` bytes of the row's list into SMEM, the tables once.
+Versus milestone 1 (``attention``): q is not read twice, and no partial outputs are written,
+read back and merged.
 """
 
 from __future__ import annotations
