@@ -370,6 +370,14 @@ def test_reference_reads_fp8_and_mixed_caches():
     args = (b.q, PagedKV(to_fp8(b.window[0]), *b.window[1:]), *b.args()[2:])
     out, lse = v4_attention_ref(*args, sm_scale=SCALE, return_lse=True, **b.kwargs(sink=SINK))
     check(out, lse, b, SINK)
+    kw = b.kwargs(sink=SINK)
+    for k in ("window_size", "compress_ratio", "window_pages_per_seq",
+              "compressed_pages_per_seq"):
+        kw.pop(k)
+    out2, lse2 = dsa_jax.v4_attention(*args, layout=_layout(b, window_cache_format="fp8"),
+                                      return_lse=True, backend="reference", validate=True, **kw)
+    np.testing.assert_array_equal(np.asarray(out2), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
     bad = to_fp8(b.window[0])
     bad = dsa_jax.Fp8V4Cache(bad.nope, bad.rope[:, :-1])
     with pytest.raises(ValueError, match=r"window.cache.rope must have shape \(\d+, 1, 128\)"):
