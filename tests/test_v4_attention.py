@@ -8,6 +8,10 @@ Tolerances (why):
   f64): ``BF16_TOL`` 1e-2 on the output, which is rounded to bf16 (2^-9 relative, twice on the
   Pallas path: each part, then the merge) and whose probabilities the kernel multiplies in bf16;
   the LSE stays f32 (``LSE_BF16_TOL`` 1e-3: bf16 products are exact in f32, the sums are f32).
+- fp8 MODEL1 caches (``Fp8V4Cache``): the oracle gets the dequantized cache (``v4_batches.
+  fp8_view``); both backends decode exactly those values (e4m3 times a power of two is exact in
+  bf16 and f32), so the f32 tolerances above hold, and the fused kernel equals the reference
+  within ``F32_TOL`` (f32 sums in another order).
 Both Pallas paths run in the strict interpreter (race detection, NaN-filled uninitialized memory,
 out-of-bounds reads raise). Every slot that must not be read holds NaN (``v4_batches``).
 """
