@@ -386,15 +386,28 @@ def test_context_sharded_step_with_sinks_equals_the_single_device_step(shape, ba
 @pytest.mark.kernel_gate
 @pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
 def test_sink_kernel_compiles_at_v32_decode_dims(chip):
-    """The token kernel with the sink operand, AOT through libtpu (no TPU): 64 decode rows x
-    8192 context, H=128, k=2048, D=640 packed bf16, v_dim 512 (``compile_cases``' shape)."""
+    """The kernel with the sink operand, AOT through libtpu (no TPU), at ``compile_cases``'
+    decode shape (64 rows x 8192 context, H=128, k=2048, D=640 packed bf16, v_dim 512): the
+    token entry with ``f32[H]`` (and the LSE), and the all-layers call (L=2) with ``f32[L, H]``
+    (the per-row layer index map)."""
     from pallas_kernels import aot
+    from pallas_kernels.mla import blocks as mla_blocks
     from pallas_kernels.mla import compile_cases as mcases
 
     base = mcases.mla_case("token", "decode64x8192_h128_k2048_packed", 64, 64, 8192, 128,
                            "packed", jnp.uint32)
     fn = base.fn_for_chip(chip)
     specs = [*base.specs, jax.ShapeDtypeStruct((128,), jnp.float32)]
-    compiled = aot.aot_compile(lambda *a: fn(*a[:-1], attn_sink=a[-1]), specs, chip,
-                               "sparse_mla+sink")
-    assert "tpu_custom_call" in compiled.as_text()
+    one = aot.aot_compile(lambda *a: fn(*a[:-1], attn_sink=a[-1], return_lse=True), specs,
+                          chip, "sparse_mla+sink")
+    assert "tpu_custom_call" in one.as_text()
+    s = base.specs
+    st = lambda x: jax.ShapeDtypeStruct((2, *x.shape), x.dtype)  # noqa: E731
+    specs = [st(s[0]), st(s[1]), s[2], st(s[3]), *s[4:],
+             jax.ShapeDtypeStruct((2, 128), jnp.float32)]
+    layers = functools.partial(mla_layers.sparse_mla_layers, mode="token",
+                               tokens_per_block=mla_blocks.token_block(mcases.K_TOKENS, chip),
+                               sm_scale=mcases.MLA_SCALE, pages_per_seq=8192 // mcases.MLA_PAGE,
+                               v_dim=mcases.MLA_V_DIM)
+    aot.aot_compile(lambda *a: layers(*a[:-1], attn_sink=a[-1]), specs, chip,
+                    "sparse_mla_layers+sink")
