@@ -233,6 +233,14 @@ def _entry_source(mode, e, info, table_ref, *, page_size, pages_per_seq, num_pag
     return ok & found, jnp.clip(pid, 0, num_pages - 1), inner, lim
 
 
+def _split_refs(refs, has_sink: bool, return_lse: bool):
+    """The kernel's refs after ``cache``: ``(sink or None, out, lse or None, the 8 scratch
+    refs)``; the sink input and the LSE output exist only when asked for."""
+    sink_ref, refs = (refs[0], refs[1:]) if has_sink else (None, refs)
+    lse_ref = refs[1] if return_lse else None
+    return sink_ref, refs[0], lse_ref, refs[-8:]
+
+
 def _kernel(info_ref, table_ref, layer_ref, q_ref, meta_hbm, cache_hbm, *refs, mode,
             fmt, f32, num_rows, page_size, pages_per_seq, num_pages, num_layers, units,
             sm_scale, segs, return_lse, rows_per_layer, has_sink=False):
@@ -247,10 +255,8 @@ def _kernel(info_ref, table_ref, layer_ref, q_ref, meta_hbm, cache_hbm, *refs, m
     [1, H, v_dim] (and ``lse`` [1, H, 1]); scratch: gather buffers, raw rows of 2 query rows,
     DMA semaphores, rows filled per buffer, in-page limits (page), walk cursor, parity.
     """
-    sink_ref, refs = (refs[0], refs[1:]) if has_sink else (None, refs)
-    out_ref, refs = refs[0], refs[1:]
-    lse_ref = refs[0] if return_lse else None
-    gbuf, sbuf, gsem, ssem, fill_ref, lim_ref, cur_ref, parity = refs[-8:]
+    sink_ref, out_ref, lse_ref, scratch = _split_refs(refs, has_sink, return_lse)
+    gbuf, sbuf, gsem, ssem, fill_ref, lim_ref, cur_ref, parity = scratch
     unit = 1 if mode == "token" else page_size
     rows = units * unit
     cdt = jnp.float32 if f32 else jnp.bfloat16
