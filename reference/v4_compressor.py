@@ -292,32 +292,33 @@ def _enumerate_entries(s: _Seqs, num_entries: int, ratio: int, table_len: int):
 
 
 def _gather_slots(kv, score, ape, state, s: _Seqs, seq, entry, valid, ratio, coff):
-    """The pooled slots of each entry: ``(gate, kv)`` both ``f32[E, R, d]``. Slot ``k`` is token
-    ``q = r j - (coff - 1) r + k``, half ``k // r`` (ratio 4) or 0; read from this step's rows
-    when ``q >= kv_old``, else from the state ring (row ``q % R``); ``q < 0``: gate ``-inf``,
-    kv 0 (group 0's missing previous group)."""
+    """The pooled slots of each entry, slot-major: ``(gate, kv)`` both ``f32[R, E, d]``. Slot
+    ``k`` is token ``q = r j - (coff - 1) r + k``, half ``k // r`` (ratio 4) or 0; read from
+    this step's rows when ``q >= kv_old``, else from the state ring (row ``q % R``); ``q < 0``:
+    gate ``-inf``, kv 0 (group 0's missing previous group). Slot-major so that the pooling
+    tree halves the leading axis (whole rows; no relayout)."""
     num_rows, d = kv.shape[0], kv.shape[1] // coff
     rows_per_slot = coff * ratio
-    k = jnp.arange(rows_per_slot, dtype=jnp.int32)
+    k = jnp.arange(rows_per_slot, dtype=jnp.int32)[:, None]
     half = k // ratio if coff == 2 else jnp.zeros_like(k)
-    q = ratio * entry[:, None] - (coff - 1) * ratio + k  # [E, R] token positions
-    kv_old = s.kv_old[seq][:, None]
-    in_chunk = valid[:, None] & (q >= kv_old)
-    in_state = valid[:, None] & (q >= 0) & ~in_chunk
-    row = jnp.where(in_chunk, s.q_start[seq][:, None] + q - kv_old, num_rows) * coff + half
-    srow = (s.slot[seq][:, None] * rows_per_slot + q % rows_per_slot) * coff + half
+    q = ratio * entry[None, :] - (coff - 1) * ratio + k  # [R, E] token positions
+    kv_old = s.kv_old[seq][None, :]
+    in_chunk = valid[None, :] & (q >= kv_old)
+    in_state = valid[None, :] & (q >= 0) & ~in_chunk
+    row = jnp.where(in_chunk, s.q_start[seq][None, :] + q - kv_old, num_rows) * coff + half
+    srow = (s.slot[seq][None, :] * rows_per_slot + q % rows_per_slot) * coff + half
     srow = jnp.where(in_state, srow, state.kv.size // d)
 
     def take(x, idx):
         return jnp.take(x.reshape(-1, d), idx, axis=0, mode="fill", fill_value=0)
 
-    ape_k = ape.reshape(ratio * coff, d)[(k % ratio) * coff + half]  # [R, d], static rows
+    ape_k = ape.reshape(ratio * coff, d)[(k % ratio) * coff + half]  # [R, 1, d], static rows
     gate = jnp.where(in_chunk[..., None], take(score, row) + ape_k,
                      jnp.where(in_state[..., None], take(state.score, srow), -jnp.inf))
     vals = jnp.where(in_chunk[..., None], take(kv, row),
                      jnp.where(in_state[..., None], take(state.kv, srow), 0.0))
     # An unused output slot pools zeros (finite, then zeroed): no NaN from an all -inf softmax.
-    gate = jnp.where(valid[:, None, None], gate, 0.0)
+    gate = jnp.where(valid[None, :, None], gate, 0.0)
     return gate, vals
 
 
@@ -343,10 +344,11 @@ def _tree(x: jax.Array, axis: int, op, identity: float) -> jax.Array:
 
 
 def _pool(gate, vals):
-    """Per-channel softmax over the slots (axis 1) and the weighted sum: ``f32[E, d]``."""
-    e = jnp.exp(gate - _tree(gate, 1, jnp.maximum, -jnp.inf))
-    w = e / _tree(e, 1, jnp.add, 0.0)
-    return _tree(w * vals, 1, jnp.add, 0.0)[:, 0]
+    """Per-channel softmax over the slots (axis 0 of ``f32[R, E, d]``) and the weighted sum:
+    ``f32[E, d]``."""
+    e = jnp.exp(gate - _tree(gate, 0, jnp.maximum, -jnp.inf))
+    w = e / _tree(e, 0, jnp.add, 0.0)
+    return _tree(w * vals, 0, jnp.add, 0.0)[0]
 
 
 def _update_state(kv, score, ape, state, s: _Seqs, kv_lens, cu_q_lens, distribution, ratio,
