@@ -142,7 +142,7 @@ def test_group_zero_of_ratio_4_pools_only_its_own_tokens():
     ape, weight, cos, sin = _params(rng, 4, d, 8)
     kv, score = _tokens(rng, 4, 4, d)
     state, slots = _nan_state(1, 4, d), jnp.asarray([0], jnp.int32)
-    out = _run(_Step([(kv, score)], [(0, 4)], 4), (ape, weight, cos, sin), state, slots, 4)[0]
+    out = _run(_Step([(kv, score)], [(0, 4)], 8), (ape, weight, cos, sin), state, slots, 4)[0]
     g = score[:, d:].astype(np.float64) + ape[:, d:]
     w = np.exp(g - g.max(0))
     pooled = (w / w.sum(0) * kv[:, d:]).sum(0)
@@ -150,7 +150,7 @@ def test_group_zero_of_ratio_4_pools_only_its_own_tokens():
     np.testing.assert_allclose(np.asarray(out.rows[0]), normed, rtol=1e-5, atol=1e-6)
     kv2 = kv.copy()
     kv2[:, :d] = 1e30
-    out2 = _run(_Step([(kv2, score)], [(0, 4)], 4), (ape, weight, cos, sin), state, slots, 4)[0]
+    out2 = _run(_Step([(kv2, score)], [(0, 4)], 8), (ape, weight, cos, sin), state, slots, 4)[0]
     np.testing.assert_array_equal(np.asarray(out2.rows), np.asarray(out.rows))
 
 
@@ -222,7 +222,7 @@ MAX_LEN = {4: 40, 128: 300}
 
 
 @pytest.mark.parametrize("ratio", [4, 128])
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(data=st.data())
 def test_any_split_gives_bit_identical_entries_and_state(ratio, data):
     """Two sequences split independently into prefill chunks and decode steps (one step
@@ -239,7 +239,7 @@ def test_any_split_gives_bit_identical_entries_and_state(ratio, data):
     _assert_same(_run_splits(seqs, splits, params, ratio, 2 * max_n + 1), one_shot)
 
 
-@pytest.mark.parametrize("ratio,d,n,cut", [(4, 512, 13, 5), (128, 16, 140, 100)])
+@pytest.mark.parametrize("ratio,d,n,cut", [(4, 512, 13, 5), (128, 16, 132, 120)])
 def test_decode_steps_give_the_bits_of_one_prefill(ratio, d, n, cut):
     """The serving pattern at its own shapes: a prefill chunk, then single-token decode steps
     of a one-sequence batch (T = S = 1, one output slot), against one prefill of the whole
