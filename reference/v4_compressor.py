@@ -34,7 +34,8 @@ any split of a sequence into prefill chunks and decode steps leaves bit-identica
 entries are bit-identical because every entry is computed by the same arithmetic from the same
 gathered values, wherever (chunk or state) they came from. Every token an entry completing in
 this step needs that precedes the step lies in the last ``R`` tokens before it (ratio 4 reads
-back at most ``r + (n % r) < 2 r``; ratio 128 at most ``n % r < r``), so the ring suffices.
+back at most ``r + kv_old % r <= 2 r - 1`` tokens, ratio 128 at most ``kv_old % r <= r - 1``),
+so the ring suffices.
 A new sequence needs no reset of its slot (its stale rows are never read). A decode step writes
 one row per sequence; the official code keeps (previous group, current group) halves and copies
 one to the other at each completion, which holds the same values in another order.
@@ -52,9 +53,14 @@ table ``cu_lens`` counts *entries* (``reference.v4_attention.PagedKV``'s rule): 
 sequence ``i`` goes to page slot ``cu_lens[i] // page_size + j // page_size``, offset ``j %
 page_size``.
 
-Precision: everything f32. The official model casts the pooled row to bf16 before the norm
-(its activations are bf16) and its RoPE tables are computed with f32 ``pow`` / ``cos``; ours
-keeps f32 throughout (so chunk invariance is exact) and rounds each table value once from f64.
+Precision: everything f32. Every sum and max (the softmax over slots, the pooled sum, the
+norm's mean) is a fixed pairwise tree of elementwise ops (``_tree``), so an entry's bits do not
+depend on the step's shapes (XLA's reductions do). The official model casts the pooled row to
+bf16 before the norm (its activations are bf16) and its RoPE tables are computed with f32
+``pow`` / ``cos``; ours keeps f32 throughout (so chunk invariance is exact) and rounds each
+table value once from f64. The official QAT simulations (``act_quant`` on the nope dims of an
+attention entry; Hadamard + FP4 on an indexer entry) are not applied here: entries leave
+unquantized, and ``write_entries`` quantizes only as the cache format stores them.
 """
 
 from __future__ import annotations
@@ -198,11 +204,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 # Static checks.
 
-def _float_2d(name: str, x, shape: tuple[int, int], why: str) -> jax.Array:
+def _float_2d(name: str, x, shape: tuple[int, int], why: str) -> None:
     _checks.floating(name, x)
     if tuple(np.shape(x)) != shape:
         raise ValueError(f"{name} must have shape {shape} ({why}), got {tuple(np.shape(x))}")
-    return jnp.asarray(x, jnp.float32)
 
 
 def _check_int_vector(name: str, x, length: int, why: str) -> None:
@@ -243,8 +248,12 @@ def _check_step_args(kv, score, ape, norm_weight, cos, sin, state, state_slots, 
             raise ValueError(f"{name} must be f32[num_slots, coff * ratio, coff * d] = f32{want}"
                              f" for ratio {ratio}, d {d}, got {jnp.result_type(x)}"
                              f"{tuple(np.shape(x))}")
-    num_seqs = int(np.shape(kv_lens)[0]) if np.ndim(kv_lens) == 1 else -1
-    _check_int_vector("kv_lens", kv_lens, max(num_seqs, 0), "S")
+    _checks.rank("kv_lens", kv_lens, 1)
+    num_seqs = int(np.shape(kv_lens)[0])
+    if num_seqs < 1:
+        raise ValueError(f"kv_lens must hold at least one sequence slot, got shape "
+                         f"{tuple(np.shape(kv_lens))}")
+    _check_int_vector("kv_lens", kv_lens, num_seqs, "S")
     _check_int_vector("state_slots", state_slots, num_seqs, "len(kv_lens)")
     _check_int_vector("cu_q_lens", cu_q_lens, num_seqs + 1, "len(kv_lens) + 1")
     _check_int_vector("distribution", distribution, 3, "3 (decode_end, prefill_end, num_seqs)")
