@@ -56,11 +56,11 @@ page_size``.
 Precision: everything f32. Every sum and max (the softmax over slots, the pooled sum, the
 norm's mean) is a fixed pairwise tree of elementwise ops (``_tree``), so an entry's bits do not
 depend on the step's shapes (XLA's reductions do). The official model casts the pooled row to
-bf16 before the norm (its activations are bf16) and its RoPE tables are computed with f32
-``pow`` / ``cos``; ours keeps f32 throughout (so chunk invariance is exact) and rounds each
-table value once from f64. The official QAT simulations (``act_quant`` on the nope dims of an
-attention entry; Hadamard + FP4 on an indexer entry) are not applied here: entries leave
-unquantized, and ``write_entries`` quantizes only as the cache format stores them.
+bf16 before the norm (its activations are bf16); ours keeps f32 throughout (so chunk invariance
+is exact). The RoPE tables follow the official f32 steps (``yarn_inv_freq``). The official QAT
+simulations (``act_quant`` on the nope dims of an attention entry; Hadamard + FP4 on an indexer
+entry) are not applied here: entries leave unquantized, and ``write_entries`` quantizes only as
+the cache format stores them.
 """
 
 from __future__ import annotations
@@ -140,17 +140,25 @@ def init_compressor_state(num_slots: int, ratio: int, dim: int) -> CompressorSta
 def yarn_inv_freq(rope_dim: int = ROPE_DIM, *, theta: float = COMPRESS_ROPE_THETA,
                   factor: float = ROPE_FACTOR, original_seq_len: int = ORIGINAL_SEQ_LEN,
                   beta_fast: float = BETA_FAST, beta_slow: float = BETA_SLOW) -> np.ndarray:
-    """Inverse frequencies ``f64[rope_dim // 2]`` of the official ``precompute_freqs_cis``:
-    ``theta ** (-2 i / rope_dim)``, and with ``original_seq_len > 0`` YaRN's blend
-    ``f / factor * (1 - smooth) + f * smooth``, ``smooth = 1 - clip((i - low) / (high - low),
-    0, 1)``, ``low = floor(cd(beta_fast))``, ``high = ceil(cd(beta_slow))`` clamped to ``[0,
-    rope_dim - 1]``, ``cd(n) = rope_dim log(original_seq_len / (2 pi n)) / (2 log theta)``
-    (``high`` gets +0.001 when equal to ``low``). ``original_seq_len = 0``: plain RoPE (the
-    official window-only layers, theta 10000)."""
+    """Inverse frequencies ``f32[rope_dim // 2]`` of the official ``precompute_freqs_cis``, in
+    its f32 operation order: ``1 / theta ** (2 i / rope_dim)``, and with ``original_seq_len >
+    0`` YaRN's blend ``f / factor * (1 - smooth) + f * smooth``, ``smooth = 1 - clip((i - low)
+    / (high - low), 0, 1)``, ``low = floor(cd(beta_fast))``, ``high = ceil(cd(beta_slow))``
+    clamped to ``[0, rope_dim - 1]``, ``cd(n) = rope_dim log(original_seq_len / (2 pi n)) / (2
+    log theta)`` in f64 (``high`` gets +0.001 when equal to ``low``). ``original_seq_len = 0``:
+    plain RoPE (the official window-only layers, theta 10000).
+
+    Why f32 steps rather than one rounding of the exact value: the official value rounds after
+    the power, the reciprocal and each blend step; the correctly rounded one differs from it by
+    up to 2 ulp here (measured against a NumPy f32 emulation at theta 160000), which moves the
+    angle at position 65536 by ~1e-3. The remaining difference is the platform's f32 ``pow``
+    (torch's CPU and CUDA ``pow`` are not correctly rounded either)."""
     rope_dim = _checks.positive_int("rope_dim", rope_dim)
     if rope_dim % 2:
         raise ValueError(f"rope_dim must be even (interleaved pairs), got rope_dim={rope_dim}")
-    freqs = 1.0 / (float(theta) ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
+    f32 = np.float32
+    exps = np.arange(0, rope_dim, 2, dtype=f32) / f32(rope_dim)
+    freqs = f32(1.0) / (f32(theta) ** exps)
     if original_seq_len > 0:
         def cd(n):
             return (rope_dim * math.log(original_seq_len / (n * 2 * math.pi))
@@ -158,10 +166,11 @@ def yarn_inv_freq(rope_dim: int = ROPE_DIM, *, theta: float = COMPRESS_ROPE_THET
         low = max(math.floor(cd(beta_fast)), 0)
         high = min(math.ceil(cd(beta_slow)), rope_dim - 1)
         high = high + 0.001 if high == low else high
-        ramp = np.clip((np.arange(rope_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
-        smooth = 1.0 - ramp
-        freqs = freqs / factor * (1.0 - smooth) + freqs * smooth
-    return freqs
+        ramp = np.clip((np.arange(rope_dim // 2, dtype=f32) - f32(low)) / f32(high - low),
+                       f32(0), f32(1))
+        smooth = f32(1) - ramp
+        freqs = freqs / f32(factor) * (f32(1) - smooth) + freqs * smooth
+    return freqs.astype(f32)
 
 
 def rope_tables(num_positions: int, rope_dim: int = ROPE_DIM, *,
@@ -170,13 +179,13 @@ def rope_tables(num_positions: int, rope_dim: int = ROPE_DIM, *,
                 beta_slow: float = BETA_SLOW) -> tuple[jax.Array, jax.Array]:
     """``(cos, sin)``, each ``f32[num_positions, rope_dim // 2]``: row ``p`` for position ``p``.
 
-    As the official tables: the f32 inverse frequency (``yarn_inv_freq`` rounded once), the f32
-    angle ``f32(p) * inv_freq`` (one rounding, as ``torch.outer`` in f32), then cos / sin of that
-    angle rounded once from f64. Defaults: the compressed layers' theta 160000 with YaRN (factor
+    As the official tables: the f32 inverse frequency (``yarn_inv_freq``), the f32 angle
+    ``f32(p) * inv_freq`` (one rounding, as ``torch.outer`` in f32), then cos / sin of that angle
+    rounded once from f64. Defaults: the compressed layers' theta 160000 with YaRN (factor
     16, original 65536, beta 32 / 1)."""
     num_positions = _checks.positive_int("num_positions", num_positions)
     inv = yarn_inv_freq(rope_dim, theta=theta, factor=factor, original_seq_len=original_seq_len,
-                        beta_fast=beta_fast, beta_slow=beta_slow).astype(np.float32)
+                        beta_fast=beta_fast, beta_slow=beta_slow)
     angle = np.arange(num_positions, dtype=np.float32)[:, None] * inv[None, :]
     angle = angle.astype(np.float64)
     return (jnp.asarray(np.cos(angle).astype(np.float32)),
