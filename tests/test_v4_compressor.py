@@ -401,3 +401,18 @@ def test_inv_freq_rounds_at_the_official_f32_steps_not_once():
     np.testing.assert_array_equal(vc.yarn_inv_freq(64), official)
     once = oracle.inv_freq(64, 160000.0, 16.0, 65536, 32, 1).astype(np.float32)
     assert (once != official).any()
+
+
+@pytest.mark.parametrize("slot,kv_len", [(-1, 8), (1, 8), (0, 3)])
+def test_a_sequence_with_a_bad_slot_or_length_is_skipped(slot, kv_len):
+    """State slot outside the pool, or more new rows than tokens (q_len 8 > kv_len 3): no entry,
+    no state write (masking rules of the module docstring)."""
+    rng = np.random.default_rng(8)
+    params = _params(rng, 4, 16, 8)
+    kv, score = _tokens(rng, 8, 4, 16)
+    step = _Step([(kv, score)], [(0, 8)], 8)
+    step.kv_lens = jnp.asarray([kv_len], jnp.int32)
+    state = _nan_state(1, 4, 16)
+    entries, new = _run(step, params, state, jnp.asarray([slot], jnp.int32), 4)
+    assert (np.asarray(entries.seq) == -1).all() and not np.asarray(entries.rows).any()
+    assert np.isnan(np.asarray(new.kv)).all() and np.isnan(np.asarray(new.score)).all()
