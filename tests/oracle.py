@@ -146,10 +146,14 @@ def check_page_topk(idx, batch, k_pages, *, rtol=1e-4, **overrides):
 
 
 def mla_oracle(q, cache, kv_lens, selected, page_indices, cu_q_lens, cu_kv_lens, distribution,
-               *, sm_scale, v_dim, pages_per_seq, page=False):
+               *, sm_scale, v_dim, pages_per_seq, page=False, attn_sink=None):
     """Sparse absorbed MLA in float64. ``selected`` holds token offsets (``page=False``) or page
     numbers (``page=True``: every existing, causal token of each listed page). Invalid entries
     are skipped; duplicates count once per occurrence; an empty row gives zeros and lse -inf.
+
+    ``attn_sink`` (optional, one logit per head; SPEC.md "DeepSeek-V4 attention"): the sink
+    enters the denominator only, ``o = sum_j e^(s_j - m) v_j / (sum_j e^(s_j - m) +
+    e^(sink - m))`` with ``m`` the max over the real scores; ``lse`` stays the real scores'.
 
     Returns (out f64[T, H, v_dim], lse f64[T, H]).
     """
@@ -185,7 +189,11 @@ def mla_oracle(q, cache, kv_lens, selected, page_indices, cu_q_lens, cu_kv_lens,
         m = logits.max(axis=-1, keepdims=True)
         p = np.exp(logits - m)
         denom = p.sum(axis=-1, keepdims=True)
-        out[r] = (p / denom) @ c[:, :v_dim]
+        full = denom
+        if attn_sink is not None:  # exp(-inf - m) = 0: no sink
+            with np.errstate(over="ignore"):  # a huge sink: inf, the row's output 0
+                full = denom + np.exp(_f64(attn_sink)[:, None] - m)
+        out[r] = (p / full) @ c[:, :v_dim]
         lse[r] = (m + np.log(denom))[:, 0]
     return out, lse
 
