@@ -78,6 +78,14 @@ from jax import lax
 from reference import _checks
 from reference import v4_compressor as vc
 
+__all__ = [
+    "FLASH_COMPRESS_RATIOS", "FP4_AMAX_FLOOR", "FP4_MAX", "FP8_AMAX_FLOOR", "FP8_MAX",
+    "LAYER_TYPES", "PRO_COMPRESS_RATIOS", "QAT_FP4_BLOCK", "QAT_FP8_BLOCK", "IndexSelection",
+    "V4AttentionConfig", "V4LayerState", "act_quant_sim", "attention_layer", "check_params",
+    "flash_config", "fp4_act_quant_sim", "hadamard_rotate", "init_params", "init_state",
+    "init_state_shapes", "param_shapes", "pro_config", "tiny_config",
+]
+
 LAYER_TYPES = (0, 4, 128)  # window only, CSA, HCA
 QAT_FP8_BLOCK = 64  # act_quant on the nope dims of window / compressed keys
 QAT_FP4_BLOCK = 32  # fp4_act_quant on the indexer's q and keys

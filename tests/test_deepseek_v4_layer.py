@@ -169,13 +169,15 @@ def test_prefill_matches_the_f64_oracle(ratio):
 # ---------------------------------------------------------------------------------------------
 # Chunk / decode consistency, causality.
 
-@pytest.mark.parametrize("ratio", [0, 4, 128])
-def test_prefill_then_decodes_equals_one_prefill(ratio):
+@pytest.mark.parametrize("ratio, qat", [(0, False), (4, False), (128, False), (128, True)])
+def test_prefill_then_decodes_equals_one_prefill(ratio, qat):
     """260 tokens in one prefill vs 130 then 130 one-token decodes: the window ring wraps, the
-    second ratio-128 entry and ratio-4 entries complete during decode."""
+    second ratio-128 entry and ratio-4 entries complete during decode. With QAT a quantizer
+    could round the other way on an f32 rounding difference; none does here (measured: the
+    outputs agree to 4e-7 with QAT on every layer type, and no CSA selection flips)."""
     config = dv.tiny_config(ratio)
-    out, state, sel = _one_prefill(config)
-    got, state2, sel2 = _prefill_then_decode(config, CUT)
+    out, state, sel = _one_prefill(config, qat=qat)
+    got, state2, sel2 = _prefill_then_decode(config, CUT, qat=qat)
     rows = np.ones((B, N), bool)
     if ratio == 4:
         rows = ~_tie_rows(np.asarray(sel.topk), sel2.topk, np.asarray(sel.scores))
