@@ -13,7 +13,8 @@ entry). For the tokens ``x f32[B, S, dim]`` at absolute positions ``p = start_po
   ``rope_head_dim`` dims (interleaved pairs). Compressed layers use ``compress_rope_theta`` with
   YaRN (``rope_factor``, ``original_seq_len``, ``beta_fast``, ``beta_slow``); window-only layers
   ``rope_theta`` without YaRN (the official code sets ``original_seq_len = 0`` there).
-- window keys: ``kv = rope(kv_norm(wkv(x)))``, one 512-dim head, **K = V = the whole row**;
+- window keys: ``kv = rope(kv_norm(wkv(x)))``, one ``head_dim``-wide head (512 in V4),
+  **K = V = the whole row**;
   query ``p`` sees the tokens ``max(0, p - window_size + 1) .. p``.
 - compressed entries (``r > 0``): the compressor (``reference.v4_compressor.compress_step``,
   learned gated pooling per channel, ratio 4 overlapping, weighted RMSNorm, RoPE at the group's
@@ -46,22 +47,24 @@ r]`` (row ``j`` = entry ``j`` once complete, as stored: after the QAT simulation
 indexer's compressed keys (ratio 4), and both compressors' partial states (the
 ``reference.v4_compressor`` ring contract; slot ``b`` = batch row ``b``).
 
-QAT (``qat=True``, the official tilelang simulations, ``act_quant_sim`` / ``fp4_act_quant_sim``):
-fp8 e4m3 with ue8m0 block-64 scales on the nope dims of the window keys and of the compressed
-entries; on the indexer, a normalized Hadamard rotation of the whole ``index_head_dim`` row
+QAT (``qat=True``, the official tilelang simulations, ``act_quant_sim`` /
+``fp4_act_quant_sim``): fp8 e4m3 with ue8m0 block-64 scales on the nope dims of the window keys
+and of the compressed entries (power-of-two scales: the released config's ``scale_fmt =
+"ue8m0"``); on the indexer, a normalized Hadamard rotation of the whole ``index_head_dim`` row
 then FP4 e2m1 with ue8m0 block-32 scales, on the query and on the compressed keys. ``qat=False``
 applies none of them and skips the rotation (orthogonal: it changes no score in exact
 arithmetic). Not simulated: the fp8 activation quantization inside the fp8/fp4 GEMMs of the
-linear layers (``act_quant`` block 128 feeding ``fp8_gemm``), and the bf16 rounding of the
-released model's activations: everything here is f32.
+linear layers (``act_quant`` block 128 feeding ``fp8_gemm`` / ``fp4_gemm``), and the bf16
+rounding of the released model's activations (its compressor rounds the pooled row to bf16
+before the norm; its indexer scores and ``sparse_attn`` run in bf16): everything here is f32.
 
-Precision and what is exact: f32 throughout. XLA's CPU dot rounds differently for different
-row counts (measured on jax 0.10.2: a 64-deep f32 product of 1 row vs the same row in 130
-differed by ~1e-5), so a prefill and the same tokens in decode steps agree to f32 rounding, not
-bit for bit; the compressor itself is chunk invariant bit for bit given its projections
-(``reference.v4_compressor``). The indexer's top-k can therefore flip at near-ties; compare
-selections by score (``return_selection``).
-"""
+Precision and what is exact: f32 throughout. XLA's CPU dot rounds differently for different row
+counts (measured on jax 0.10.2: a 64-deep f32 product of 1 row vs the same row among 130
+differed by ~1e-6 relative), so a prefill and the same tokens in decode steps agree to f32
+rounding (measured: outputs within 4e-7 of ~0.3, QAT on or off), not bit for bit; the compressor
+itself is chunk invariant bit for bit given its projections (``reference.v4_compressor``). The
+indexer's top-k can therefore flip at near-ties; compare selections by score
+(``return_selection``)."""
 
 from __future__ import annotations
 
