@@ -85,8 +85,8 @@ __all__ = [
     "FLASH_COMPRESS_RATIOS", "FP4_AMAX_FLOOR", "FP4_MAX", "FP8_AMAX_FLOOR", "FP8_MAX",
     "LAYER_TYPES", "PRO_COMPRESS_RATIOS", "QAT_FP4_BLOCK", "QAT_FP8_BLOCK", "IndexSelection",
     "V4AttentionConfig", "V4LayerState", "act_quant_sim", "attention_layer", "check_params",
-    "flash_config", "fp4_act_quant_sim", "hadamard_rotate", "init_params", "init_state",
-    "init_state_shapes", "param_shapes", "pro_config", "tiny_config",
+    "config_from_model_args", "flash_config", "fp4_act_quant_sim", "hadamard_rotate",
+    "init_params", "init_state", "init_state_shapes", "param_shapes", "pro_config", "tiny_config",
 ]
 
 LAYER_TYPES = (0, 4, 128)  # window only, CSA, HCA
@@ -165,6 +165,20 @@ class V4AttentionConfig:
     @property
     def nope_head_dim(self) -> int:
         return self.head_dim - self.rope_head_dim
+
+
+def config_from_model_args(args, layer_id: int) -> V4AttentionConfig:
+    """The layer ``layer_id`` of a model given by the official ``inference/config.json`` (or
+    ``ModelArgs`` as a dict): the fields of ``V4AttentionConfig`` are read by their official
+    names, the rest ignored; a required field that is missing raises ValueError naming it
+    (the YaRN / theta / eps fields default to the released values)."""
+    fields = {f.name: f for f in dataclasses.fields(V4AttentionConfig)}
+    kwargs = {k: args[k] for k in fields if k in args and k != "layer_id"}
+    missing = [k for k, f in fields.items() if k not in kwargs and k != "layer_id"
+               and f.default is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"model args lack {missing[0]!r} (all missing: {missing})")
+    return V4AttentionConfig(**kwargs, layer_id=layer_id)
 
 
 def pro_config(layer_id: int = 2) -> V4AttentionConfig:

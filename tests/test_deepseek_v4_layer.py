@@ -396,6 +396,19 @@ def test_presets_have_the_released_dims_and_layer_types():
     assert hash(flash) == hash(dv.flash_config()) and flash != pro
 
 
+def test_config_from_the_released_config_json():
+    """The V4-Pro ``inference/config.json`` fields this layer reads (values as released)."""
+    args = {"dim": 7168, "n_heads": 128, "q_lora_rank": 1536, "head_dim": 512,
+            "rope_head_dim": 64, "o_groups": 16, "o_lora_rank": 1024, "window_size": 128,
+            "original_seq_len": 65536, "rope_theta": 10000, "rope_factor": 16, "beta_fast": 32,
+            "beta_slow": 1, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 1024,
+            "compress_rope_theta": 160000, "compress_ratios": list(dv.PRO_COMPRESS_RATIOS),
+            "vocab_size": 129280, "n_routed_experts": 384}
+    assert dv.config_from_model_args(args, 5) == dv.pro_config(5)
+    with pytest.raises(ValueError, match="model args lack 'index_topk'"):
+        dv.config_from_model_args({k: v for k, v in args.items() if k != "index_topk"}, 5)
+
+
 @pytest.mark.parametrize("fields, match", [
     (dict(n_heads=6, o_groups=4), "n_heads=6 must be a multiple of o_groups=4"),
     (dict(head_dim=64, rope_head_dim=64), "head_dim=64 must exceed rope_head_dim=64"),
