@@ -611,9 +611,11 @@ def attention_layer(params, x, start_pos, state: V4LayerState, config: V4Attenti
       return_selection: also return the CSA indexer's ``IndexSelection`` (``None`` on other
         layer types).
 
-    Returns ``(out f32[B, S, dim], state)`` (and the selection when asked). Bad params, shapes,
-    dtypes or a concrete ``start_pos`` outside ``[0, max_seq_len - S]`` raise ValueError naming
-    the key or the numbers; a traced ``start_pos`` out of range gives an unspecified result."""
+    Every batch row shares ``start_pos`` (a ragged batch is checked one sequence at a time,
+    ``B = 1``). Returns ``(out f32[B, S, dim], state)`` (and the selection when asked). Bad
+    params, shapes, dtypes or a concrete ``start_pos`` outside ``[0, max_seq_len - S]`` raise
+    ValueError naming the key or the numbers; a traced ``start_pos`` out of range gives an
+    unspecified result."""
     if not isinstance(config, V4AttentionConfig):
         raise TypeError(f"config must be a V4AttentionConfig, got {type(config).__name__}")
     check_params(params, config)
