@@ -24,6 +24,13 @@ writer, the multi-layer DSA step (IndexShare), opt-in checkify validation, mesh 
   ``quantize_latent_cache`` / ``dequantize_latent_cache``, and the GPU byte layouts
   ``latent_cache_to_flashmla`` / ``latent_cache_from_flashmla`` (FlashMLA V32, 656 B per
   token) and ``index_cache_to_paged_fp8`` / ``index_cache_from_paged_fp8`` (vLLM / DeepGEMM).
+- DeepSeek-V4 attention (``dsa_jax.v4``): ``V4Layout`` (window + compressed caches, declared
+  once), ``PagedKV`` (a cache with its page table), ``v4_attention`` (window union compressed
+  entries, one softmax, attention sink; ``backend=`` as the other ops).
+- The DeepSeek-V4 fp8 cache (``reference.v4_cache``: FlashMLA's MODEL1 rule, 448 e4m3 in 7
+  ue8m0-scaled tiles of 64 + 64 bf16 rope; 640 B per token on TPU): ``Fp8V4Cache``,
+  ``quantize_v4_cache`` / ``dequantize_v4_cache``, the row writer ``write_v4_rows``, and
+  FlashMLA's MODEL1 pages (584 B per token) ``v4_cache_to_flashmla`` / ``v4_cache_from_flashmla``.
 - Segment witnesses (``reference.witnesses``) re-exported.
 """
 
@@ -33,6 +40,7 @@ from dsa_jax.layout import LayoutError, PagedLayout, aligned_page_size
 from dsa_jax.ops import indexer_topk, page_sparse_mla, page_topk, sparse_mla
 from dsa_jax.sharding import sharded_dsa_step
 from dsa_jax.step import BatchMeta, StepInputs, StepResult, dsa_step
+from dsa_jax.v4 import V4Layout, V4LayoutWarning, v4_attention
 from dsa_jax.validate import check_batch, run_checked
 from pallas_kernels import IndexerBlocks, MlaBlocks, PerformanceWarning
 from reference import build_index_share_map, glm_index_share_pattern
@@ -51,6 +59,15 @@ from reference.fp8_cache import (
     quantize_latent_cache,
 )
 from reference.packed_cache import pack_cache, packed_words, unpack_cache
+from reference.v4_attention import PagedKV
+from reference.v4_cache import (
+    Fp8V4Cache,
+    dequantize_v4_cache,
+    quantize_v4_cache,
+    v4_cache_from_flashmla,
+    v4_cache_to_flashmla,
+    write_v4_rows,
+)
 from reference.witnesses import (
     MAX_TOPOLOGY_SEGMENTS,
     LearnedKeepOutOfRange,
@@ -76,17 +93,21 @@ __all__ = [
     "CacheFormat",
     "Fp8IndexCache",
     "Fp8LatentCache",
+    "Fp8V4Cache",
     "IndexerBlocks",
     "LayoutError",
     "LearnedKeepOutOfRange",
     "MAX_TOPOLOGY_SEGMENTS",
     "MlaBlocks",
+    "PagedKV",
     "PagedLayout",
     "PerformanceWarning",
     "RowsMismatch",
     "SegmentsOutOfRange",
     "StepInputs",
     "StepResult",
+    "V4Layout",
+    "V4LayoutWarning",
     "WitnessError",
     "aligned_page_size",
     "apply_topology_witnesses",
@@ -97,6 +118,7 @@ __all__ = [
     "dequantize_index_cache",
     "dequantize_latent_cache",
     "dequantize_latent_fp8",
+    "dequantize_v4_cache",
     "dsa_step",
     "glm_index_share_pattern",
     "index_cache_from_paged_fp8",
@@ -115,6 +137,7 @@ __all__ = [
     "quantize_index_cache",
     "quantize_latent_cache",
     "quantize_latent_fp8",
+    "quantize_v4_cache",
     "random_null",
     "random_selector",
     "resolve_backend",
@@ -127,5 +150,9 @@ __all__ = [
     "topology_witness_indices",
     "unpack_cache",
     "update_kv_cache",
+    "v4_attention",
+    "v4_cache_from_flashmla",
+    "v4_cache_to_flashmla",
     "write_slots",
+    "write_v4_rows",
 ]

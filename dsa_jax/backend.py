@@ -16,12 +16,19 @@ import os
 
 import jax
 
-from pallas_kernels import page_sparse_mla, sparse_mla, streamindex_page_topk, streamindex_topk
+from pallas_kernels import (
+    page_sparse_mla,
+    sparse_mla,
+    streamindex_page_topk,
+    streamindex_topk,
+    v4_attention,
+)
 from reference import (
     page_sparse_mla_ref,
     sparse_mla_ref,
     streamindex_page_topk_ref,
     streamindex_topk_ref,
+    v4_attention_ref,
 )
 
 BACKENDS = ("reference", "pallas")
@@ -33,6 +40,7 @@ OPS = {
     "page_topk": (streamindex_page_topk_ref, streamindex_page_topk),
     "sparse_mla": (sparse_mla_ref, sparse_mla),
     "page_sparse_mla": (page_sparse_mla_ref, page_sparse_mla),
+    "v4_attention": (v4_attention_ref, v4_attention),
 }
 
 

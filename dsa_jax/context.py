@@ -23,7 +23,8 @@ Merges (``shard_map`` collectives over the ``ctx`` axis):
 - sparse MLA: each shard attends to the selected tokens it owns and returns ``(out, lse)``;
   ``lse = logsumexp_i lse_i``, ``out = sum_i exp(lse_i - lse) out_i`` (a shard with no selected
   token has ``lse_i = -inf`` and contributes nothing; a row with none at all gives zeros and
-  ``lse = -inf``).
+  ``lse = -inf``). Attention sinks (``reference.sinks``) enter after that merge, once: the
+  shards return sink-free states and ``merge_lse(..., attn_sink=)`` scales the merged output.
 
 Cost: each shard reads only its own KV pages (the bytes scale 1/N); the indexer kernels still
 walk every page slot of the sequence (absent pages are skipped, not fetched) and the MLA walk
@@ -42,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from reference import batch, index_scores, selection, stacked
+from reference import batch, index_scores, selection, sinks, stacked
 from reference._indexer_args import check_topk_args
 from reference.page_topk import causal_page_count, page_max
 
@@ -242,9 +243,11 @@ def context_lens(b: batch.RaggedBatch, num_rows: int, *, page_mode: bool,
     return jnp.where(rows.in_seq, ctx, 0)
 
 
-def merge_lse(out, lse, axis_name: str) -> tuple[jax.Array, jax.Array]:
+def merge_lse(out, lse, axis_name: str, attn_sink=None) -> tuple[jax.Array, jax.Array]:
     """``(out f[T, H, V], lse f32[T, H])`` of each shard -> the combined attention (module
-    docstring), ``out`` in its dtype."""
+    docstring), ``out`` in its dtype. The shards' states must be sink-free; ``attn_sink``
+    (optional ``f32[H]``, ``reference.sinks``) is applied once, to the merged f32 output, before
+    the cast; the returned LSE stays sink-free."""
     m = jax.lax.pmax(lse, axis_name)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     w = jnp.exp(lse - m_safe)  # exp(-inf) = 0 for a shard without a selected token
@@ -252,4 +255,4 @@ def merge_lse(out, lse, axis_name: str) -> tuple[jax.Array, jax.Array]:
     num = jax.lax.psum(w[..., None] * out.astype(jnp.float32), axis_name)
     merged = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
     total = jnp.where(den > 0, m_safe + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
-    return merged.astype(out.dtype), total
+    return sinks.apply_sink(merged, total, attn_sink).astype(out.dtype), total

@@ -29,18 +29,21 @@ from reference.selection import DEFAULT_RECALL_TARGET
 
 
 def _call(fn, extra, arrays, statics, validate: bool, *, num_rows: int, cache_index: int,
-          seq_lens_index: int, pages_per_seq: int, layer=None):
-    """Run ``fn(*arrays, **statics, **extra, layer=layer)``, under the checkify rules when
-    ``validate`` (the batch rules, and the layer rule for a stacked cache)."""
+          seq_lens_index: int, pages_per_seq: int, layer=None, keyword_arrays=None):
+    """Run ``fn(*arrays, **statics, **extra, **keyword_arrays, layer=layer)``, under the
+    checkify rules when ``validate`` (the batch rules, and the layer rule for a stacked cache).
+    ``keyword_arrays``: traced keyword operands (e.g. ``attn_sink``); a ``None`` value is not
+    passed (the op's default), so a call without them is exactly the call before them."""
+    kw_arrays = {k: v for k, v in (keyword_arrays or {}).items() if v is not None}
     if not validate:
-        return fn(*arrays, **statics, **extra, layer=layer)
+        return fn(*arrays, **statics, **extra, **kw_arrays, layer=layer)
     cache = arrays[cache_index]  # an array, or an fp8 cache object (both have ``.shape``)
     read = stacked.resolve("cache_kv", cache, layer)  # static refusals before tracing
     shape = tuple(getattr(cache, "shape", np.shape(cache)))
     num_pages, page_size = (int(d) for d in shape[-3:-1])
     key = (fn, tuple(statics.items()), tuple(sorted(extra.items())), num_rows, seq_lens_index,
            page_size, pages_per_seq, num_pages, None if layer is None else read.num_layers)
-    err, res = _checked(key)(*arrays, read.layer)
+    err, res = _checked(key)(arrays, read.layer, kw_arrays)  # kw_arrays: traced, by name
     err.throw()
     return res
 
@@ -51,14 +54,13 @@ def _checked(key):
     (fn, statics, extra, num_rows, seq_lens_index, page_size, pages_per_seq, num_pages,
      num_layers) = key
 
-    def checked(*xs):
-        *xs, layer = xs
+    def checked(xs, layer, kw_arrays):
         kv, rest = xs[seq_lens_index], xs[-4:]  # page_indices, cu_q_lens, cu_kv_lens, dist
         _validate.check_batch(num_rows, kv, *rest, page_size=page_size,
                               pages_per_seq=pages_per_seq, num_pages=num_pages)
         if num_layers is not None:
             _validate.check_layer(layer, num_layers)
-        return fn(*xs, **dict(statics), **dict(extra),
+        return fn(*xs, **dict(statics), **dict(extra), **kw_arrays,
                   layer=None if num_layers is None else layer)
 
     return jax.jit(checkify.checkify(checked))
@@ -116,42 +118,45 @@ def page_topk(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_len
 def sparse_mla(q, cache_kv, kv_lens, topk_indices, page_indices, cu_q_lens, cu_kv_lens,
                distribution, *, sm_scale: float, pages_per_seq: int, v_dim: int,
                return_lse: bool = False, backend: str | None = None, validate: bool = False,
-               kernel_options: dict | None = None, layer=None):
+               kernel_options: dict | None = None, layer=None, attn_sink=None):
     """Token-sparse absorbed MLA: ``q.dtype[T, H, v_dim]`` (and ``f32[T, H]`` LSE).
 
     Args as ``reference.sparse_mla_ref`` plus ``backend`` / ``validate`` / ``kernel_options``
     and ``layer``; with ``layer``, ``q`` may be the stacked ``[L, T, H, D]``, read in place at
-    that layer (``reference.stacked.layer_query``).
+    that layer (``reference.stacked.layer_query``). ``attn_sink``: optional ``f32[H]``
+    attention-sink logits (``reference.sinks``: denominator only; the LSE stays sink-free).
     """
     return _mla("sparse_mla", (q, cache_kv, kv_lens, topk_indices, page_indices, cu_q_lens,
                                cu_kv_lens, distribution),
                 sm_scale=sm_scale, pages_per_seq=pages_per_seq, v_dim=v_dim,
                 return_lse=return_lse, backend=backend, validate=validate,
-                kernel_options=kernel_options, layer=layer)
+                kernel_options=kernel_options, layer=layer, attn_sink=attn_sink)
 
 
 def page_sparse_mla(q, cache_kv, kv_lens, topk_pages, page_indices, cu_q_lens, cu_kv_lens,
                     distribution, *, sm_scale: float, pages_per_seq: int, v_dim: int,
                     return_lse: bool = False, backend: str | None = None,
-                    validate: bool = False, kernel_options: dict | None = None, layer=None):
+                    validate: bool = False, kernel_options: dict | None = None, layer=None,
+                    attn_sink=None):
     """Page-sparse absorbed MLA (causal inside pages): ``q.dtype[T, H, v_dim]``.
 
     Args as ``reference.page_sparse_mla_ref`` plus ``backend`` / ``validate`` /
-    ``kernel_options`` and ``layer`` (as ``sparse_mla``).
+    ``kernel_options``, ``layer`` and ``attn_sink`` (as ``sparse_mla``).
     """
     return _mla("page_sparse_mla", (q, cache_kv, kv_lens, topk_pages, page_indices,
                                     cu_q_lens, cu_kv_lens, distribution),
                 sm_scale=sm_scale, pages_per_seq=pages_per_seq, v_dim=v_dim,
                 return_lse=return_lse, backend=backend, validate=validate,
-                kernel_options=kernel_options, layer=layer)
+                kernel_options=kernel_options, layer=layer, attn_sink=attn_sink)
 
 
 def _mla(op: str, arrays: tuple, *, sm_scale: float, pages_per_seq: int, v_dim: int,
          return_lse: bool, backend: str | None, validate: bool, kernel_options: dict | None,
-         layer=None):
+         layer=None, attn_sink=None):
     """Both MLA ops: ``arrays`` = (q, cache, kv_lens, selected, the other batch arrays)."""
     fn, extra = _backend.implementation(op, backend, kernel_options)
     statics = dict(sm_scale=sm_scale, pages_per_seq=pages_per_seq, v_dim=v_dim,
                    return_lse=return_lse)
     return _call(fn, extra, arrays, statics, validate, num_rows=int(np.shape(arrays[0])[-3]),
-                 cache_index=1, seq_lens_index=2, pages_per_seq=pages_per_seq, layer=layer)
+                 cache_index=1, seq_lens_index=2, pages_per_seq=pages_per_seq, layer=layer,
+                 keyword_arrays=dict(attn_sink=attn_sink))

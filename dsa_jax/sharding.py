@@ -79,7 +79,9 @@ def sharded_dsa_step(mesh: Mesh, inputs: StepInputs, latent_caches, index_caches
     """``dsa_step`` on ``mesh`` (module docstring). Every array has a leading axis of size
     ``mesh.shape[data_axis]``; ``model_axis=None`` keeps heads unsplit; ``ctx_axis`` (e.g.
     ``"ctx"``) spreads each sequence's pages over that axis (caches and ``meta.page_indices``
-    then ``[D, C, ...]``). Returns a ``StepResult`` with the same leading axes (``out`` split
+    then ``[D, C, ...]``). ``inputs.attn_sink`` (optional) is ``f32[D, L, H]``, heads split on
+    the model axis like ``q_mla``'s; under ``ctx_axis`` it is applied once, after the merge.
+    Returns a ``StepResult`` with the same leading axes (``out`` split
     over heads on the model axis)."""
     num_local, heads = int(np.shape(inputs.q_mla)[0]), int(np.shape(inputs.q_mla)[3])
     check_mesh(mesh, data_axis, model_axis, num_local=num_local, heads=heads,
@@ -93,8 +95,10 @@ def sharded_dsa_step(mesh: Mesh, inputs: StepInputs, latent_caches, index_caches
         recall_target=recall_target, exact=exact,
         backend=backend, kernel_options=kernel_options, indexer_blocks=indexer_blocks,
         mla_blocks=mla_blocks, layer_axis=2 if ctx_axis else 1)
-    return _sharded(mesh, data_axis, model_axis, ctx_axis, tuple(sorted(statics.items())))(
-        StepInputs(*inputs), latent_caches, index_caches, BatchMeta(*meta))
+    inputs = StepInputs(*inputs)
+    return _sharded(mesh, data_axis, model_axis, ctx_axis, tuple(sorted(statics.items())),
+                    inputs.attn_sink is not None)(inputs, latent_caches, index_caches,
+                                                  BatchMeta(*meta))
 
 
 def _check_context(mesh, ctx_axis, layout, latent_caches, index_caches, meta) -> None:
@@ -127,11 +131,12 @@ def _check_context(mesh, ctx_axis, layout, latent_caches, index_caches, meta) ->
 
 
 @functools.lru_cache(maxsize=16)
-def _sharded(mesh, data_axis, model_axis, ctx_axis, statics):
+def _sharded(mesh, data_axis, model_axis, ctx_axis, statics, has_sink=False):
     d = P(data_axis)
     heads = P(data_axis, None, None, model_axis)  # [D, L, T, H, ...]
     dc = P(data_axis, ctx_axis) if ctx_axis else d  # context-sharded: [D, C, ...]
-    in_specs = (StepInputs(heads, d, d, d, d), dc, dc, BatchMeta(d, dc, d, d, d))
+    sink = P(data_axis, None, model_axis) if has_sink else None  # attn_sink [D, L, H]
+    in_specs = (StepInputs(heads, d, d, d, d, sink), dc, dc, BatchMeta(d, dc, d, d, d))
     out_specs = StepResult(heads, d, dc, dc)
     cut = (lambda x: x[0, 0]) if ctx_axis else (lambda x: x[0])
     grow = (lambda x: x[None, None]) if ctx_axis else (lambda x: x[None])

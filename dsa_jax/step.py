@@ -22,7 +22,8 @@ heads; dims from the ``PagedLayout``):
   page_size, index_dim]`` (donated: the step returns the updated caches);
 - ``StepInputs``: ``q_mla f[L, T, H, qk_dim|padded_dim]``, ``new_latent f[L, T,
   qk_dim|padded_dim]``, ``q_index f[F, T, Hi, index_dim]``, ``index_weights f[F, T, Hi]``,
-  ``new_index f[F, T, index_dim]``;
+  ``new_index f[F, T, index_dim]``, optional ``attn_sink f32[L, H]`` (per-layer attention-sink
+  logits, ``reference.sinks``; default ``None``: no sink);
 - ``BatchMeta``: ``kv_lens i32[S]``, ``page_indices i32[N]``, ``cu_q_lens i32[S+1]``,
   ``cu_kv_lens i32[S+1]``, ``distribution i32[3]``.
 """
@@ -44,20 +45,22 @@ from dsa_jax import validate as _validate
 from dsa_jax.layout import PagedLayout
 from pallas_kernels import IndexerBlocks, MlaBlocks
 from pallas_kernels.mla import layers as mla_layers
-from reference import build_index_share_map, fp8_cache
+from reference import build_index_share_map, fp8_cache, sinks
 from reference.selection import DEFAULT_RECALL_TARGET, check_selection_args, finish_selection
 
 GRANULARITIES = ("token", "page")
 
 
 class StepInputs(NamedTuple):
-    """This step's activations per layer (shapes in the module docstring)."""
+    """This step's activations per layer (shapes in the module docstring); ``attn_sink``
+    (optional, last, default ``None``) keeps five-field construction working."""
 
     q_mla: jax.Array
     new_latent: jax.Array
     q_index: jax.Array
     index_weights: jax.Array
     new_index: jax.Array
+    attn_sink: jax.Array | None = None
 
 
 class BatchMeta(NamedTuple):
@@ -108,6 +111,12 @@ def check_step_args(inputs: StepInputs, latent_caches, index_caches, *, layout: 
         if shape[0] != n:
             raise ValueError(f"{name}.shape[0] must equal {why} = {n}, got {shape[0]} "
                              f"(shape {shape})")
+    if inputs.attn_sink is not None:
+        want = (num_layers, int(inputs.q_mla.shape[2]))
+        if tuple(np.shape(inputs.attn_sink)) != want:
+            raise ValueError(f"attn_sink must have shape (L, H) = {want} (layers, MLA heads), "
+                             f"got shape {tuple(np.shape(inputs.attn_sink))}")
+        sinks.check_sink(inputs.attn_sink[0], want[1])  # the dtype rule (f32)
     if latent_caches.shape[1] != index_caches.shape[1]:
         raise ValueError(f"latent_caches has {latent_caches.shape[1]} pages, index_caches "
                          f"{index_caches.shape[1]}; both share one page table")
@@ -197,17 +206,19 @@ def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, 
     per_layer = [selections[src_slot[layer]] for layer in range(len(indexer_types))]
     out = _attend_layers(q_mla, latent_caches, per_layer, b, layout=layout, mode=granularity,
                          sm_scale=sm_scale, backend=backend, mla_opts=mla_opts,
-                         ctx_axis=ctx_axis)
+                         ctx_axis=ctx_axis, attn_sink=inputs.attn_sink)
     topk = jnp.stack([selections[s] for s in range(len(selections))])
     return StepResult(out, topk, latent_caches, index_caches)
 
 
 def _attend_layers(q_mla, latent_caches, per_layer, b, *, layout, mode, sm_scale, backend,
-                   mla_opts, ctx_axis):
+                   mla_opts, ctx_axis, attn_sink=None):
     """Sparse MLA of every layer, ``[L, T, H, v_dim]``: on the Pallas backend one kernel call
     for all layers (``pallas_kernels.mla.layers``: no per-layer outputs for XLA to stack) when
     the rows' facts fit its SMEM bound and the cache is gatherable as stored; else one call per
-    layer (stacked query and cache read in place) and the outputs stacked."""
+    layer (stacked query and cache read in place) and the outputs stacked. ``attn_sink``
+    (``f32[L, H]`` or None): each layer's sink, applied by the op; under ``ctx_axis`` once,
+    after the sink-free LSE merge."""
     num_layers, num_rows = q_mla.shape[:2]
     one_call = (backend == "pallas" and ctx_axis is None and mla_layers.fits(num_layers, num_rows)
                 and not (mode == "token" and layout.cache_format("latent") == "plain"
@@ -218,7 +229,7 @@ def _attend_layers(q_mla, latent_caches, per_layer, b, *, layout, mode, sm_scale
                                            else "page_sparse_mla", backend, mla_opts)[1]
         return mla_layers.sparse_mla_layers(q_mla, latent_caches, b.kv_lens,
                                             jnp.stack(per_layer), *b.arrays[1:], mode=mode,
-                                            **kw, **mla_opts)
+                                            **kw, **mla_opts, attn_sink=attn_sink)
     mla_op = ops.sparse_mla if mode == "token" else ops.page_sparse_mla
     outs = []
     for layer, sel in enumerate(per_layer):
@@ -226,8 +237,9 @@ def _attend_layers(q_mla, latent_caches, per_layer, b, *, layout, mode, sm_scale
         cache, at = _layer_arg(latent_caches, layer, ctx_axis)
         mla = functools.partial(mla_op, q, cache, b.kv_lens, sel, *b.arrays[1:],
                                 **kw, backend=backend, kernel_options=mla_opts, layer=at)
-        outs.append(mla() if ctx_axis is None
-                    else _context.merge_lse(*mla(return_lse=True), ctx_axis)[0])
+        sink = None if attn_sink is None else attn_sink[layer]
+        outs.append(mla(attn_sink=sink) if ctx_axis is None
+                    else _context.merge_lse(*mla(return_lse=True), ctx_axis, sink)[0])
     return jnp.stack(outs)
 
 

@@ -2,6 +2,7 @@
 
 - ``pallas_kernels.indexer``: the lightning-indexer score kernel behind token and page top-k;
 - ``pallas_kernels.mla``: the sparse MLA gather kernel behind token and page sparse MLA;
+- ``pallas_kernels.v4``: DeepSeek-V4 attention (window + compressed) on the token MLA kernel;
 - ``pallas_kernels.tpu``: lanes, chip detection, the VMEM policy, what ``interpret=True`` means;
 - ``pallas_kernels.aot``: AOT Mosaic compiles for v5e / v6e / tpu7x without a TPU.
 
@@ -17,6 +18,7 @@ from pallas_kernels.indexer import (
     streamindex_topk,
 )
 from pallas_kernels.mla import MlaBlocks, PerformanceWarning, page_sparse_mla, sparse_mla
+from pallas_kernels.v4 import v4_attention
 
 __all__ = ["IndexerBlocks", "MlaBlocks", "PerformanceWarning", "page_sparse_mla", "sparse_mla",
-           "streamindex_page_topk", "streamindex_scores", "streamindex_topk"]
+           "streamindex_page_topk", "streamindex_scores", "streamindex_topk", "v4_attention"]

@@ -7,9 +7,11 @@ from reference.page_sparse_mla import page_sparse_mla_ref
 from reference.page_topk import streamindex_page_topk_ref
 from reference.selection import DEFAULT_RECALL_TARGET, finish_selection, select_topk
 from reference.sparse_mla import sparse_mla_ref
+from reference.v4_attention import PagedKV, v4_attention_ref
 
 __all__ = [
     "DEFAULT_RECALL_TARGET",
+    "PagedKV",
     "build_index_share_map",
     "finish_selection",
     "glm_index_share_pattern",
@@ -18,4 +20,5 @@ __all__ = [
     "sparse_mla_ref",
     "streamindex_page_topk_ref",
     "streamindex_topk_ref",
+    "v4_attention_ref",
 ]

@@ -19,10 +19,13 @@ in chunks sized so one chunk's gathered rows and logits stay within ``GATHER_BLO
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from reference import batch, fp8_cache, packed_cache, stacked
+from reference import batch, fp8_cache, packed_cache, stacked, v4_cache
 
 GATHER_BLOCK_BYTES = 64 * 1024 * 1024
 
@@ -83,9 +86,11 @@ def _attend_rows(q, rows_kv, valid, *, sm_scale: float, v_dim: int):
 
 def _decode_rows(cache, kv, dim: int):
     """Gathered stored rows -> their feature values ``[.., dim]``: packed bf16 words are
-    unpacked; fp8 latent words are dequantized (exact in bf16) and zero-padded to ``dim``."""
-    if isinstance(cache, fp8_cache.Fp8LatentCache):
-        kv = fp8_cache.dequantize_latent_words(kv)
+    unpacked; fp8 latent / V4 words are dequantized (exact in bf16) and zero-padded to
+    ``dim``."""
+    if isinstance(cache, (fp8_cache.Fp8LatentCache, v4_cache.Fp8V4Cache)):
+        kv = (fp8_cache.dequantize_latent_words(kv) if isinstance(cache, fp8_cache.Fp8LatentCache)
+              else v4_cache.dequantize_v4_rows(kv))
         return jnp.pad(kv, [(0, 0)] * (kv.ndim - 1) + [(0, dim - kv.shape[-1])])
     if packed_cache.is_packed(cache):
         return packed_cache.unpack_cache(kv, dim)
@@ -95,20 +100,27 @@ def _decode_rows(cache, kv, dim: int):
 def attend_selected(q, cache, slots, valid, *, sm_scale: float, v_dim: int, layer=None):
     """Attend every row of ``q: f[T, H, D]`` over its ``slots i32[T, n]`` of the flattened
     ``cache: f[num_pages, page_size, D]``, the packed bf16 cache ``u32[num_pages, page_size,
-    packed_words(D)]`` of ``reference.packed_cache``, or an ``Fp8LatentCache`` (rows are
-    decoded after the gather); with ``layer``, of that layer of a stacked cache, read in place
-    (``reference.stacked``). Returns (out f32[T, H, v_dim], lse f32[T, H])."""
+    packed_words(D)]`` of ``reference.packed_cache``, an ``Fp8LatentCache`` or an
+    ``Fp8V4Cache`` (rows are decoded after the gather); with ``layer``, of that layer of a
+    stacked cache, read in place (``reference.stacked``). Returns (out f32[T, H, v_dim], lse
+    f32[T, H])."""
     num_rows, heads, _ = q.shape
     n = slots.shape[1]
     read = stacked.resolve("cache", cache, layer)
     cache_words = read.stacked
     if isinstance(cache_words, fp8_cache.Fp8LatentCache):
         cache_words = cache_words.words
-    feat = max(cache_words.shape[-1], q.shape[-1])
-    # [L * P * page_size, W]: the layer, page and row dims merged (a reshape, no copy: the
-    # rows are the tiled dim, whole pages of them); layer l's slot s is row l * P * ps + s
-    flat_cache = cache_words.reshape(-1, cache_words.shape[-1])
-    per_layer = flat_cache.shape[0] // read.num_layers
+    if isinstance(cache_words, v4_cache.Fp8V4Cache):  # two arrays: its own flat-slot gather
+        num_slots, width = int(np.prod(cache_words.shape[:-1])), v4_cache.ROW_WORDS
+        take = functools.partial(v4_cache.gather_v4_rows, cache_words)
+    else:
+        # [L * P * page_size, W]: the layer, page and row dims merged (a reshape, no copy: the
+        # rows are the tiled dim, whole pages of them); layer l's slot s is row l * P * ps + s
+        flat_cache = cache_words.reshape(-1, cache_words.shape[-1])
+        num_slots, width = flat_cache.shape
+        take = functools.partial(jnp.take, flat_cache, axis=0, mode="fill", fill_value=0)
+    feat = max(width, q.shape[-1])
+    per_layer = num_slots // read.num_layers
     base = stacked.safe_layer(read.layer, read.num_layers) * per_layer
     per_row = 4 * (n * feat + 2 * heads * n + heads * v_dim)
     max_chunk = max(1, min(num_rows, GATHER_BLOCK_BYTES // per_row))
@@ -121,8 +133,8 @@ def attend_selected(q, cache, slots, valid, *, sm_scale: float, v_dim: int, laye
         sl = jax.lax.dynamic_slice_in_dim(slots, s0, chunk, 0)
         ok = jax.lax.dynamic_slice_in_dim(valid, s0, chunk, 0)
         # One flat gather (measured ~2x faster on CPU than a 2-D index gather).
-        sl = jnp.where(sl < per_layer, base + sl, flat_cache.shape[0])  # one past: no read
-        kv = jnp.take(flat_cache, sl.reshape(-1), axis=0, mode="fill", fill_value=0)
+        sl = jnp.where(sl < per_layer, base + sl, num_slots)  # one past: no read
+        kv = take(sl.reshape(-1))
         kv = _decode_rows(cache, kv, q.shape[-1]).reshape(chunk, n, -1).astype(jnp.float32)
         o, l_ = _attend_rows(jax.lax.dynamic_slice_in_dim(q, s0, chunk, 0), kv, ok,
                              sm_scale=sm_scale, v_dim=v_dim)

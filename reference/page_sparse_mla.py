@@ -6,8 +6,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from reference import attend, batch, stacked
+from reference import attend, batch, sinks, stacked
 from reference._mla_args import check_mla_args
 
 
@@ -26,7 +27,8 @@ def page_sparse_mla_ref(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array,
                         topk_pages: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array,
                         cu_kv_lens: jax.Array, distribution: jax.Array, *, sm_scale: float,
                         pages_per_seq: int, v_dim: int, return_lse: bool = False,
-                        layer=None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                        layer=None, attn_sink=None
+                        ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Sparse absorbed MLA over per-row page top-k.
 
     Shapes: ``q``: f32|bf16[T, H, D]; ``cache_kv``: f32|bf16[num_pages, page_size, D] (or the
@@ -38,8 +40,11 @@ def page_sparse_mla_ref(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array,
     its selected pages. Page numbers ``< 0`` or ``>= pages_per_seq`` are ignored; a page listed
     twice counts twice (as a duplicated token does in ``sparse_mla_ref``).
 
+    ``attn_sink``: optional f32[H] per-head sink logit (``reference.sinks``): it enters the
+    softmax denominator only; the returned LSE excludes it; ``-inf`` = no sink.
+
     Returns:
-      ``q.dtype[T, H, v_dim]`` (and ``f32[T, H]`` LSE with ``return_lse=True``).
+      ``q.dtype[T, H, v_dim]`` (and ``f32[T, H]`` sink-free LSE with ``return_lse=True``).
     """
     read = stacked.resolve("cache_kv", cache_kv, layer)
     one_layer, page_indices = read.one, stacked.mask_table(page_indices, read)
@@ -48,11 +53,12 @@ def page_sparse_mla_ref(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array,
     check_mla_args(q_one, one_layer, kv_lens, topk_pages, page_indices, cu_q_lens, cu_kv_lens,
                    distribution, sm_scale=sm_scale, pages_per_seq=pages_per_seq, v_dim=v_dim,
                    selected_name="topk_pages")
+    sinks.check_sink(attn_sink, np.shape(q_one)[1])
     b = batch.RaggedBatch.of(cache_kv, kv_lens, page_indices, cu_q_lens, cu_kv_lens,
                              distribution, pages_per_seq=pages_per_seq)
     tokens = pages_to_tokens(topk_pages, b.page_size, pages_per_seq)
     slots, valid = attend.token_slots(tokens, b.rows(q.shape[0]), b, causal=True)
     o, lse = attend.attend_selected(q, cache_kv, slots, valid, sm_scale=sm_scale, v_dim=v_dim,
                                      layer=layer)
-    res = o.astype(q.dtype)
+    res = sinks.apply_sink(o, lse, attn_sink).astype(q.dtype)  # f32; the LSE stays sink-free
     return (res, lse) if return_lse else res

@@ -5,8 +5,9 @@ from __future__ import annotations
 import functools
 
 import jax
+import numpy as np
 
-from reference import attend, batch, stacked
+from reference import attend, batch, sinks, stacked
 from reference._mla_args import check_mla_args
 
 
@@ -15,7 +16,7 @@ from reference._mla_args import check_mla_args
 def sparse_mla_ref(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_indices: jax.Array,
                    page_indices: jax.Array, cu_q_lens: jax.Array, cu_kv_lens: jax.Array,
                    distribution: jax.Array, *, sm_scale: float, pages_per_seq: int, v_dim: int,
-                   return_lse: bool = False, layer=None
+                   return_lse: bool = False, layer=None, attn_sink=None
                    ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Sparse absorbed MLA over per-row token top-k.
 
@@ -30,9 +31,14 @@ def sparse_mla_ref(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_i
     never gathered and never change the output; a row with no valid entry gives zeros. See
     ``reference.attend`` for the full gather rule.
 
+    ``attn_sink``: optional f32[H], one sink logit per head (DeepSeek-V4 / FlashMLA,
+    ``reference.sinks``): ``out[t, h] = sum_j e^(s_j - m) c_j / (sum_j e^(s_j - m) +
+    e^(sink_h - m))``; the returned LSE excludes the sink; ``-inf`` = no sink; an empty row
+    stays zeros. ``None`` (default): no sink, exactly the op without it.
+
     Returns:
       ``q.dtype[T, H, v_dim]``, and with ``return_lse=True`` also ``f32[T, H]`` natural-log LSE
-      (``-inf`` for an empty row).
+      (``-inf`` for an empty row; never includes the sink).
     """
     read = stacked.resolve("cache_kv", cache_kv, layer)
     one_layer, page_indices = read.one, stacked.mask_table(page_indices, read)
@@ -41,10 +47,11 @@ def sparse_mla_ref(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_i
     check_mla_args(q_one, one_layer, kv_lens, topk_indices, page_indices, cu_q_lens, cu_kv_lens,
                    distribution, sm_scale=sm_scale, pages_per_seq=pages_per_seq, v_dim=v_dim,
                    selected_name="topk_indices")
+    sinks.check_sink(attn_sink, np.shape(q_one)[1])
     b = batch.RaggedBatch.of(cache_kv, kv_lens, page_indices, cu_q_lens, cu_kv_lens,
                              distribution, pages_per_seq=pages_per_seq)
     slots, valid = attend.token_slots(topk_indices, b.rows(q.shape[0]), b, causal=False)
     o, lse = attend.attend_selected(q, cache_kv, slots, valid, sm_scale=sm_scale, v_dim=v_dim,
                                      layer=layer)
-    res = o.astype(q.dtype)
+    res = sinks.apply_sink(o, lse, attn_sink).astype(q.dtype)  # f32; the LSE stays sink-free
     return (res, lse) if return_lse else res

@@ -146,10 +146,14 @@ def check_page_topk(idx, batch, k_pages, *, rtol=1e-4, **overrides):
 
 
 def mla_oracle(q, cache, kv_lens, selected, page_indices, cu_q_lens, cu_kv_lens, distribution,
-               *, sm_scale, v_dim, pages_per_seq, page=False):
+               *, sm_scale, v_dim, pages_per_seq, page=False, attn_sink=None):
     """Sparse absorbed MLA in float64. ``selected`` holds token offsets (``page=False``) or page
     numbers (``page=True``: every existing, causal token of each listed page). Invalid entries
     are skipped; duplicates count once per occurrence; an empty row gives zeros and lse -inf.
+
+    ``attn_sink`` (optional, one logit per head; SPEC.md "DeepSeek-V4 attention"): the sink
+    enters the denominator only, ``o = sum_j e^(s_j - m) v_j / (sum_j e^(s_j - m) +
+    e^(sink - m))`` with ``m`` the max over the real scores; ``lse`` stays the real scores'.
 
     Returns (out f64[T, H, v_dim], lse f64[T, H]).
     """
@@ -185,6 +189,63 @@ def mla_oracle(q, cache, kv_lens, selected, page_indices, cu_q_lens, cu_kv_lens,
         m = logits.max(axis=-1, keepdims=True)
         p = np.exp(logits - m)
         denom = p.sum(axis=-1, keepdims=True)
-        out[r] = (p / denom) @ c[:, :v_dim]
+        full = denom
+        if attn_sink is not None:  # exp(-inf - m) = 0: no sink
+            with np.errstate(over="ignore"):  # a huge sink: inf, the row's output 0
+                full = denom + np.exp(_f64(attn_sink)[:, None] - m)
+        out[r] = (p / full) @ c[:, :v_dim]
         lse[r] = (m + np.log(denom))[:, 0]
+    return out, lse
+
+
+def v4_oracle(q, kv_lens, cu_q_lens, distribution, *, sm_scale, window_size, compress_ratio,
+              window_cache, window_table, window_cu, window_pages_per_seq, comp_cache=None,
+              comp_table=None, comp_cu=None, comp_pages_per_seq=0, comp_indices=None,
+              attn_sink=None):
+    """DeepSeek-V4 attention in float64, from the definition (SPEC "DeepSeek-V4 attention").
+
+    Row ``r`` of sequence ``i`` at position ``p`` attends, in ONE softmax (no dedup), the window
+    tokens ``max(0, p - window_size + 1) <= s <= p`` that exist in the window cache (``s <
+    min(kv_len, capacity)``, page slot in the table, page id in range) and the compressed
+    entries ``j < (p + 1) // compress_ratio`` that exist in the compressed cache (its length is
+    ``kv_len // compress_ratio`` entries): ratio 4 those listed in ``comp_indices[r]`` (each
+    occurrence counts), ratio 128 all of them, ratio 0 none. K = V = the whole row. With a sink
+    ``z_h``: ``o = sum_x e^(s_x - m) v_x / (sum_x e^(s_x - m) + e^(z_h - m))``. Caches are plain
+    (pass a packed cache unpacked).
+
+    Returns (out f64[T, H, D], lse f64[T, H]); the lse excludes the sink; an empty row gives
+    zeros and ``-inf``.
+    """
+    q = _f64(q)
+    num_rows, heads, dim = q.shape
+    kv = np.asarray(kv_lens)
+    sink = None if attn_sink is None else _f64(attn_sink)
+    out = np.zeros((num_rows, heads, dim))
+    lse = np.full((num_rows, heads), -np.inf)
+    rows = row_sequences(num_rows, cu_q_lens, kv, distribution)
+    for r, rs in enumerate(rows):
+        if rs is None:
+            continue
+        seq, p = rs
+        wkeys = token_keys(seq, window_cache, kv, window_table, window_cu, window_pages_per_seq)
+        vals = [wkeys[s] for s in range(max(0, p - window_size + 1), p + 1) if s in wkeys]
+        if compress_ratio:
+            ckeys = token_keys(seq, comp_cache, np.maximum(kv, 0) // compress_ratio, comp_table,
+                               comp_cu, comp_pages_per_seq)
+            visible = (p + 1) // compress_ratio
+            listed = ([int(j) for j in np.asarray(comp_indices)[r]] if compress_ratio == 4
+                      else range(visible))
+            vals += [ckeys[j] for j in listed if 0 <= j < visible and j in ckeys]
+        if not vals:
+            continue
+        c = np.stack(vals)  # [n, D]: keys and values
+        logits = sm_scale * np.einsum("hd,nd->hn", q[r], c)
+        m = logits.max(axis=-1)
+        e = np.exp(logits - m[:, None])
+        den = e.sum(axis=-1)
+        lse[r] = m + np.log(den)
+        if sink is not None:
+            with np.errstate(over="ignore"):
+                den = den + np.exp(sink - m)  # e^(z - m): the sink in the denominator only
+        out[r] = (e @ c) / den[:, None]
     return out, lse

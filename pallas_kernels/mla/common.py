@@ -26,12 +26,13 @@ def compute_query(q, fmt: CacheFormat):
 
 def attend_entries(q, cache_kv, entries, b: batch.RaggedBatch, *, mode: str,
                    fmt: CacheFormat, units: int, sm_scale: float, v_dim: int, return_lse: bool,
-                   vmem_limit_bytes: int | None, interpret, layer=None):
+                   vmem_limit_bytes: int | None, interpret, layer=None, attn_sink=None):
     """What both entries do after their checks and block choice: ``row_info`` in XLA, the
     kernel over the raw ``entries`` (token offsets or page numbers) and the page table, then the
     output in ``q``'s dtype (and the LSE ``f32[T, H]`` when ``return_lse``). ``cache_kv``: one
     layer, or a stacked cache read in place at ``layer`` (``reference.stacked``); ``q`` may be
-    stacked too (``[L, T, H, D]``, read at ``layer`` by the kernel's block index)."""
+    stacked too (``[L, T, H, D]``, read at ``layer`` by the kernel's block index).
+    ``attn_sink``: checked ``f32[H]`` or None, applied in the kernel's finalize."""
     info = row_info(entries, b, mode=mode)
     read = stacked.resolve("cache_kv", cache_kv, layer)
     cache = read.stacked.words if fmt.fp8 else read.stacked  # fp8: the words, as stored
@@ -39,7 +40,8 @@ def attend_entries(q, cache_kv, entries, b: batch.RaggedBatch, *, mode: str,
                              info, tpu.smem_page_table(b.page_indices), mode=mode, fmt=fmt,
                              units=units, pages_per_seq=b.pages_per_seq, sm_scale=sm_scale,
                              v_dim=v_dim, return_lse=return_lse,
-                             vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
+                             vmem_limit_bytes=vmem_limit_bytes, interpret=interpret,
+                             sink=None if attn_sink is None else attn_sink[None])
     out = res.astype(q.dtype)
     return (out, lse[..., 0]) if return_lse else out
 

@@ -233,22 +233,30 @@ def _entry_source(mode, e, info, table_ref, *, page_size, pages_per_seq, num_pag
     return ok & found, jnp.clip(pid, 0, num_pages - 1), inner, lim
 
 
-def _kernel(info_ref, table_ref, layer_ref, q_ref, meta_hbm, cache_hbm, out_ref, *refs, mode,
+def _split_refs(refs, has_sink: bool, return_lse: bool):
+    """The kernel's refs after ``cache``: ``(sink or None, out, lse or None, the 8 scratch
+    refs)``; the sink input and the LSE output exist only when asked for."""
+    sink_ref, refs = (refs[0], refs[1:]) if has_sink else (None, refs)
+    lse_ref = refs[1] if return_lse else None
+    return sink_ref, refs[0], lse_ref, refs[-8:]
+
+
+def _kernel(info_ref, table_ref, layer_ref, q_ref, meta_hbm, cache_hbm, *refs, mode,
             fmt, f32, num_rows, page_size, pages_per_seq, num_pages, num_layers, units,
-            sm_scale, segs, return_lse, rows_per_layer):
+            sm_scale, segs, return_lse, rows_per_layer, has_sink=False):
     """One grid step = one query row; see the module docstring for the pipeline.
 
     Refs: prefetch ``info`` (SMEM i32[T * 4]: per row valid-entry count, walk end, first page
     slot, limit), ``table`` (SMEM i32[N], the page table) and ``layer`` (SMEM i32[1]: the layer
     of the stacked cache read in place; outside ``[0, L)`` nothing is read,
     ``reference.stacked``); inputs ``q`` block [1, H, D], ``meta`` (HBM i32[T, k], the row's
-    raw entries), ``cache`` (HBM ``[L, P, page_size, W]``); outputs ``out`` block
-    [H / G, G, v_dim] (``out_groups``) and ``lse`` [1, H, 1]; scratch: gather buffers, raw
-    rows of 2 query rows, DMA semaphores, rows filled per buffer, in-page limits (page), walk
-    cursor, parity.
+    raw entries), ``cache`` (HBM ``[L, P, page_size, W]``), with ``has_sink`` the row's sink
+    logits (VMEM block f32[H, 1] of ``[Ls, H, 1]``); outputs ``out`` block [H / G, G, v_dim]
+    (``out_groups``) and ``lse`` [1, H, 1]; scratch: gather buffers, raw rows of 2 query rows,
+    DMA semaphores, rows filled per buffer, in-page limits (page), walk cursor, parity.
     """
-    lse_ref = refs[0] if return_lse else None
-    gbuf, sbuf, gsem, ssem, fill_ref, lim_ref, cur_ref, parity = refs[-8:]
+    sink_ref, out_ref, lse_ref, scratch = _split_refs(refs, has_sink, return_lse)
+    gbuf, sbuf, gsem, ssem, fill_ref, lim_ref, cur_ref, parity = scratch
     unit = 1 if mode == "token" else page_size
     rows = units * unit
     cdt = jnp.float32 if f32 else jnp.bfloat16
@@ -349,7 +357,8 @@ def _kernel(info_ref, table_ref, layer_ref, q_ref, meta_hbm, cache_hbm, out_ref,
             tuple(jnp.zeros((heads, vhi - vlo), jnp.float32) for _, vlo, vhi in vsegs))
     m, l_sum, accs = jax.lax.fori_loop(0, num_blocks, block, init)
     parity[0] = (base + num_blocks) % 2
-    _write_out(out_ref, lse_ref, m, l_sum, accs, vsegs)
+    _write_out(out_ref, lse_ref, m, l_sum, accs, vsegs,
+               sink=None if sink_ref is None else sink_ref[...])
 
 
 def _softmax_step(carry, parts, lane_ok, qs, segs, vsegs, *, f32, cdt, sm_scale):
@@ -371,9 +380,17 @@ def _softmax_step(carry, parts, lane_ok, qs, segs, vsegs, *, f32, cdt, sm_scale)
     return m_new, l_new, accs
 
 
-def _write_out(out_ref, lse_ref, m, l_sum, accs, vsegs):
-    """Normalise and store one row: zeros and LSE ``-inf`` for a row with no live entry."""
-    inv = jnp.where(l_sum > 0, 1.0 / jnp.where(l_sum > 0, l_sum, 1.0), 0.0)
+def _write_out(out_ref, lse_ref, m, l_sum, accs, vsegs, sink=None):
+    """Normalise and store one row: zeros and LSE ``-inf`` for a row with no live entry.
+
+    ``sink f32[H, 1]`` (optional, ``reference.sinks``): the denominator becomes ``l +
+    exp(sink - m)`` (``m`` the running max, finite wherever ``l > 0``): ``-inf`` adds 0, a
+    huge sink makes it ``inf`` and the row 0 (no NaN). The LSE stays ``m + log(l)``."""
+    den = l_sum
+    if sink is not None:
+        m_safe = jnp.where(l_sum > 0, m, 0.0)
+        den = l_sum + jnp.where(l_sum > 0, jnp.exp(sink - m_safe), 0.0)
+    inv = jnp.where(l_sum > 0, 1.0 / jnp.where(l_sum > 0, den, 1.0), 0.0)
     for a, (_, vlo, vhi) in zip(accs, vsegs, strict=True):
         _store_heads(out_ref, vlo, vhi, a * inv)
     if lse_ref is not None:
@@ -425,9 +442,17 @@ def _at_layer(n: int):
     return index
 
 
+def _sink_row(n: int, rows_per_layer: int):
+    """Index map of the sink block ``[None, H, 1]`` of ``[n, H, 1]``: row ``t``'s layer of the
+    call (``t // rows_per_layer``, clipped into ``[0, n)``; 0 for a shared sink)."""
+    def index(t, *_):
+        return (0 if n == 1 else jnp.minimum(t // rows_per_layer, n - 1)), 0, 0
+    return index
+
+
 def gather_attend(q, cache, layer, entries, info, table, *, mode, fmt, units, pages_per_seq,
                   sm_scale, v_dim, return_lse, vmem_limit_bytes, interpret,
-                  rows_per_layer=None):
+                  rows_per_layer=None, sink=None):
     """Run the kernel. ``q: [T, H, D]``, or ``[L, T, H, D]`` read in place at ``layer`` (f32 or
     bf16: the compute dtype); ``cache``: the stacked ``[L, P, page_size, W]`` (f32 / bf16 rows,
     or packed u32 words) read in place at ``layer`` (i32 scalar, scalar-prefetched);
@@ -436,7 +461,10 @@ def gather_attend(q, cache, layer, entries, info, table, *, mode, fmt, units, pa
     (``page_indices``) as it is. q and the cache are pinned to HBM (``tpu.in_hbm``).
     ``rows_per_layer``: one call for several layers (``layers.sparse_mla_layers``): the rows
     are ``layers x rows_per_layer`` (layer-major) and row ``t`` reads layer ``layer +
-    t // rows_per_layer``; ``None``: every row reads ``layer``.
+    t // rows_per_layer``; ``None``: every row reads ``layer``. ``sink``: optional
+    ``f32[Ls, H]`` attention-sink logits applied in the kernel's finalize (``_write_out``;
+    ``Ls = 1``: every row's, else row ``t`` takes row ``t // rows_per_layer``); ``None`` adds
+    no operand (exactly the kernel without sinks).
 
     Returns ``q.dtype[T, H, v_dim]`` and ``f32[T, H, 1]`` (or None).
     """
@@ -451,7 +479,8 @@ def gather_attend(q, cache, layer, entries, info, table, *, mode, fmt, units, pa
         page_size=page_size, pages_per_seq=pages_per_seq, num_pages=num_pages,
         num_layers=num_layers, units=units,
         sm_scale=float(sm_scale), segs=segments(dim, v_dim, fmt, words),
-        return_lse=return_lse, rows_per_layer=rows_per_layer or num_rows)
+        return_lse=return_lse, rows_per_layer=rows_per_layer or num_rows,
+        has_sink=sink is not None)
     gbuf = (2, units, words) if mode == "token" else (2, units, page_size, words)
     group = out_groups(heads)
     out_shape = [jax.ShapeDtypeStruct((num_rows * heads // group, group, v_dim), q.dtype)]
@@ -459,10 +488,16 @@ def gather_attend(q, cache, layer, entries, info, table, *, mode, fmt, units, pa
     if return_lse:
         out_shape.append(jax.ShapeDtypeStruct((num_rows, heads, 1), jnp.float32))
         out_specs.append(pl.BlockSpec((1, heads, 1), lambda t, *_: (t, 0, 0)))
+    in_specs = [pl.BlockSpec((None, 1, heads, dim), _at_layer(q_stack.shape[0])),
+                pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
+    sink_ops = []
+    if sink is not None:  # [Ls, H, 1]: heads on sublanes, as the row's m and l
+        sink_ops = [sink.astype(jnp.float32).reshape(-1, heads, 1)]
+        in_specs.append(pl.BlockSpec((None, heads, 1),
+                                     _sink_row(sink_ops[0].shape[0], rows_per_layer or num_rows)))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3, grid=(num_rows,),
-        in_specs=[pl.BlockSpec((None, 1, heads, dim), _at_layer(q_stack.shape[0])),
-                  pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        in_specs=in_specs,
         out_specs=out_specs,
         scratch_shapes=[pltpu.VMEM(gbuf, cache.dtype),  # gathered rows, double buffer
                         pltpu.SMEM((2, k), jnp.int32),  # raw entries of 2 query rows
@@ -485,6 +520,6 @@ def gather_attend(q, cache, layer, entries, info, table, *, mode, fmt, units, pa
                                       bytes_accessed=traffic.bytes_moved),
         interpret=tpu.interpret_params(interpret), name=f"{mode}_sparse_mla")
     operands = [info.reshape(-1), table, jnp.reshape(layer, (1,)).astype(jnp.int32),
-                tpu.in_hbm(q_stack), entries, tpu.in_hbm(cache)]
+                tpu.in_hbm(q_stack), entries, tpu.in_hbm(cache), *sink_ops]
     res = call(*operands)
     return res[0].reshape(num_rows, heads, v_dim), (res[1] if return_lse else None)

@@ -32,10 +32,23 @@ from pallas_kernels.mla import blocks as mla_blocks
 from pallas_kernels.mla.blocks import ROW_INFO_WORDS
 from pallas_kernels.mla.common import compute_query, row_info
 from pallas_kernels.mla.kernel import check_kernel_args, gather_attend
-from reference import stacked
+from reference import sinks, stacked
 from reference.cache_format import CacheFormat
 
 MAX_INFO_WORDS = 1 << 15  # 128 KiB of SMEM for the rows' facts (decode 61 layers x 64: 15616)
+
+
+def _check_layer_sink(attn_sink, num_layers: int, heads: int) -> None:
+    """Refuse an ``attn_sink`` that is neither ``f32[L, H]`` nor ``f32[H]`` (None passes)."""
+    if attn_sink is None:
+        return
+    if np.ndim(attn_sink) == 2:
+        if tuple(np.shape(attn_sink)) != (num_layers, heads):
+            raise ValueError(f"attn_sink must have shape (L, H) = ({num_layers}, {heads}) or "
+                             f"(H,) = ({heads},), got shape {tuple(np.shape(attn_sink))}")
+        sinks.check_sink(attn_sink[0], heads)  # the dtype rule
+        return
+    sinks.check_sink(attn_sink, heads)
 
 
 def fits(num_layers: int, num_rows: int) -> bool:
@@ -51,10 +64,13 @@ def sparse_mla_layers(q, cache_kv, kv_lens, selected, page_indices, cu_q_lens, c
                       v_dim: int, tokens_per_block: int | None = None,
                       pages_per_block: int | None = None,
                       blocks: mla_blocks.MlaBlocks | None = None,
-                      vmem_limit_bytes: int | None = None, interpret=False) -> jax.Array:
+                      vmem_limit_bytes: int | None = None, interpret=False,
+                      attn_sink=None) -> jax.Array:
     """Sparse MLA of every layer (module docstring): ``q.dtype[L, T, H, v_dim]``. ``mode``:
     ``"token"`` or ``"page"``; the knobs as the per-layer entries. A plain bf16 cache is refused
-    in token mode (store it packed: ``reference.packed_cache``)."""
+    in token mode (store it packed: ``reference.packed_cache``). ``attn_sink``: optional
+    attention-sink logits (``reference.sinks``), ``f32[L, H]`` (one row per layer) or ``f32[H]``
+    (shared by every layer), applied in the kernel's finalize."""
     num_layers, num_rows = np.shape(q)[:2]
     read = stacked.resolve("cache_kv", cache_kv, 0)
     for name, x in (("q", q), ("selected", selected)):
@@ -72,6 +88,7 @@ def sparse_mla_layers(q, cache_kv, kv_lens, selected, page_indices, cu_q_lens, c
     if not fits(num_layers, num_rows):
         raise ValueError(f"{ROW_INFO_WORDS} x L x T = {ROW_INFO_WORDS * num_layers * num_rows} "
                          f"row-fact words exceed MAX_INFO_WORDS = {MAX_INFO_WORDS}")
+    _check_layer_sink(attn_sink, num_layers, np.shape(q)[2])
     k = np.shape(selected)[-1]
     chip = tpu.device_chip()
     units = (mla_blocks.token_block(k, chip, mla_blocks.pick(blocks, "tokens_per_block",
@@ -87,5 +104,7 @@ def sparse_mla_layers(q, cache_kv, kv_lens, selected, page_indices, cu_q_lens, c
                            tpu.smem_page_table(b.page_indices), mode=mode, fmt=fmt, units=units,
                            pages_per_seq=b.pages_per_seq, sm_scale=sm_scale, v_dim=v_dim,
                            return_lse=False, vmem_limit_bytes=vmem_limit_bytes,
-                           interpret=interpret, rows_per_layer=num_rows)
+                           interpret=interpret, rows_per_layer=num_rows,
+                           sink=None if attn_sink is None else jnp.reshape(attn_sink,
+                                                                           (-1, np.shape(q)[2])))
     return out.astype(q.dtype).reshape(num_layers, num_rows, *out.shape[1:])

@@ -32,12 +32,13 @@ from __future__ import annotations
 import functools
 
 import jax
+import numpy as np
 
 from pallas_kernels import tpu
 from pallas_kernels.mla import blocks as mla_blocks
 from pallas_kernels.mla.common import attend_entries
 from pallas_kernels.mla.kernel import check_kernel_args
-from reference import stacked
+from reference import sinks, stacked
 
 
 @stacked.checks_layer(cache_pos=1)
@@ -49,7 +50,7 @@ def page_sparse_mla(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_
                     distribution: jax.Array, *, sm_scale: float, pages_per_seq: int, v_dim: int,
                     return_lse: bool = False, pages_per_block: int | None = None,
                     blocks: mla_blocks.MlaBlocks | None = None, vmem_limit_bytes: int | None = None,
-                    interpret=False, layer=None
+                    interpret=False, layer=None, attn_sink=None
                ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Page-sparse absorbed MLA (Pallas TPU); same semantics as ``page_sparse_mla_ref``.
 
@@ -63,6 +64,9 @@ def page_sparse_mla(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_
     ``pages_per_block`` (pages gathered per block; default ``blocks``' field, else
     ``mla_blocks.page_block``) for ``tokens_per_block``. A plain bf16 cache needs no packing here.
 
+    ``attn_sink``: optional f32[H] sink logits (``reference.sinks``), applied in the kernel's
+    finalize; the LSE stays sink-free; ``None`` compiles the kernel without the operand.
+
     Returns:
       ``q.dtype[T, H, v_dim]``; with ``return_lse=True`` also ``f32[T, H]``.
     """
@@ -72,10 +76,11 @@ def page_sparse_mla(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_
                             cu_kv_lens, distribution, sm_scale=sm_scale,
                             pages_per_seq=pages_per_seq, v_dim=v_dim,
                             selected_name="topk_pages")
+    sinks.check_sink(attn_sink, np.shape(q_one)[1])
     units = mla_blocks.page_block(topk_pages.shape[1], b.page_size, tpu.device_chip(),
                                   mla_blocks.pick(blocks, "pages_per_block", pages_per_block))
     return attend_entries(q, read.stacked, topk_pages, b, mode="page", fmt=fmt, units=units,
                           sm_scale=sm_scale, v_dim=v_dim, return_lse=return_lse,
                           vmem_limit_bytes=vmem_limit_bytes, interpret=interpret,
-                          layer=read.layer)
+                          layer=read.layer, attn_sink=attn_sink)
 

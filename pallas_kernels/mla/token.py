@@ -16,12 +16,13 @@ import functools
 import warnings
 
 import jax
+import numpy as np
 
 from pallas_kernels import tpu
 from pallas_kernels.mla import blocks as mla_blocks
 from pallas_kernels.mla.common import PerformanceWarning, attend_entries
 from pallas_kernels.mla.kernel import check_kernel_args
-from reference import packed_cache, stacked
+from reference import packed_cache, sinks, stacked
 from reference.cache_format import CacheFormat
 
 
@@ -34,7 +35,7 @@ def sparse_mla(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_indic
                distribution: jax.Array, *, sm_scale: float, pages_per_seq: int, v_dim: int,
                return_lse: bool = False, tokens_per_block: int | None = None,
                blocks: mla_blocks.MlaBlocks | None = None, vmem_limit_bytes: int | None = None,
-               interpret=False, layer=None
+               interpret=False, layer=None, attn_sink=None
                ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Token-sparse absorbed MLA (Pallas TPU); same semantics as ``sparse_mla_ref``.
 
@@ -54,6 +55,9 @@ def sparse_mla(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_indic
       vmem_limit_bytes: scoped VMEM limit; default ``tpu.vmem_limit`` (one policy).
       interpret: False (compile), True (strict interpret mode) or a ``pltpu.InterpretParams``.
 
+    ``attn_sink``: optional f32[H] sink logits (``reference.sinks``), applied in the kernel's
+    finalize; the LSE stays sink-free; ``None`` compiles the kernel without the operand.
+
     Returns:
       ``q.dtype[T, H, v_dim]``; with ``return_lse=True`` also ``f32[T, H]``.
     """
@@ -63,6 +67,7 @@ def sparse_mla(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_indic
                             cu_kv_lens, distribution, sm_scale=sm_scale,
                             pages_per_seq=pages_per_seq, v_dim=v_dim,
                             selected_name="topk_indices")
+    sinks.check_sink(attn_sink, np.shape(q_one)[1])
     if fmt is CacheFormat.BF16:  # slow path: a full copy of the cache into the packed format
         if not interpret:  # on a TPU this is a full-cache copy per call: say so once per trace
             warnings.warn("sparse_mla: a plain bf16 cache is packed into u32 words on every "
@@ -76,7 +81,7 @@ def sparse_mla(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_indic
     return attend_entries(q, read.stacked, topk_indices, b, mode="token", fmt=fmt, units=units,
                           sm_scale=sm_scale, v_dim=v_dim, return_lse=return_lse,
                           vmem_limit_bytes=vmem_limit_bytes, interpret=interpret,
-                          layer=read.layer)
+                          layer=read.layer, attn_sink=attn_sink)
 
 
 # ----------------------------------------------------------------------------- cost model
