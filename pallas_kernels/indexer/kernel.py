@@ -417,8 +417,8 @@ def score_call(cfg: ScoreConfig, q, wcol, cache_kv, layer, items, page_table, pr
     in_specs = [pl.BlockSpec((pl.Element(r), pl.Element(h), pl.Element(d)), q_rows),
                 pl.BlockSpec((pl.Element(r), pl.Element(h), pl.Element(1)), q_rows),
                 pl.BlockSpec(memory_space=pltpu.HBM)]
-    operands = [items.reshape(-1), page_table, jnp.reshape(layer, (1,)).astype(jnp.int32), q,
-                wcol]
+    operands = [items.reshape(-1), page_table, jnp.reshape(layer, (1,)).astype(jnp.int32),
+                tpu.in_hbm(q), wcol]  # pinned: no XLA prefetch copy (tpu7x)
     if cfg.key_scales:  # the fp8 cache's two arrays, read by the kernel as they are stored
         in_specs.append(pl.BlockSpec(memory_space=pltpu.HBM))
         operands += [tpu.in_hbm(cache_kv.keys), tpu.in_hbm(cache_kv.scales)]

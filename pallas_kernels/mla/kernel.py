@@ -251,8 +251,8 @@ def _kernel(info_ref, table_ref, layer_ref, q_ref, meta_hbm, cache_hbm, *refs, m
     of the stacked cache read in place; outside ``[0, L)`` nothing is read,
     ``reference.stacked``); inputs ``q`` block [1, H, D], ``meta`` (HBM i32[T, k], the row's
     raw entries), ``cache`` (HBM ``[L, P, page_size, W]``), with ``has_sink`` the row's sink
-    logits (VMEM block f32[H, 1] of ``[Ls, H, 1]``); outputs ``out`` block
-    [1, H, v_dim] (and ``lse`` [1, H, 1]); scratch: gather buffers, raw rows of 2 query rows,
+    logits (VMEM block f32[H, 1] of ``[Ls, H, 1]``); outputs ``out`` block [H / G, G, v_dim]
+    (``out_groups``) and ``lse`` [1, H, 1]; scratch: gather buffers, raw rows of 2 query rows,
     DMA semaphores, rows filled per buffer, in-page limits (page), walk cursor, parity.
     """
     sink_ref, out_ref, lse_ref, scratch = _split_refs(refs, has_sink, return_lse)
@@ -392,13 +392,33 @@ def _write_out(out_ref, lse_ref, m, l_sum, accs, vsegs, sink=None):
         den = l_sum + jnp.where(l_sum > 0, jnp.exp(sink - m_safe), 0.0)
     inv = jnp.where(l_sum > 0, 1.0 / jnp.where(l_sum > 0, den, 1.0), 0.0)
     for a, (_, vlo, vhi) in zip(accs, vsegs, strict=True):
-        out_ref[0, :, vlo:vhi] = (a * inv).astype(out_ref.dtype)
+        _store_heads(out_ref, vlo, vhi, a * inv)
     if lse_ref is not None:
         lse_ref[0] = jnp.where(l_sum > 0, m + jnp.log(jnp.where(l_sum > 0, l_sum, 1.0)),
                                -jnp.inf)
 
 
+def _store_heads(out_ref, vlo: int, vhi: int, x):
+    """Store one row's ``x f32[H, vhi - vlo]`` into columns ``[vlo, vhi)`` of the output block
+    ``[H / G, G, v_dim]`` (``out_groups``): head ``h`` at ``[h // G, h % G]``, each group of
+    ``G`` heads a sublane-aligned f32 slice cast on its own."""
+    group = out_ref.shape[1]
+    for g in range(out_ref.shape[0]):
+        out_ref[g, :, vlo:vhi] = x[g * group:(g + 1) * group].astype(out_ref.dtype)
+
+
 # ----------------------------------------------------------------------------- pallas_call
+
+
+def out_groups(heads: int) -> int:
+    """Heads per group ``G`` of the kernel's output ``[T * H / G, G, v_dim]`` (a reshape of
+    ``[T, H, v_dim]``): 8 when ``H`` is a multiple of 8, else ``H``. Why: XLA tiles a 16-bit
+    array's two minor dims in (16, 128) or (8, 128) tiles, and on tpu7x it may pick (16, 128)
+    for the kernel's ``[T, H, v_dim]`` output while the program's result stays (8, 128): a
+    relayout copy of the whole output (seen in the fp8 ``dsa_step``: 0.2x its kernels' bytes).
+    With 8 as the second-minor dim only the (8, 128) tiling fits, which is byte for byte the
+    (8, 128) layout of ``[T, H, v_dim]``, so the reshape back is free on every chip."""
+    return 8 if heads % 8 == 0 else heads
 
 
 def block_shape(mode, *, heads, dim, v_dim, page_size, units, meta_len, q_dtype, fmt):
@@ -462,8 +482,9 @@ def gather_attend(q, cache, layer, entries, info, table, *, mode, fmt, units, pa
         return_lse=return_lse, rows_per_layer=rows_per_layer or num_rows,
         has_sink=sink is not None)
     gbuf = (2, units, words) if mode == "token" else (2, units, page_size, words)
-    out_shape = [jax.ShapeDtypeStruct((num_rows, heads, v_dim), q.dtype)]
-    out_specs = [pl.BlockSpec((1, heads, v_dim), lambda t, *_: (t, 0, 0))]
+    group = out_groups(heads)
+    out_shape = [jax.ShapeDtypeStruct((num_rows * heads // group, group, v_dim), q.dtype)]
+    out_specs = [pl.BlockSpec((heads // group, group, v_dim), lambda t, *_: (t, 0, 0))]
     if return_lse:
         out_shape.append(jax.ShapeDtypeStruct((num_rows, heads, 1), jnp.float32))
         out_specs.append(pl.BlockSpec((1, heads, 1), lambda t, *_: (t, 0, 0)))
@@ -501,4 +522,4 @@ def gather_attend(q, cache, layer, entries, info, table, *, mode, fmt, units, pa
     operands = [info.reshape(-1), table, jnp.reshape(layer, (1,)).astype(jnp.int32),
                 tpu.in_hbm(q_stack), entries, tpu.in_hbm(cache), *sink_ops]
     res = call(*operands)
-    return res[0], (res[1] if return_lse else None)
+    return res[0].reshape(num_rows, heads, v_dim), (res[1] if return_lse else None)
