@@ -178,6 +178,8 @@ def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, 
     if mla_blocks is not None:
         mla_opts["blocks"] = mla_blocks
     write = functools.partial(_cache.write_rows, page_id=page_id, offset=offset, layout=layout)
+    interpreted_ctx = ctx_axis is not None and backend == "pallas" and bool(
+        _backend.implementation(names[0], backend, topk_opts)[1].get("interpret"))
     # Every write first (row scatters into the donated stacks), then every read: no kernel reads
     # a stack that a later write updates, so XLA keeps one buffer per stack (no copy).
     for layer in range(len(indexer_types)):
@@ -187,7 +189,7 @@ def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, 
         index_caches = write(index_caches, rows=inputs.new_index[slot], kind="index", layer=slot)
     selections, dep = {}, None
     for slot in full_slot.values():  # the stacked index cache, read in place at the slot
-        cache, at = _layer_arg(index_caches, slot, ctx_axis)
+        cache, at = _layer_arg(index_caches, slot, interpreted_ctx)
         args = (_after(inputs.q_index[slot], dep), inputs.index_weights[slot], cache, *b.arrays)
         sel_kw = dict(one_token_per_seq=one_token_per_seq, num_segments=num_segments, fill=fill,
                       refuse_full_overwrite=refuse_full_overwrite, recall_target=recall_target,
@@ -206,13 +208,14 @@ def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, 
     per_layer = [selections[src_slot[layer]] for layer in range(len(indexer_types))]
     out = _attend_layers(q_mla, latent_caches, per_layer, b, layout=layout, mode=granularity,
                          sm_scale=sm_scale, backend=backend, mla_opts=mla_opts,
-                         ctx_axis=ctx_axis, attn_sink=inputs.attn_sink)
+                         ctx_axis=ctx_axis, attn_sink=inputs.attn_sink,
+                         interpreted_ctx=interpreted_ctx)
     topk = jnp.stack([selections[s] for s in range(len(selections))])
     return StepResult(out, topk, latent_caches, index_caches)
 
 
 def _attend_layers(q_mla, latent_caches, per_layer, b, *, layout, mode, sm_scale, backend,
-                   mla_opts, ctx_axis, attn_sink=None):
+                   mla_opts, ctx_axis, attn_sink=None, interpreted_ctx=False):
     """Sparse MLA of every layer, ``[L, T, H, v_dim]``: on the Pallas backend one kernel call
     for all layers (``pallas_kernels.mla.layers``: no per-layer outputs for XLA to stack) when
     the rows' facts fit its SMEM bound and the cache is gatherable as stored; else one call per
@@ -234,7 +237,7 @@ def _attend_layers(q_mla, latent_caches, per_layer, b, *, layout, mode, sm_scale
     outs = []
     for layer, sel in enumerate(per_layer):
         q = _after(q_mla if ctx_axis is None else q_mla[layer], outs[-1] if outs else None)
-        cache, at = _layer_arg(latent_caches, layer, ctx_axis)
+        cache, at = _layer_arg(latent_caches, layer, interpreted_ctx)
         mla = functools.partial(mla_op, q, cache, b.kv_lens, sel, *b.arrays[1:],
                                 **kw, backend=backend, kernel_options=mla_opts, layer=at)
         sink = None if attn_sink is None else attn_sink[layer]
@@ -243,13 +246,14 @@ def _attend_layers(q_mla, latent_caches, per_layer, b, *, layout, mode, sm_scale
     return jnp.stack(outs)
 
 
-def _layer_arg(caches, layer: int, ctx_axis):
-    """``(cache, layer)`` an op reads: the stack in place at ``layer``; under ``ctx_axis`` the
-    layer's cache sliced out (a copy per layer and shard), because the Pallas interpreter's
-    per-call device barrier deadlocks with the stacked operand under ``shard_map`` on CPU
-    (seen: tests/test_context.py's Pallas case never finishes; the cause is not pinned down,
-    so the context-parallel step keeps the copy it had until it is)."""
-    if ctx_axis is None:
+def _layer_arg(caches, layer: int, interpreted_ctx: bool):
+    """``(cache, layer)`` an op reads: the stack in place at ``layer``, on every backend and
+    format, with or without a context axis, except one case: the Pallas kernels run by the
+    *interpreter* under a context axis get the layer's cache sliced out (a copy per layer and
+    shard), because the interpreter's per-call device barrier deadlocks with the stacked
+    operand under ``shard_map`` on CPU (seen: tests/test_context.py's Pallas case never
+    finishes; the cause is not pinned down). Compiled kernels and the reference read in place."""
+    if not interpreted_ctx:
         return caches, layer
     return fp8_cache.take_layer(caches, layer), None
 
