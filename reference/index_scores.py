@@ -122,11 +122,12 @@ def _score_window(width_rows, q, w, keys, key_scale, pages, start, q_start, q_en
 def score_and_select(q, weights, cache, kv_lens, page_indices, cu_q_lens, cu_kv_lens,
                      distribution, *, pages_per_seq: int, out_width: int,
                      one_token_per_seq: bool, finish: Finish, layer=None,
-                     compression_ratio: int = 1) -> jax.Array:
+                     compression_ratio: int = 1, key_map=None) -> jax.Array:
     """Drive ``finish`` over every active sequence's rows; rows outside stay ``-1``.
     ``layer``: which layer of a stacked ``cache`` to read (``reference.stacked``);
     ``compression_ratio``: the cache's keys are entries of that many tokens
-    (``reference.batch``; ``kv_lens`` stay tokens).
+    (``reference.batch``; ``kv_lens`` stay tokens); ``key_map``: applied to each sequence's
+    gathered keys ``f[N, D]`` before scoring (``reference.fp4``'s simulation), or None.
 
     Returns i32[T, out_width].
     """
@@ -143,6 +144,8 @@ def score_and_select(q, weights, cache, kv_lens, page_indices, cu_q_lens, cu_kv_
     def seq_body(seq_id, out):
         pages = b.seq_pages(seq_id)
         keys, key_scale = gather_keys(cache, pages.page_ids, layer)
+        if key_map is not None:
+            keys = key_map(keys)
         if one_token_per_seq:  # row seq_id is the sequence's last token
             q_start, q_end = seq_id, seq_id + 1
         else:

@@ -7,11 +7,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from reference import index_scores, selection, stacked
+from reference import fp4, fp8_cache, index_scores, selection, stacked
 from reference._indexer_args import check_topk_args
 
 _STATICS = ("k", "pages_per_seq", "one_token_per_seq", "num_segments", "fill",
-            "refuse_full_overwrite", "recall_target", "exact", "compression_ratio")
+            "refuse_full_overwrite", "recall_target", "exact", "compression_ratio",
+            "index_quant")
 
 
 @stacked.checks_layer(cache_pos=2)
@@ -23,7 +24,7 @@ def streamindex_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, 
                          fill: str = "tail", refuse_full_overwrite: bool = False,
                          recall_target: float = selection.DEFAULT_RECALL_TARGET,
                          exact: bool = False, compression_ratio: int = 1,
-                         layer=None) -> jax.Array:
+                         index_quant: str | None = None, layer=None) -> jax.Array:
     """Lightning-indexer token top-k over a ragged paged batch.
 
     Shapes: ``q``: f32|bf16[T, H, D] indexer query heads; ``weights``: f32|bf16[T, H] per-head
@@ -56,6 +57,10 @@ def streamindex_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, 
         witnesses' context length is that visible entry count. Refused
         (``_indexer_args.check_compression_ratio``): not an int >= 1, or a capacity whose
         tokens pass i32.
+      index_quant: ``None`` (scores as given), or ``"fp4_sim"``: DeepSeek-V4's simulation
+        (``reference.fp4``): q heads and the cache's keys (stored unrotated, f32/bf16, D = 128)
+        are each rotated by the normalized Hadamard transform and FP4-simulated (block 32,
+        ue8m0) before the scores. Reference only; the fp8 index cache is the other format.
 
     Returns:
       i32[T, k]: sequence-local token offsets (entry numbers when ``compression_ratio > 1``) by
@@ -68,6 +73,11 @@ def streamindex_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, 
                     fill=fill, refuse_full_overwrite=refuse_full_overwrite,
                     recall_target=recall_target, exact=exact,
                     compression_ratio=compression_ratio)
+    fp4.check_index_quant(index_quant, int(q.shape[2]),
+                          isinstance(one_layer, fp8_cache.Fp8IndexCache))
+    key_map = None
+    if index_quant == "fp4_sim":
+        q, key_map = fp4.rotate_and_quantize(q), fp4.rotate_and_quantize
 
     def finish(scores, token_ok, key_pos, kv_len):  # key_pos, kv_len: keys (index_scores)
         scores = jnp.where(token_ok, scores, selection.NEG_INF)
@@ -78,4 +88,4 @@ def streamindex_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, 
     return index_scores.score_and_select(
         q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,
         pages_per_seq=pages_per_seq, out_width=k, one_token_per_seq=one_token_per_seq,
-        finish=finish, layer=layer, compression_ratio=compression_ratio)
+        finish=finish, layer=layer, compression_ratio=compression_ratio, key_map=key_map)
