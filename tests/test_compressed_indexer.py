@@ -183,8 +183,9 @@ def test_witnesses_use_the_visible_entry_count(fill):
     pos = _positions(b)
     tokens = [pos[r] + 1 if r in pos else 0 for r in range(len(cands))]
     assert not np.array_equal(merge(tokens), want)  # a token context would show
-    np.testing.assert_array_equal(
-        _pallas(b, ratio, otp, k=6, exact=True, num_segments=4, fill=fill), want)
+    if fill == "lowest":  # one Pallas compile is enough: the merge is shared code
+        np.testing.assert_array_equal(
+            _pallas(b, ratio, otp, k=6, exact=True, num_segments=4, fill=fill), want)
 
 
 @pytest.mark.kernel_gate
@@ -216,15 +217,19 @@ def test_fp8_index_keys_with_compressed_entries():
 
 @pytest.mark.kernel_gate
 def test_ratio_one_is_the_token_indexer():
-    # r = 1 keeps the V3.2 path: the entry rule j < (p + 1) // 1 is s <= p, kv_len // 1 = kv_len.
+    # r = 1 keeps the V3.2 path: the entry rule j < (p + 1) // 1 is s <= p, kv_len // 1 = kv_len
+    # (both conversions return their input unchanged; tests/test_pallas_indexer.py runs the
+    # kernel at the default).
     b = scenario("mixed_padding", 8, num_heads=HEADS, dim=DIM)
-    for fn, kw in ((streamindex_topk_ref, {}),
-                   (streamindex_topk, dict(block_rows=4, interpret=STRICT))):
-        default = np.asarray(fn(*b.args(), k=6, pages_per_seq=b.pages_per_seq, exact=True, **kw))
-        one = np.asarray(fn(*b.args(), k=6, pages_per_seq=b.pages_per_seq, exact=True,
-                            compression_ratio=1, **kw))
-        np.testing.assert_array_equal(one, default)
-        check_token_topk(default, b, 6)
+    default = np.asarray(streamindex_topk_ref(*b.args(), k=6, pages_per_seq=b.pages_per_seq,
+                                              exact=True))
+    one = np.asarray(streamindex_topk_ref(*b.args(), k=6, pages_per_seq=b.pages_per_seq,
+                                          exact=True, compression_ratio=1))
+    np.testing.assert_array_equal(one, default)
+    check_token_topk(default, b, 6)
+    got = np.asarray(streamindex_topk(*b.args(), k=6, pages_per_seq=b.pages_per_seq, exact=True,
+                                      compression_ratio=1, block_rows=4, interpret=STRICT))
+    np.testing.assert_array_equal(got, default)
 
 
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
