@@ -40,7 +40,7 @@ from dsa_jax.layout import LayoutError, PagedLayout, aligned_page_size
 from dsa_jax.ops import indexer_topk, page_sparse_mla, page_topk, sparse_mla
 from dsa_jax.sharding import sharded_dsa_step
 from dsa_jax.step import BatchMeta, StepInputs, StepResult, dsa_step
-from dsa_jax.v4 import V4Layout, v4_attention
+from dsa_jax.v4 import V4Layout, V4LayoutWarning, v4_attention
 from dsa_jax.validate import check_batch, run_checked
 from pallas_kernels import IndexerBlocks, MlaBlocks, PerformanceWarning
 from reference import build_index_share_map, glm_index_share_pattern
@@ -107,6 +107,7 @@ __all__ = [
     "StepInputs",
     "StepResult",
     "V4Layout",
+    "V4LayoutWarning",
     "WitnessError",
     "aligned_page_size",
     "apply_topology_witnesses",

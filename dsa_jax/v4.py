@@ -11,10 +11,18 @@ Units are kept apart and converted only here (``V4Layout``'s properties):
 The window cache's page size must divide the window (seed 004: a page straddling the window
 boundary would be kept too long or released too early): refused with ``LayoutError`` naming
 both numbers.
+
+Cache formats, per cache: ``"plain"`` (f32/bf16 rows), ``"packed"`` (bf16 rows as u32 words) or
+``"fp8"`` (FlashMLA MODEL1, ``reference.v4_cache.Fp8V4Cache``: 640 B per token stored). An fp8
+cache whose page size is not a multiple of 32 or one of 4, 8, 16 is served correctly but warns
+(``V4LayoutWarning``): XLA's default TPU layout of its rope array is then not row-major, so the
+Pallas kernel pays a relayout copy of the whole rope array per call, and page sizes 1 and 2
+store 1024 / 768 B per token (``reference.v4_cache``, "Page sizes for the TPU kernels").
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import jax
@@ -25,11 +33,16 @@ from jax.experimental import checkify
 from dsa_jax import backend as _backend
 from dsa_jax import validate as _validate
 from dsa_jax.layout import LayoutError, _int, aligned_page_size
-from reference import batch, packed_cache, stacked
+from reference import batch, packed_cache, stacked, v4_cache
 from reference import v4_attention as v4
 
-V4_CACHE_FORMATS = ("plain", "packed")  # "fp8" (MODEL1, reference.v4_cache) is reserved
-RESERVED_FORMATS = ("fp8",)
+V4_CACHE_FORMATS = ("plain", "packed", "fp8")  # fp8: MODEL1, reference.v4_cache.Fp8V4Cache
+RESERVED_FORMATS = ()  # kept for callers that tested membership
+
+
+class V4LayoutWarning(UserWarning):
+    """A ``V4Layout`` that is served correctly but costs more than it needs to (an fp8 page
+    size whose rope array XLA lays out transposed: module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -45,9 +58,10 @@ class V4Layout:
       compressed_page_size / compressed_pages_per_seq: entries per compressed-cache page and
         its page-table stride; required (positive) iff ``compress_ratio > 0``, else ``None``.
       head_dim / rope_dim: 512 / 64 (the only V4 head; K = V = the whole row).
-      window_cache_format / compressed_cache_format: ``"plain"`` (f32/bf16 rows) or
-        ``"packed"`` (bf16 rows as u32 words, ``reference.packed_cache``); ``"fp8"`` (FlashMLA
-        MODEL1) is reserved for ``reference.v4_cache`` and refused until it is served.
+      window_cache_format / compressed_cache_format: ``"plain"`` (f32/bf16 rows),
+        ``"packed"`` (bf16 rows as u32 words, ``reference.packed_cache``) or ``"fp8"``
+        (FlashMLA MODEL1, ``reference.v4_cache.Fp8V4Cache``; a page size outside
+        ``reference.v4_cache.tpu_page_size_ok`` warns, module docstring).
     """
 
     compress_ratio: int
@@ -81,14 +95,20 @@ class V4Layout:
             raise LayoutError(f"DeepSeek-V4 has head_dim={v4.HEAD_DIM} (rope_dim="
                               f"{v4.ROPE_DIM} of them), got head_dim={self.head_dim}, "
                               f"rope_dim={self.rope_dim}")
-        for name in ("window_cache_format", "compressed_cache_format"):
-            fmt = getattr(self, name)
-            if fmt in RESERVED_FORMATS:
-                raise LayoutError(f"{name}={fmt!r} is reserved for the MODEL1 fp8 cache "
-                                  f"(reference.v4_cache), not served yet; use one of "
-                                  f"{V4_CACHE_FORMATS}")
+        for which in ("window", "compressed"):
+            fmt = getattr(self, f"{which}_cache_format")
             if fmt not in V4_CACHE_FORMATS:
-                raise LayoutError(f"{name} must be one of {V4_CACHE_FORMATS}, got {fmt!r}")
+                raise LayoutError(f"{which}_cache_format must be one of {V4_CACHE_FORMATS}, "
+                                  f"got {fmt!r}")
+            ps = getattr(self, f"{which}_page_size")
+            if fmt == "fp8" and ps is not None and not v4_cache.tpu_page_size_ok(ps):
+                warnings.warn(
+                    f"{which}_cache_format='fp8' with {which}_page_size={ps}: not a multiple "
+                    f"of 32 nor one of 4, 8, 16, so XLA lays out the rope array u32[P, "
+                    f"{v4_cache.rope_rows(ps)}, 128] transposed and a Pallas kernel pays a "
+                    f"relayout copy of it per call (and page sizes 1, 2 store 1024 / 768 B per "
+                    f"token); correct, but slower (reference.v4_cache)", V4LayoutWarning,
+                    stacklevel=3)
 
     def _check_compressed(self, ratio: int) -> None:
         fields = ("compressed_page_size", "compressed_pages_per_seq")
@@ -136,28 +156,53 @@ class V4Layout:
 
     # -- cache shapes ------------------------------------------------------------------------
 
+    def cache_format(self, which: str) -> str:
+        """The declared format of the ``"window"`` or ``"compressed"`` cache."""
+        return self.window_cache_format if which == "window" else self.compressed_cache_format
+
     def cache_width(self, which: str) -> int:
         """Dim 2 of the ``"window"`` or ``"compressed"`` cache: ``head_dim`` plain, or
-        ``packed_words(head_dim)`` u32 words packed (512 -> 256)."""
-        fmt = self.window_cache_format if which == "window" else self.compressed_cache_format
-        return packed_cache.packed_words(self.head_dim) if fmt == "packed" else self.head_dim
+        ``packed_words(head_dim)`` u32 words packed (512 -> 256); fp8: ``head_dim``, the
+        logical width of ``Fp8V4Cache.shape`` (its parts are 128 words wide)."""
+        if self.cache_format(which) == "packed":
+            return packed_cache.packed_words(self.head_dim)
+        return self.head_dim
 
     def cache_shape(self, which: str, num_pages: int) -> tuple[int, int, int]:
         """``(num_pages, page_size, cache_width)`` of the ``"window"`` / ``"compressed"``
-        cache."""
+        cache (fp8: ``Fp8V4Cache.shape``; its parts are ``nope (num_pages, page_size, 128)``
+        and ``rope (num_pages, ceil(page_size / 4), 128)``)."""
         ps = self.window_page_size if which == "window" else self.compressed_page_size
         return (int(num_pages), int(ps), self.cache_width(which))
 
+    def to_cache(self, values, which: str):
+        """Store ``values f32|bf16[..., P, page_size, 512]`` in this layout's format of the
+        ``which`` cache: plain keeps the array, packed packs it, fp8 quantizes it
+        (``reference.v4_cache.quantize_v4_cache``)."""
+        fmt = self.cache_format(which)
+        if fmt == "fp8":
+            return v4_cache.quantize_v4_cache(values)
+        return packed_cache.pack_cache(values) if fmt == "packed" else values
+
     def check_cache(self, name: str, cache, which: str) -> None:
         """Refuse a cache whose page size, width or format disagrees with the layout (leading
-        layer dims allowed)."""
-        shape = tuple(np.shape(cache))
+        layer dims allowed; an fp8 cache is checked part by part)."""
+        fmt = self.cache_format(which)
+        if (fmt == "fp8") != isinstance(cache, v4_cache.Fp8V4Cache):
+            raise ValueError(f"{name} is a {type(cache).__name__} but the layout declares "
+                             f"{which}_cache_format={fmt!r} (the fp8 format is a "
+                             f"reference.v4_cache.Fp8V4Cache; layout.to_cache makes one)")
+        if fmt == "fp8":
+            v4_cache.check_v4_cache(name, cache)
+        shape = tuple(np.shape(cache.nope) if fmt == "fp8" else np.shape(cache))
         want = self.cache_shape(which, shape[-3] if len(shape) >= 3 else 0)
-        fmt = self.window_cache_format if which == "window" else self.compressed_cache_format
+        if fmt == "fp8":
+            want = (*want[:2], v4_cache.LANES)
         if len(shape) < 3 or shape[-2:] != want[1:]:
-            raise ValueError(f"{name} must be [..., num_pages, {want[1]}, {want[2]}] for this "
+            part = f"{name}.nope" if fmt == "fp8" else name
+            raise ValueError(f"{part} must be [..., num_pages, {want[1]}, {want[2]}] for this "
                              f"V4Layout ({which}_cache_format={fmt!r}), got shape {shape}")
-        if packed_cache.is_packed(cache) != (fmt == "packed"):
+        if fmt != "fp8" and packed_cache.is_packed(cache) != (fmt == "packed"):
             raise ValueError(f"{name} has dtype {jnp.result_type(cache)} but the layout says "
                              f"{which}_cache_format={fmt!r}")
 

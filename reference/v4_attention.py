@@ -30,11 +30,14 @@ page lookup of ``reference.attend.token_slots``), so NaN in any slot that must n
 cannot reach the output. A row with nothing valid returns zeros and LSE ``-inf``; rows outside
 every sequence likewise.
 
-Cache formats: ``f32|bf16[P, ps, 512]`` or the packed bf16 words ``u32[P, ps, 256]``
-(``reference.packed_cache``), per cache; stacked ``[L, P, ps, W]`` caches are read in place at
-``layer=`` (``reference.stacked``; both caches at the same layer). The MODEL1 fp8 cache
-(``reference.v4_cache``) plugs in at ``cache_format`` and ``attend.attend_selected``'s row
-decoder; until it lands any other cache object is refused by name.
+Cache formats (``cache_format``), per cache, mixed freely here: ``f32|bf16[P, ps, 512]``,
+the packed bf16 words ``u32[P, ps, 256]`` (``reference.packed_cache``), or the MODEL1 fp8 cache
+``reference.v4_cache.Fp8V4Cache`` (``nope u32[P, ps, 128]``, ``rope u32[P, ceil(ps / 4),
+128]``: 448 e4m3 in 7 ue8m0-scaled tiles + 64 bf16 rope), whose rows are gathered and decoded by
+``attend.attend_selected`` (exact: the values are ``dequantize_v4_cache``'s). Stacked ``[L, P,
+ps, W]`` caches (an fp8 cache: both parts with a leading ``L``) are read in place at ``layer=``
+(``reference.stacked``; both caches at the same layer). Any other cache object is refused by
+name.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from reference import _checks, attend, batch, packed_cache, sinks, stacked
+from reference import _checks, attend, batch, packed_cache, sinks, stacked, v4_cache
 
 HEAD_DIM = 512  # one KV head of 448 nope + 64 rope features; K = V = the whole row
 ROPE_DIM = 64
@@ -57,7 +60,8 @@ DEFAULT_WINDOW = 128
 class PagedKV(NamedTuple):
     """One paged cache and its page table (a pytree).
 
-    cache: ``f32|bf16[P, ps, 512]`` or packed ``u32[P, ps, 256]``; stacked: a leading ``L``.
+    cache: ``f32|bf16[P, ps, 512]``, packed ``u32[P, ps, 256]`` or an ``Fp8V4Cache``
+      (``reference.v4_cache``); stacked: a leading ``L`` (on both parts of an fp8 cache).
     page_indices: ``i32[N]`` packed page table (sequence ``i``'s pages start at slot
       ``cu_lens[i] // ps``).
     cu_lens: ``i32[S+1]`` cumsum of page-aligned capacities in THIS cache's unit (window cache:
@@ -73,13 +77,17 @@ class PagedKV(NamedTuple):
 
 
 def cache_format(name: str, cache) -> str:
-    """``"plain"`` (f32/bf16 rows) or ``"packed"`` (u32 words) for one layer's cache struct;
-    refuses anything else by name. (The MODEL1 fp8 cache, ``reference.v4_cache.Fp8V4Cache``,
-    is the third format: its branch goes here when it lands.)"""
+    """``"plain"`` (f32/bf16 rows), ``"packed"`` (u32 words) or ``"fp8"`` (an ``Fp8V4Cache``,
+    checked part by part by ``reference.v4_cache.check_v4_cache``) for one layer's cache struct;
+    refuses anything else by name."""
+    if isinstance(cache, v4_cache.Fp8V4Cache):
+        v4_cache.check_v4_cache(name, cache)
+        _checks.rank(f"{name}.nope", cache.nope, 3)
+        return "fp8"
     if not hasattr(cache, "dtype") or not hasattr(cache, "shape"):
-        raise TypeError(f"{name} must be an array [P, ps, {HEAD_DIM}] (f32/bf16) or packed "
-                        f"u32[P, ps, {packed_cache.packed_words(HEAD_DIM)}], got "
-                        f"{type(cache).__name__} (the fp8 V4 cache is not served yet)")
+        raise TypeError(f"{name} must be an array [P, ps, {HEAD_DIM}] (f32/bf16), packed "
+                        f"u32[P, ps, {packed_cache.packed_words(HEAD_DIM)}] or a "
+                        f"reference.v4_cache.Fp8V4Cache, got {type(cache).__name__}")
     _checks.rank(name, cache, 3)
     if packed_cache.is_packed(cache):
         _checks.dim(name, cache, 2, packed_cache.packed_words(HEAD_DIM),

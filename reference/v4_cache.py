@@ -136,6 +136,14 @@ def rope_rows(page_size: int) -> int:
     return -(-page_size // ROPE_TOKENS_PER_ROW)
 
 
+def tpu_page_size_ok(page_size: int) -> bool:
+    """Whether XLA's default TPU layout of a page size's rope array is row-major (module
+    docstring, "Page sizes for the TPU kernels"): a multiple of 32, or 4, 8, 16. Other page
+    sizes are correct everywhere, but a Pallas kernel then pays a relayout copy of the rope
+    array per call (measured at 24), and page sizes 1 and 2 store 1024 / 768 B per token."""
+    return page_size % 32 == 0 or page_size in (4, 8, 16)
+
+
 def flashmla_page_bytes(page_size: int) -> int:
     """FlashMLA MODEL1 page bytes: ``584 * page_size`` rounded up to a multiple of 576."""
     return -(-page_size * FLASHMLA_TOKEN_BYTES // FLASHMLA_DATA_BYTES) * FLASHMLA_DATA_BYTES

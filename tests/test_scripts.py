@@ -57,3 +57,12 @@ def test_bench_witness_merge_quick(tmp_path):
 def test_hbm_traffic_quick(tmp_path):
     _run(["scripts/hbm_traffic.py", "--quick", "--out", str(tmp_path)], tmp_path)
     assert any(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_v4_cost_quick(tmp_path):
+    out = tmp_path / "v4_cost.md"
+    stdout = _run(["scripts/v4_cost.py", "--quick", "--markdown", str(out)], tmp_path)
+    text = out.read_text()
+    assert text in stdout.replace("\r", "") or text.strip() in stdout
+    assert "fp8 MODEL1" in text and "milestone 1" in text and "Flash CSA" in text

@@ -8,6 +8,10 @@ Tolerances (why):
   f64): ``BF16_TOL`` 1e-2 on the output, which is rounded to bf16 (2^-9 relative, twice on the
   Pallas path: each part, then the merge) and whose probabilities the kernel multiplies in bf16;
   the LSE stays f32 (``LSE_BF16_TOL`` 1e-3: bf16 products are exact in f32, the sums are f32).
+- fp8 MODEL1 caches (``Fp8V4Cache``): the oracle gets the dequantized cache (``v4_batches.
+  fp8_view``); both backends decode exactly those values (e4m3 times a power of two is exact in
+  bf16 and f32), so the f32 tolerances above hold, and the fused kernel equals the reference
+  within ``F32_TOL`` (f32 sums in another order).
 Both Pallas paths run in the strict interpreter (race detection, NaN-filled uninitialized memory,
 out-of-bounds reads raise). Every slot that must not be read holds NaN (``v4_batches``).
 """
@@ -54,15 +58,16 @@ def _ref(*args, **kw):
 
 
 def _pallas(*args, **kw):
-    return v4_attention(*args, **kw, interpret=True)
+    return v4_attention(*args, **kw, interpret=True, fused=False)
 
 
 def _fused(*args, **kw):
-    return v4_attention(*args, **kw, interpret=True, fused=True, tokens_per_block=16)
+    return v4_attention(*args, **kw, interpret=True, tokens_per_block=16)  # fused: the default
 
 
-# "pallas": milestone 1 (two MLA kernel calls merged in XLA); "fused": the one-kernel path with
-# small blocks (16 rows) so every row walks several blocks across the two sources.
+# "pallas": milestone 1 (two MLA kernel calls merged in XLA, fused=False); "fused": the
+# one-kernel path (the default) with small blocks (16 rows) so every row walks several blocks
+# across the two sources.
 BACKENDS = {"reference": _ref, "pallas": _pallas, "fused": _fused}
 
 
@@ -252,9 +257,10 @@ def test_layout_refuses_a_page_size_that_does_not_divide_the_window():
     with pytest.raises(LayoutError, match="compress_ratio=0 .window only. has no compressed"):
         V4Layout(compress_ratio=0, window_page_size=64, window_pages_per_seq=4,
                  compressed_page_size=64)
-    with pytest.raises(LayoutError, match="reserved for the MODEL1 fp8 cache"):
+    with pytest.raises(LayoutError, match=r"window_cache_format must be one of \('plain', "
+                                          r"'packed', 'fp8'\), got 'e5m2'"):
         V4Layout(compress_ratio=0, window_page_size=64, window_pages_per_seq=4,
-                 window_cache_format="fp8")
+                 window_cache_format="e5m2")
     with pytest.raises(LayoutError, match="head_dim=512"):
         V4Layout(compress_ratio=0, window_page_size=64, window_pages_per_seq=4, head_dim=576)
 
@@ -330,3 +336,130 @@ def test_model_dims_decode(heads, topk, kv, backend):
                       window_size=128, window_page_size=64, comp_page_size=64)
     out, lse = run(b, backend, sink=np.linspace(-2, 2, heads).astype(np.float32))
     check(out, lse, b, np.linspace(-2, 2, heads).astype(np.float32))
+
+
+# ----------------------------------------------------------------------------- fp8 caches
+
+
+def test_layout_serves_fp8_caches_and_warns_on_transposed_rope_page_sizes():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # 64 / 4 / 16 / 32: row-major rope arrays, no warning
+        lay = V4Layout(compress_ratio=4, window_page_size=64, window_pages_per_seq=2,
+                       compressed_page_size=32, compressed_pages_per_seq=2,
+                       window_cache_format="fp8", compressed_cache_format="fp8")
+    assert lay.cache_shape("window", 3) == (3, 64, 512)
+    x = np.zeros((3, 64, 512), np.float32)
+    cache = lay.to_cache(x, "window")
+    assert isinstance(cache, dsa_jax.Fp8V4Cache)
+    assert cache.nope.shape == (3, 64, 128) and cache.rope.shape == (3, 16, 128)
+    lay.check_cache("window.cache", cache, "window")
+    with pytest.raises(ValueError, match="declares compressed_cache_format='fp8'"):
+        lay.check_cache("compressed.cache", x[:, :32], "compressed")
+    with pytest.raises(ValueError, match=r"window.cache.nope must be \[..., num_pages, 64, "
+                                         r"128\]"):
+        lay.check_cache("window.cache", lay.to_cache(x[:, :32], "window"), "window")
+    with pytest.warns(dsa_jax.V4LayoutWarning, match=r"compressed_page_size=24: .*u32\[P, 6, "
+                                                     r"128\] transposed"):
+        V4Layout(compress_ratio=128, window_page_size=64, window_pages_per_seq=2,
+                 compressed_page_size=24, compressed_pages_per_seq=2,
+                 compressed_cache_format="fp8")
+
+
+def test_reference_reads_fp8_and_mixed_caches():
+    from v4_batches import fp8_view, to_fp8
+
+    b = fp8_view(batch("mixed", 4), which=("window",))  # fp8 window, plain compressed
+    args = (b.q, PagedKV(to_fp8(b.window[0]), *b.window[1:]), *b.args()[2:])
+    out, lse = v4_attention_ref(*args, sm_scale=SCALE, return_lse=True, **b.kwargs(sink=SINK))
+    check(out, lse, b, SINK)
+    kw = b.kwargs(sink=SINK)
+    for k in ("window_size", "compress_ratio", "window_pages_per_seq",
+              "compressed_pages_per_seq"):
+        kw.pop(k)
+    out2, lse2 = dsa_jax.v4_attention(*args, layout=_layout(b, window_cache_format="fp8"),
+                                      return_lse=True, backend="reference", validate=True, **kw)
+    np.testing.assert_array_equal(np.asarray(out2), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
+    bad = to_fp8(b.window[0])
+    bad = dsa_jax.Fp8V4Cache(bad.nope, bad.rope[:, :-1])
+    with pytest.raises(ValueError, match=r"window.cache.rope must have shape \(\d+, 1, 128\)"):
+        v4_attention_ref(b.q, PagedKV(bad, *b.window[1:]), *b.args()[2:], sm_scale=SCALE,
+                         **b.kwargs())
+
+
+def _fp8_run(b, backend, **kw):
+    from v4_batches import to_fp8
+
+    return run(b, backend, cast=to_fp8, **kw)
+
+
+def _assert_nan_words_everywhere_unread(b):
+    """The fp8 caches hold NaN bit patterns in unread records, in rope rows shared by a read
+    token and unread ones, and in every record's pad bytes (``v4_batches.to_fp8``)."""
+    from v4_batches import NAN_WORD, PAD_WORDS, to_fp8
+
+    for part in (b.window, b.compressed):
+        c = to_fp8(part[0])
+        nope, rope = np.asarray(c.nope), np.asarray(c.rope)
+        dead = (nope == NAN_WORD).all(axis=-1)
+        assert dead.any() and (~dead).any()
+        assert ((nope[..., PAD_WORDS] >> 24) == 0xFF).all()
+        quarters = rope.reshape(*rope.shape[:-1], 4, 32)
+        q_dead = (quarters == NAN_WORD).all(axis=-1)
+        assert (q_dead.any(axis=-1) & ~q_dead.all(axis=-1)).any()  # a row read and NaN
+
+
+@pytest.mark.kernel_gate
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_fp8_caches_match_the_reference_and_the_oracle(ratio):
+    """Both caches fp8 (``Fp8V4Cache``), sink on: the fused kernel in the strict interpreter
+    equals the reference (both decode the same values exactly; f32 sums in another order) and
+    both match the f64 oracle on the dequantized caches. Ratio 128 reads stacked caches at a
+    traced layer (the other layers noise)."""
+    from v4_batches import fp8_view
+
+    b = fp8_view(batch("mixed", ratio, seed=3))
+    _assert_nan_words_everywhere_unread(b)
+    run_b, layer = b, None
+    if ratio == 128:
+        def stack(x):
+            noise = np.random.default_rng(4).standard_normal((2, *x.shape)).astype(np.float32)
+            noise[1] = x
+            return noise
+
+        run_b = dataclasses.replace(b, window=(stack(b.window[0]), *b.window[1:]),
+                                    compressed=(stack(b.compressed[0]), *b.compressed[1:]))
+        layer = jnp.int32(1)
+    out, lse = _fp8_run(run_b, "fused", sink=SINK, layer=layer)
+    ref, ref_lse = _fp8_run(run_b, "reference", sink=SINK, layer=layer)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **F32_TOL)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), **F32_TOL)
+    check(out, lse, b, SINK)
+    check(ref, ref_lse, b, SINK)
+
+
+@pytest.mark.kernel_gate
+def test_fp8_caches_with_a_bf16_query():
+    from v4_batches import fp8_view
+
+    b = fp8_view(batch("prefill", 4, seed=2))
+    out, lse = _fp8_run(b, "fused", dtype=jnp.bfloat16, sink=SINK)
+    assert out.dtype == jnp.bfloat16
+    check(out, lse, rounded(b), SINK, tol=BF16_TOL, lse_tol=LSE_BF16_TOL)
+
+
+@pytest.mark.kernel_gate
+def test_fp8_refusals_name_the_formats():
+    from v4_batches import to_fp8
+
+    b = batch("mixed", 4)
+    fp8_w = PagedKV(to_fp8(b.window[0]), *b.window[1:])
+    kw = _kw(b)
+    with pytest.raises(NotImplementedError, match=r"window.cache fp8 \(Fp8V4Cache\) and "
+                                                  r"compressed.cache float32"):
+        v4_attention(b.q, fp8_w, *b.args()[2:], **kw, interpret=True)
+    with pytest.raises(NotImplementedError, match="window.cache is an fp8 Fp8V4Cache: "
+                                                  "milestone 1 .fused=False"):
+        v4_attention(b.q, fp8_w, *b.args()[2:], **kw, interpret=True, fused=False)

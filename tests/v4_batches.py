@@ -145,3 +145,49 @@ def make_v4_batch(seed, *, q_lens, kv_lens, heads=4, ratio=4, window_size=16,
     if ratio == 4:
         sel = compressed_topk(rng, rows, kv, ratio, k)
     return V4Batch(q, kv, cu_q, dist, window, comp, sel, window_size, ratio, wpp, cpp)
+
+
+NAN_WORD = 0xFFFFFFFF  # every byte 0xFF: e4m3 NaN codes, ue8m0 NaN scales, bf16 NaN rope halves
+
+
+PAD_WORDS = slice(71, 128)  # record bytes 455..511: byte 3 of words 71..127 (zero by format)
+
+
+def to_fp8(x):
+    """``f32[..., P, ps, 512]`` -> ``Fp8V4Cache`` quantized by ``quantize_v4_rows``, with NaN
+    bit patterns in every byte the kernels must not read: every word of a token that holds a
+    NaN (a slot that must not be read), every quarter of the rope array no token owns
+    (``NAN_WORD``), and the pad bytes of every record (0xFF: an e4m3 NaN code, on the lanes the
+    kernel replaces by the rope). Deterministic, and values are idempotent
+    (``to_fp8(dequantized(to_fp8(x)))`` holds the same values), so a cast of the dequantized
+    batch reproduces the cache."""
+    from reference import v4_cache as vc
+
+    x = np.asarray(x, np.float32)
+    words = np.array(vc.quantize_v4_rows(x))  # u32[..., P, ps, 160]
+    words[..., PAD_WORDS] |= np.uint32(0xFF000000)
+    words[np.isnan(x).any(axis=-1)] = NAN_WORD
+    *lead, ps, _ = words.shape
+    rope = np.full((*lead, vc.rope_rows(ps) * vc.ROPE_TOKENS_PER_ROW, vc.ROPE_WORDS), NAN_WORD,
+                   np.uint32)
+    rope[..., :ps, :] = words[..., vc.NOPE_WORDS:]
+    return vc.Fp8V4Cache(words[..., :vc.NOPE_WORDS].copy(),
+                         rope.reshape(*lead, vc.rope_rows(ps), vc.LANES))
+
+
+def dequantized(x):
+    """The f32 values ``to_fp8(x)`` holds (NaN where it wrote NaN words): the oracle's view."""
+    from reference import v4_cache as vc
+
+    return np.asarray(vc.dequantize_v4_cache(to_fp8(x)).astype(np.float32))
+
+
+def fp8_view(b, which=("window", "compressed")):
+    """``b`` with the named caches replaced by their dequantized values (pass ``cast=`` a cast
+    that applies ``to_fp8`` to those caches)."""
+    kw = {}
+    for name in which:
+        part = getattr(b, name)
+        if part is not None:
+            kw[name] = (dequantized(part[0]), *part[1:])
+    return dataclasses.replace(b, **kw)

@@ -1,5 +1,10 @@
-"""DeepSeek-V4 attention on TPU (Pallas), milestone 1: two calls of the token-mode sparse MLA
-gather kernel (``pallas_kernels.mla``), one per source, merged in XLA.
+"""DeepSeek-V4 attention on TPU (Pallas): the entry ``v4_attention``. By default (``fused=True``)
+it runs the one-kernel path (``pallas_kernels.v4.fused``: one online softmax over both sources,
+1.00x the minimum bytes per decode row by its model); ``fused=False`` runs milestone 1,
+described here: two calls of the token-mode sparse MLA gather kernel (``pallas_kernels.mla``),
+one per source, merged in XLA (1.43x at V4-Flash decode). Milestone 1 reads packed / plain
+caches only: an fp8 ``Fp8V4Cache`` is refused by name (NotImplementedError) and served by the
+fused path.
 
 Math: ``reference.v4_attention`` is the definition (one softmax over a row's window tokens
 ``max(0, p - W + 1) .. p`` and its visible compressed entries, K = V = the 512-dim row, the
@@ -23,14 +28,14 @@ two bf16 steps of the f32 result).
 
 Shapes: ``q f32|bf16[T, H, 512]``; caches ``f32[P, ps, 512]`` or packed ``u32[P, ps, 256]``
 (``reference.packed_cache``; a plain bf16 cache is packed per call by the MLA entry, a full copy:
-the documented slow path), stacked ``[L, ...]`` read in place at ``layer=``. Out
-``q.dtype[T, H, 512]``, LSE ``f32[T, H]``.
+the documented slow path), stacked ``[L, ...]`` read in place at ``layer=``; the fused path also
+reads ``Fp8V4Cache`` (``reference.v4_cache``). Out ``q.dtype[T, H, 512]``, LSE ``f32[T, H]``.
 
 Traffic per decode row (``traffic``): the window's ``W`` rows plus the selected entries, each
 one packed row (1024 B for 512 bf16 features: the minimum, no padding at D = 512), q read twice
 (once per call), two partial outputs written and read back by the merge (``compile_cases.
-v4_traffic``: 1.43x the minimum at V4-Flash decode). ``fused=True`` runs the one-kernel path
-(``pallas_kernels.v4.fused``: 1.00x by its model) instead.
+v4_traffic``: 1.43x the minimum at V4-Flash decode). The default ``fused=True`` runs the
+one-kernel path (``pallas_kernels.v4.fused``: 1.00x by its model) instead.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import numpy as np
 from pallas_kernels.mla import blocks as mla_blocks
 from pallas_kernels.mla import sparse_mla
 from pallas_kernels.v4.fused import DEFAULT_BLOCK, v4_attention_fused
-from reference import batch, stacked
+from reference import batch, stacked, v4_cache
 from reference import v4_attention as v4
 
 
@@ -68,7 +73,7 @@ def v4_attention(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array, cu_q_lens
                  attn_sink: jax.Array | None = None, return_lse: bool = False,
                  tokens_per_block: int | None = None,
                  blocks: mla_blocks.MlaBlocks | None = None,
-                 vmem_limit_bytes: int | None = None, interpret=False, fused: bool = False,
+                 vmem_limit_bytes: int | None = None, interpret=False, fused: bool = True,
                  layer=None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """DeepSeek-V4 attention (Pallas TPU); same semantics as ``reference.v4_attention_ref``.
 
@@ -76,12 +81,14 @@ def v4_attention(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array, cu_q_lens
       q .. layer: as ``reference.v4_attention.v4_attention_ref`` (q f32|bf16[T, H, 512], the
         window ``PagedKV`` in tokens, the compressed one in entries, kv_lens i32[S] tokens,
         compressed_indices i32[T, k] for ratio 4, attn_sink f32[H]).
-      tokens_per_block, blocks, vmem_limit_bytes: the MLA kernel's knobs
+      tokens_per_block, blocks, vmem_limit_bytes: fused: ``tokens_per_block`` (or
+        ``blocks.tokens_per_block``) cache rows per gathered block (default
+        ``fused.DEFAULT_BLOCK``); milestone 1: the MLA kernel's knobs
         (``pallas_kernels.mla.sparse_mla``), used by both calls.
       interpret: False (compile), True (the strict interpreter) or a ``pltpu.InterpretParams``.
-      fused: run the one-kernel path (``pallas_kernels.v4.fused``: one online softmax over
-        both sources, q read once, no partial outputs; no double buffer yet, see there) with
-        ``tokens_per_block`` rows per block (default ``fused.DEFAULT_BLOCK``).
+      fused: True (default): the one-kernel path (``pallas_kernels.v4.fused``: one online
+        softmax over both sources, q read once, no partial outputs; packed, f32 or fp8 caches,
+        both in one format). False: milestone 1 (module docstring; no fp8 caches).
 
     Returns:
       ``q.dtype[T, H, 512]``; with ``return_lse`` also the sink-free ``f32[T, H]``.
@@ -96,6 +103,12 @@ def v4_attention(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array, cu_q_lens
                                   attn_sink=attn_sink, return_lse=return_lse, block=block,
                                   vmem_limit_bytes=vmem_limit_bytes, interpret=interpret,
                                   layer=layer)
+    for name, kv in (("window.cache", window), ("compressed.cache", compressed)):
+        if kv is not None and isinstance(kv.cache, v4_cache.Fp8V4Cache):
+            raise NotImplementedError(
+                f"{name} is an fp8 Fp8V4Cache: milestone 1 (fused=False, the MLA kernel) reads "
+                f"packed bf16 or f32 caches only; the fused kernel (fused=True, the default) "
+                f"reads fp8 caches")
     w_one = stacked.resolve("window.cache", window.cache, layer).one
     c_one = None
     if compressed is not None:

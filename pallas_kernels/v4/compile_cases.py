@@ -2,9 +2,11 @@
 V4-Pro decode shapes, with the traffic model of one call (``v4_traffic``).
 
 Shapes: 64 decode rows, one per sequence of 8192 tokens, window 128 (pages of 64 tokens),
-packed bf16 caches (``u32[P, 64, 256]``), compressed pages of 64 entries; V4-Flash H=64 with
-the ratio-4 top-512 (CSA) and the ratio-128 layer (HCA: every visible entry, 64 at 8192);
-V4-Pro H=128 with top-1024.
+compressed pages of 64 entries; V4-Flash H=64 with the ratio-4 top-512 (CSA) and the ratio-128
+layer (HCA: every visible entry, 64 at 8192); V4-Pro H=128 with top-1024. Cache formats
+(``FORMATS``): packed bf16 (``u32[P, 64, 256]``, both paths) and fp8 MODEL1 (``Fp8V4Cache``:
+``nope u32[P, 64, 128]``, ``rope u32[P, 16, 128]``; the fused kernel only, milestone 1 refuses
+it).
 """
 
 from __future__ import annotations
@@ -19,8 +21,14 @@ from pallas_kernels.mla import blocks as mla_blocks
 from pallas_kernels.mla import kernel as mla_kernel
 from pallas_kernels.mla.traffic import PREP_BYTES_PER_ENTRY, mla_traffic
 from pallas_kernels.v4.attention import v4_attention
-from pallas_kernels.v4.fused import DEFAULT_BLOCK, INFO_WORDS, fused_traffic
-from reference import packed_cache
+from pallas_kernels.v4.fused import (
+    DEFAULT_BLOCK,
+    FP8_ROW_BYTES,
+    FP8_STORED_BYTES,
+    INFO_WORDS,
+    fused_traffic,
+)
+from reference import packed_cache, v4_cache
 from reference.cache_format import CacheFormat
 from reference.v4_attention import HEAD_DIM, PagedKV
 
@@ -30,19 +38,32 @@ WORDS = packed_cache.packed_words(HEAD_DIM)  # 256 u32 words: one bf16 row, no p
 SHAPES = (("flash_csa_decode64x8192_h64_k512", 64, 8192, 64, 4, 512),
           ("flash_hca_decode64x8192_h64", 64, 8192, 64, 128, None),
           ("pro_csa_decode64x8192_h128_k1024", 64, 8192, 128, 4, 1024))
+FORMATS = ("packed", "fp8")
 
 
-def specs(*, rows: int, context: int, heads: int, ratio: int, k: int | None):
+def _cache_spec(pages: int, fmt: str):
+    """A window / compressed cache struct of ``pages`` pages of ``PAGE`` rows in ``fmt``."""
+    sd = jax.ShapeDtypeStruct
+    if fmt == "fp8":
+        return v4_cache.Fp8V4Cache(sd((pages, PAGE, v4_cache.LANES), jnp.uint32),
+                                   sd((pages, v4_cache.rope_rows(PAGE), v4_cache.LANES),
+                                      jnp.uint32))
+    return sd((pages, PAGE, WORDS), jnp.uint32)
+
+
+def specs(*, rows: int, context: int, heads: int, ratio: int, k: int | None,
+          fmt: str = "packed"):
     """ShapeDtypeStructs of ``(q, window, kv_lens, cu_q_lens, distribution, compressed,
-    compressed_indices)`` (the last two ``None`` where the ratio takes none)."""
+    compressed_indices)`` (the last two ``None`` where the ratio takes none); both caches in
+    ``fmt`` (``FORMATS``)."""
     sd = jax.ShapeDtypeStruct
     w_pages = rows * (context // PAGE)
-    window = PagedKV(sd((w_pages, PAGE, WORDS), jnp.uint32), sd((w_pages,), jnp.int32),
+    window = PagedKV(_cache_spec(w_pages, fmt), sd((w_pages,), jnp.int32),
                      sd((rows + 1,), jnp.int32))
     comp = idx = None
     if ratio:
         c_pages = rows * -(-(context // ratio) // PAGE)
-        comp = PagedKV(sd((c_pages, PAGE, WORDS), jnp.uint32), sd((c_pages,), jnp.int32),
+        comp = PagedKV(_cache_spec(c_pages, fmt), sd((c_pages,), jnp.int32),
                        sd((rows + 1,), jnp.int32))
     if ratio == 4:
         idx = sd((rows, k), jnp.int32)
@@ -85,22 +106,31 @@ def v4_traffic(chip: str, *, rows: int, context: int, heads: int, ratio: int,
 
 
 def fused_v4_traffic(chip: str, *, rows: int, context: int, heads: int, ratio: int,
-                     k: int | None) -> aot.Traffic:
+                     k: int | None, fmt: str = "packed") -> aot.Traffic:
     """``fused.fused_traffic`` at a compile shape (every row gathers its whole window and
-    every selected / visible entry)."""
+    every selected / visible entry); fp8: 1024 B moved per gathered token (2 DMAs) against a
+    minimum of the 640 B stored per token."""
     del chip  # one block size on every chip
     entries = 0 if not ratio else (k if ratio == 4 else context // ratio)
     pages = rows * (context // PAGE) + (rows * -(-(context // ratio) // PAGE) if ratio else 1)
+    fp8 = fmt == "fp8"
     t = fused_traffic(rows=rows, heads=heads, gathered_rows=WINDOW + entries,
                       meta_words=k or 1, table_words=pages, block=DEFAULT_BLOCK,
-                      q_itemsize=2, row_bytes=4 * WORDS)
+                      q_itemsize=2, row_bytes=FP8_ROW_BYTES if fp8 else 4 * WORDS,
+                      min_row_bytes=FP8_STORED_BYTES if fp8 else 2 * HEAD_DIM, fp8=fp8)
     return aot.Traffic(t.bytes_moved + rows * INFO_WORDS * 4, t.bytes_min, t.flops,
                        t.vmem_bytes)  # + row_info written by XLA
 
 
-def compile_cases(fused: bool = False) -> list[aot.CompileCase]:
+def compile_cases(fused: bool = False, fmt: str = "packed") -> list[aot.CompileCase]:
     """One case per ``SHAPES`` entry (the chip picks the MLA blocks); ``fused``: the
-    one-kernel path (``v4_attention(..., fused=True)``)."""
+    one-kernel path (``v4_attention(..., fused=True)``); ``fmt``: both caches' format
+    (``FORMATS``; fp8 needs ``fused``)."""
+    if fmt not in FORMATS or (fmt == "fp8" and not fused):
+        raise ValueError(f"fmt must be one of {FORMATS} (fp8 only with fused=True), got "
+                         f"fmt={fmt!r}, fused={fused}")
+    kernel = ("v4_attention_fused" if fused else "v4_attention") + ("_fp8" if fmt == "fp8"
+                                                                    else "")
     cases = []
     for name, rows, context, heads, ratio, k in SHAPES:
         dims = dict(rows=rows, context=context, heads=heads, ratio=ratio, k=k)
@@ -113,8 +143,7 @@ def compile_cases(fused: bool = False) -> list[aot.CompileCase]:
             return lambda q, w, kv, cu, d, c, i: f(q, w, kv, cu, d, compressed=c,
                                                    compressed_indices=i)
 
-        traffic = fused_v4_traffic if fused else v4_traffic
-        cases.append(aot.CompileCase("v4_attention_fused" if fused else "v4_attention", name,
-                                     fn_for_chip, specs(**dims),
+        traffic = (functools.partial(fused_v4_traffic, fmt=fmt) if fused else v4_traffic)
+        cases.append(aot.CompileCase(kernel, name, fn_for_chip, specs(**dims, fmt=fmt),
                                      functools.partial(traffic, **dims), tags=("decode",)))
     return cases
