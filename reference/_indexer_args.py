@@ -74,3 +74,22 @@ def check_topk_args(arrays, *, k: int, k_name: str, pages_per_seq: int, one_toke
                             pages_per_seq=pages_per_seq)
     check_selection_args(k, recall_target, exact, num_segments, k_name=k_name, fill=fill,
                          refuse_full_overwrite=refuse_full_overwrite)
+
+
+INDEX_QUANTS = (None, "fp4_sim")
+INDEX_QUANT_DIM = 128  # the Hadamard rotation and the fp4 blocks of DeepSeek-V4's index heads
+
+
+def check_index_quant(index_quant, dim: int, cache_kv) -> None:
+    """Refuse an unknown ``index_quant``, or ``"fp4_sim"`` with a head dim other than 128 or
+    with an fp8 index cache (that cache is the other format), naming the values."""
+    if index_quant not in INDEX_QUANTS:
+        raise ValueError(f"index_quant must be one of {INDEX_QUANTS}, got {index_quant!r}")
+    if index_quant is None:
+        return
+    if dim != INDEX_QUANT_DIM:
+        raise ValueError(f"index_quant={index_quant!r} rotates the {INDEX_QUANT_DIM} index dims; "
+                         f"q.shape[2] (D) = {dim}")
+    if isinstance(cache_kv, fp8_cache.Fp8IndexCache):
+        raise ValueError(f"index_quant={index_quant!r} simulates FP4 on f32/bf16 keys; an fp8 "
+                         "index cache (Fp8IndexCache) is the other format")
