@@ -180,7 +180,8 @@ def window_indices(abs_pos, window_size: int):
 def visible_entries(abs_pos, compress_ratio: int):
     """``i32[T]``: compressed entries a row at ``abs_pos`` may see, ``(p + 1) // r`` (an entry
     is emitted when its group's last token arrives), at least 0."""
-    return jnp.maximum((abs_pos.astype(jnp.int32) + 1) // compress_ratio, 0)
+    return jnp.maximum(batch.entries_of_tokens(abs_pos.astype(jnp.int32) + 1, compress_ratio),
+                       0)
 
 
 def compressed_selection(abs_pos, compressed_indices, *, compress_ratio: int,
@@ -200,7 +201,7 @@ def compressed_selection(abs_pos, compressed_indices, *, compress_ratio: int,
 def compressed_lens(kv_lens, compress_ratio: int):
     """``i32[S]``: complete compressed entries per sequence, ``kv_len // r`` (tokens ->
     entries; at least 0)."""
-    return jnp.maximum(kv_lens.astype(jnp.int32), 0) // compress_ratio
+    return batch.entries_of_tokens(jnp.maximum(kv_lens.astype(jnp.int32), 0), compress_ratio)
 
 
 def finish(outs, lses, attn_sink, dtype, return_lse: bool):

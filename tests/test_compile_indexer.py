@@ -1,7 +1,9 @@
 """Compile gate of the Pallas indexer kernels: AOT Mosaic compiles (non-interpret) of both entries
-for v5e, v6e and tpu7x at the DeepSeek-V3.2 indexer shapes (H=64, D=128, page 64, k=2048), on a
-CPU-only machine (libtpu topologies). A failure names the chip, the shape and Mosaic's message.
-Also: the traffic model's decode shapes move <= 1.15x the minimum HBM bytes."""
+for v5e, v6e and tpu7x at the DeepSeek-V3.2 indexer shapes (H=64, D=128, page 64, k=2048) and at
+DeepSeek-V4's compressed-key indexer (``compression_ratio=4``, pages of 64 entries, k=512 Flash /
+1024 Pro; ``compile_cases.V4_SHAPES``), on a CPU-only machine (libtpu topologies). A failure
+names the chip, the shape and Mosaic's message. Also: the traffic model's decode shapes move
+<= 1.15x the minimum HBM bytes."""
 
 from __future__ import annotations
 
@@ -33,6 +35,16 @@ def test_decode_moves_at_most_115_percent_of_the_minimum_bytes(case, chip):
     assert t.ratio <= 1.15, (f"{case.kernel} {case.shape} on {chip}: moves {t.bytes_moved} B, "
                              f"minimum {t.bytes_min} B, ratio {t.ratio:.3f}")
     assert t.vmem_bytes < aot.chip_info(chip).vmem_capacity_bytes // 2
+
+
+def test_the_gate_holds_v4_flash_and_pro_compressed_key_cases():
+    v4 = [c for c in CASES if "v4" in c.tags]
+    assert {c.shape.split()[0] for c in v4} == {"V4-Flash", "V4-Pro"}
+    assert {"decode", "mixed"} <= {t for c in v4 for t in c.tags}
+    flash = next(c for c in v4 if c.shape.startswith("V4-Flash decode"))
+    assert flash.fn_for_chip("v6e").keywords["compression_ratio"] == icases.V4_RATIO == 4
+    assert flash.fn_for_chip("v6e").keywords["k"] == 512
+    assert flash.specs[2].shape == (64 * 32, 64, 128)  # 8192 tokens = 2048 entries = 32 pages
 
 
 def test_compile_error_names_chip_shape_and_mosaic_message():

@@ -1,6 +1,8 @@
 """AOT compile-gate cases of the indexer entries (``pallas_kernels.aot``): the DeepSeek-V3.2
 indexer shapes (H=64, D=128, pages of 64, k=2048 tokens or 32 pages), decode, long decode,
-prefill and a mixed batch, with the traffic model of the blocks each chip picks."""
+prefill and a mixed batch, with the traffic model of the blocks each chip picks; and the
+DeepSeek-V4 compressed-key indexer (``compression_ratio=4``: H=64, D=128, pages of 64 entries,
+k=512 Flash / 1024 Pro entries; ``V4_SHAPES``)."""
 
 from __future__ import annotations
 
@@ -27,13 +29,26 @@ GATE_SHAPES = {
 }
 GATE_HEADS, GATE_DIM, GATE_PAGE, GATE_K = 64, 128, 64, 2048
 
+# DeepSeek-V4's indexer: ratio-4 compressed keys, same heads and dim; pages of 64 entries
+# (256 tokens). name -> (q_lens, kv_lens in tokens, one_token_per_seq, k).
+V4_RATIO = 4
+V4_SHAPES = {
+    "V4-Flash decode 64x8192 (2048 entries) k=512": ([1] * 64, [8192] * 64, True, 512),
+    "V4-Pro decode 64x8192 (2048 entries) k=1024": ([1] * 64, [8192] * 64, True, 1024),
+    "V4-Flash mixed 60x1@8192 + 512@32768 k=512": ([1] * 60 + [512], [8192] * 60 + [32768],
+                                                   False, 512),
+    "V4-Pro prefill 2048@131072 (32768 entries) k=1024": ([2048], [131072], False, 1024),
+}
+
 
 def gate_specs(q_lens, kv_lens, *, key_dtype=jnp.bfloat16, heads=GATE_HEADS, dim=GATE_DIM,
-               page_size=GATE_PAGE, q_dtype=jnp.bfloat16) -> tuple[list, int]:
+               page_size=GATE_PAGE, q_dtype=jnp.bfloat16,
+               compression_ratio: int = 1) -> tuple[list, int]:
     """Argument specs of a batch (each sequence's capacity = its kv_len); ``pages_per_seq``.
-    ``key_dtype`` float8_e4m3fn: the cache is an ``Fp8IndexCache`` of specs."""
+    ``key_dtype`` float8_e4m3fn: the cache is an ``Fp8IndexCache`` of specs.
+    ``compression_ratio``: ``kv_lens`` in tokens, pages of ``page_size`` entries."""
     t, s = sum(q_lens), len(q_lens)
-    pps = -(-max(kv_lens) // page_size)
+    pps = -(-max(kv // compression_ratio for kv in kv_lens) // page_size)
     i32 = jnp.int32
     cache = jax.ShapeDtypeStruct((s * pps, page_size, dim), key_dtype)
     if jnp.dtype(key_dtype) == fp8.FP8_DTYPE:
@@ -98,6 +113,41 @@ def page_cases(quick: bool) -> list[aot.CompileCase]:
                       page_mode=True, quick=quick)
 
 
+def v4_cases(quick: bool) -> list[aot.CompileCase]:
+    """``streamindex_topk(compression_ratio=4)`` at ``V4_SHAPES`` with bf16 keys, plus the fp8
+    index cache at the Flash decode (quick: the long prefill is left out)."""
+    shapes = {name: v for name, v in V4_SHAPES.items()
+              if not (quick and name.startswith("V4-Pro prefill"))}
+    flash = next(iter(V4_SHAPES))
+    shapes[flash + " fp8 keys"] = V4_SHAPES[flash]
+    cases = []
+    for name, (q_lens, kv_lens, otp, k) in shapes.items():
+        key_dtype = fp8.FP8_DTYPE if "fp8 keys" in name else jnp.bfloat16
+        specs, pps = gate_specs(q_lens, kv_lens, key_dtype=key_dtype, compression_ratio=V4_RATIO)
+
+        def fn_for_chip(chip, pps=pps, otp=otp, k=k):
+            return functools.partial(streamindex_topk, k=k, pages_per_seq=pps,
+                                     one_token_per_seq=otp, compression_ratio=V4_RATIO,
+                                     chip=chip)
+
+        def model(chip, q_lens=q_lens, kv_lens=kv_lens, otp=otp, pps=pps, key_dtype=key_dtype,
+                  specs=specs):
+            compute, _, lanes = compute_dtypes(specs[0], specs[2], chip)
+            blocks = resolve_blocks(None, block_rows=None, block_pages=None, chip=chip,
+                                    one_token_per_seq=otp, pages_per_seq=pps,
+                                    page_size=GATE_PAGE, page_mode=False, mosaic=True)
+            return traffic(q_lens, kv_lens, heads=GATE_HEADS, dim=GATE_DIM, page_size=GATE_PAGE,
+                           pages_per_seq=pps, key_itemsize=jnp.dtype(key_dtype).itemsize,
+                           q_itemsize=compute.itemsize, scale_lanes=lanes, blocks=blocks,
+                           page_mode=False, one_token_per_seq=otp,
+                           compression_ratio=V4_RATIO)
+
+        tags = ("decode",) if otp else ("mixed",) if "mixed" in name else ("prefill",)
+        cases.append(aot.CompileCase("streamindex_topk r=4", name, fn_for_chip, specs, model,
+                                     tags + ("v4",)))
+    return cases
+
+
 def compile_cases(quick: bool) -> list[aot.CompileCase]:
-    """Every indexer compile case: token then page top-k."""
-    return token_cases(quick) + page_cases(quick)
+    """Every indexer compile case: token then page top-k, then the V4 compressed-key indexer."""
+    return token_cases(quick) + page_cases(quick) + v4_cases(quick)

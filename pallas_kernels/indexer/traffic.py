@@ -11,9 +11,13 @@ from pallas_kernels.tpu import LANES
 
 
 def replay_items(q_lens, kv_lens, *, row0: int, rows: int, total_rows: int,
-                 ladder: tuple[int, ...], page_size: int, capacity: int):
+                 ladder: tuple[int, ...], page_size: int, capacity: int,
+                 compression_ratio: int = 1):
     """Plain-Python replay of ``work_list`` for one chunk: per level, the real items'
-    ``(q row, rows n, pages needed)`` in grid order (the traffic model's and tests' view)."""
+    ``(q row, rows n, pages needed)`` in grid order (the traffic model's and tests' view).
+    ``kv_lens`` in tokens; ``compression_ratio = r``: pages and ``capacity`` hold entries, a
+    block whose last row sits at token ``p`` needs ``(p + 1) // r`` of them."""
+    r = compression_ratio
     top = ladder[-1]
     levels = [[] for _ in ladder]
     q0 = 0
@@ -23,10 +27,10 @@ def replay_items(q_lens, kv_lens, *, row0: int, rows: int, total_rows: int,
         blocks = [(len(ladder) - 1, lo + i * top) for i in range(full)]
         if rem:
             blocks.append((sum(rem > lvl for lvl in ladder), lo + full * top))
-        kv_eff = min(max(kl, 0), capacity)
+        kv_eff = min(max(kl, 0) // r, capacity)
         for i, a in blocks:
             n = min(ladder[i], hi - a)
-            last = min(max(kl - ql + (a - q0) + n, 0), kv_eff)
+            last = min(max((kl - ql + (a - q0) + n) // r, 0), kv_eff)
             levels[i].append((min(max(a, 0), total_rows - ladder[i]), n, -(-last // page_size)))
         q0 += ql
     return levels
@@ -35,7 +39,7 @@ def replay_items(q_lens, kv_lens, *, row0: int, rows: int, total_rows: int,
 def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_seq: int,
             key_itemsize: int, q_itemsize: int, blocks: IndexerBlocks, page_mode: bool,
             one_token_per_seq: bool, chunk_bytes: int = SCORE_CHUNK_BYTES,
-            scale_lanes: int = 0) -> aot.Traffic:
+            scale_lanes: int = 0, compression_ratio: int = 1) -> aot.Traffic:
     """HBM bytes, MXU flops and VMEM of the score kernel (and the page-score row map in XLA)
     for a batch of sequences ``(q_lens[i], kv_lens[i])``, replaying the work lists.
 
@@ -45,7 +49,9 @@ def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_
     Minimum: q and weights read once, each
     sequence's ``kv_len`` keys read once, scores written once. ``scale_lanes > 0``: an fp8
     cache, each fetched page also moves its f32 scale row of ``scale_lanes`` lanes (the
-    minimum counts 4 scale bytes per key: the GPU layout's 132 B per key)."""
+    minimum counts 4 scale bytes per key: the GPU layout's 132 B per key).
+    ``compression_ratio = r``: ``kv_lens`` stay tokens, keys are their ``kv_len // r`` entries
+    (``page_size`` / ``pages_per_seq`` in entries)."""
     total = sum(q_lens)
     cap = pages_per_seq * page_size
     width = pages_per_seq if page_mode else cap
@@ -59,7 +65,8 @@ def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_
     keys = flops = q_moved = out = 0
     for row0 in chunks:
         levels = replay_items(q_lens, kv_lens, row0=row0, rows=c, total_rows=total,
-                              ladder=ladder, page_size=page_size, capacity=cap)
+                              ladder=ladder, page_size=page_size, capacity=cap,
+                              compression_ratio=compression_ratio)
         for size, items in zip(ladder, levels, strict=True):
             qrows = [qr for qr, _, _ in items] or [0]
             fetches = 1 + sum(a != b for a, b in zip(qrows, qrows[1:], strict=False))
@@ -69,7 +76,8 @@ def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_
                 flops += 2 * size * heads * dim * pages * page_size
                 out += n * (page_cols if page_mode else cap) * 4
     min_key = key_row + (4 if scale_lanes else 0)
-    bytes_min = (total * heads * (dim * q_itemsize + 4) + sum(kl * min_key for kl in kv_lens)
+    keys_min = sum(kl // compression_ratio * min_key for kl in kv_lens)
+    bytes_min = (total * heads * (dim * q_itemsize + 4) + keys_min
                  + total * width * 4)
     vmem = vmem_estimate(block_rows=ladder[-1], block_pages=p_blk, num_heads=heads, dim=dim,
                          page_size=page_size, pages_per_seq=pages_per_seq,
