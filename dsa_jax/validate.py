@@ -65,15 +65,25 @@ def check_page_ids(b: batch.RaggedBatch) -> None:
 
 
 def check_capacity(b: batch.RaggedBatch) -> None:
-    """Rule 2: active ``kv_len`` within ``[0, capacity_tokens]``."""
-    kv_lens, cap = b.kv_lens, b.capacity_tokens
-    bad = b.active() & ((kv_lens > cap) | (kv_lens < 0))
+    """Rule 2: active ``kv_len`` within ``[0, capacity_tokens]`` (compressed keys: its
+    ``kv_len // r`` entries within the capacity in entries)."""
+    kv_lens, cap, r = b.kv_lens, b.capacity_tokens, b.compression_ratio
+    keys = batch.entries_of_tokens(kv_lens, r)
+    bad = b.active() & ((keys > cap) | (kv_lens < 0))
     i = _first(bad)
+    if r == 1:
+        checkify.check(~jnp.any(bad),
+                       "kv_len past capacity: sequence {seq} has kv_len={kv} tokens, "
+                       "capacity_tokens = pages_per_seq {pages} x page_size {ps} = {cap}",
+                       seq=i, kv=kv_lens[i], pages=jnp.int32(b.pages_per_seq),
+                       ps=jnp.int32(b.page_size), cap=jnp.int32(cap))
+        return
     checkify.check(~jnp.any(bad),
-                   "kv_len past capacity: sequence {seq} has kv_len={kv} tokens, capacity_tokens"
-                   " = pages_per_seq {pages} x page_size {ps} = {cap}",
-                   seq=i, kv=kv_lens[i], pages=jnp.int32(b.pages_per_seq),
-                   ps=jnp.int32(b.page_size), cap=jnp.int32(cap))
+                   "kv_len past capacity: sequence {seq} has kv_len={kv} tokens = {e} entries "
+                   "of compression_ratio {r}, capacity = pages_per_seq {pages} x page_size {ps} "
+                   "= {cap} entries", seq=i, kv=kv_lens[i], e=keys[i], r=jnp.int32(r),
+                   pages=jnp.int32(b.pages_per_seq), ps=jnp.int32(b.page_size),
+                   cap=jnp.int32(cap))
 
 
 def check_monotone(cu_q_lens, cu_kv_lens, *, page_size: int) -> None:
@@ -124,11 +134,15 @@ def check_distribution(num_rows: int, kv_lens, cu_q_lens, distribution) -> None:
 
 
 def check_batch(num_rows: int, kv_lens, page_indices, cu_q_lens, cu_kv_lens, distribution, *,
-                page_size: int, pages_per_seq: int, num_pages: int) -> None:
-    """All four rules (module docstring); call inside a ``checkify``-wrapped function."""
+                page_size: int, pages_per_seq: int, num_pages: int,
+                compression_ratio: int = 1) -> None:
+    """All four rules (module docstring); call inside a ``checkify``-wrapped function.
+    ``compression_ratio > 1``: the cache side counts entries (``reference.batch``), so rules 1-3
+    read pages and capacity in entries; ``kv_len`` (rule 4's ``q_len <= kv_len``) is tokens."""
     b = batch.RaggedBatch(*(jnp.asarray(x) for x in (kv_lens, page_indices, cu_q_lens,
                                                      cu_kv_lens, distribution)),
-                          page_size=page_size, pages_per_seq=pages_per_seq, num_pages=num_pages)
+                          page_size=page_size, pages_per_seq=pages_per_seq, num_pages=num_pages,
+                          compression_ratio=compression_ratio)
     check_monotone(b.cu_q_lens, b.cu_kv_lens, page_size=page_size)
     check_distribution(num_rows, b.kv_lens, b.cu_q_lens, b.distribution)
     check_capacity(b)

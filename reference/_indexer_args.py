@@ -46,12 +46,31 @@ def check_indexer_args(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, 
                          f"{num_rows} != len(seq_lens) (S) = {num_seqs}")
 
 
+def check_compression_ratio(compression_ratio, *, page_size: int, pages_per_seq: int) -> int:
+    """Refuse a ``compression_ratio`` that is not a Python int >= 1 (``TypeError`` /
+    ``ValueError``), or one whose token positions cannot be i32: the capacity of
+    ``pages_per_seq * page_size`` entries spans ``* r`` tokens, which must stay below ``2**31``
+    (the kernels compare ``(j + 1) * r <= p + 1`` in i32). Any page size is valid in entry
+    units (``reference.batch``: a page of entries spans whole groups). Returns ``r``."""
+    r = _checks.positive_int("compression_ratio", compression_ratio)
+    cap = pages_per_seq * page_size
+    if r > 1 and cap * r >= 2**31:
+        raise ValueError(f"compression_ratio={r} times the capacity of pages_per_seq "
+                         f"{pages_per_seq} x page_size {page_size} = {cap} entries is {cap * r} "
+                         f"tokens, past i32 positions (2**31)")
+    return r
+
+
 def check_topk_args(arrays, *, k: int, k_name: str, pages_per_seq: int, one_token_per_seq: bool,
                     num_segments: int, recall_target: float, exact: bool,
-                    fill: str = "tail", refuse_full_overwrite: bool = False) -> None:
+                    fill: str = "tail", refuse_full_overwrite: bool = False,
+                    compression_ratio: int = 1) -> None:
     """Every top-k entry's static checks (reference and Pallas, token and page): the indexer
     arguments ``arrays = (q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
-    distribution)``, then the selection statics (``k_name`` names the budget in messages)."""
+    distribution)``, the ``compression_ratio`` (``check_compression_ratio``), then the
+    selection statics (``k_name`` names the budget in messages)."""
     check_indexer_args(*arrays, pages_per_seq=pages_per_seq, one_token_per_seq=one_token_per_seq)
+    check_compression_ratio(compression_ratio, page_size=int(arrays[2].shape[-2]),
+                            pages_per_seq=pages_per_seq)
     check_selection_args(k, recall_target, exact, num_segments, k_name=k_name, fill=fill,
                          refuse_full_overwrite=refuse_full_overwrite)

@@ -21,6 +21,15 @@ Conventions (the seed's; see ``shared/SPEC.md``):
   ``capacity_tokens = pages_per_seq * page_size``.
 - ``page_indices`` is packed: sequence ``i``'s page *slots* start at
   ``cu_kv_lens[i] // page_size`` (a token count divided by tokens per page gives a slot).
+- Compressed keys (DeepSeek-V4's indexer, ``compression_ratio = r > 1``): the cache holds one
+  *entry* per group of ``r`` tokens, so the cache, ``page_indices``, ``cu_kv_lens``,
+  ``page_size`` and the capacity all count entries, while ``kv_lens`` and the rows' positions
+  stay in tokens. The two units meet in two functions only: ``entries_of_tokens`` (a sequence
+  of ``kv_len`` tokens holds ``kv_len // r`` complete entries) and ``last_visible_key`` (entry
+  ``j`` is visible to a query at token position ``p`` iff ``j < (p + 1) // r``: an entry exists
+  once its group's last token has arrived). ``r = 1`` is the token case, both identities. A page
+  of ``page_size`` entries spans ``page_size * r`` tokens: whole groups by construction, so in
+  entry units no page size is refused for not being a multiple of ``r``.
 
 Masking rules for runtime values jit cannot refuse (documented once, here):
 
@@ -40,6 +49,24 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+
+def entries_of_tokens(tokens, compression_ratio: int):
+    """Tokens -> compressed entries: the complete groups of ``r = compression_ratio`` tokens
+    among ``tokens`` (i32, any shape), ``tokens // r`` (floor). ``r = 1``: ``tokens`` itself."""
+    if compression_ratio == 1:
+        return tokens
+    return tokens // compression_ratio
+
+
+def last_visible_key(abs_pos, compression_ratio: int):
+    """The highest key index a query at absolute token position ``abs_pos`` (i32, any shape) may
+    see: ``abs_pos`` itself for tokens (``r = 1``, causal ``s <= p``), else the entry rule
+    ``j < (p + 1) // r``, i.e. ``entries_of_tokens(p + 1) - 1`` (``-1``: none yet). Every
+    causal mask and candidate count of the indexer reads a row's position through this."""
+    if compression_ratio == 1:
+        return abs_pos
+    return entries_of_tokens(abs_pos + 1, compression_ratio) - 1
 
 
 def capacity_tokens(page_size: int, pages_per_seq: int) -> int:
@@ -91,7 +118,9 @@ class RaggedBatch:
 
     ``kv_lens i32[S]``, ``page_indices i32[N]``, ``cu_q_lens i32[S+1]``, ``cu_kv_lens i32[S+1]``,
     ``distribution i32[3]`` as in the module docstring; ``page_size`` (tokens per page, read from
-    the cache's dim 1 by ``of``), ``pages_per_seq``, ``num_pages`` (the cache's dim 0)."""
+    the cache's dim 1 by ``of``), ``pages_per_seq``, ``num_pages`` (the cache's dim 0);
+    ``compression_ratio`` (static, default 1): tokens per key; above 1 the cache side counts
+    entries (module docstring) and ``kv_eff`` / ``key_pos`` convert."""
 
     kv_lens: jax.Array
     page_indices: jax.Array
@@ -101,16 +130,17 @@ class RaggedBatch:
     page_size: int
     pages_per_seq: int
     num_pages: int
+    compression_ratio: int = 1
 
     @classmethod
     def of(cls, cache, kv_lens, page_indices, cu_q_lens, cu_kv_lens, distribution, *,
-           pages_per_seq: int) -> RaggedBatch:
+           pages_per_seq: int, compression_ratio: int = 1) -> RaggedBatch:
         """The batch of a cache ``[num_pages, page_size, W]`` (or a stacked ``[L, num_pages,
         page_size, W]``, ``reference.stacked``) and the seed's metadata arrays."""
         num_pages, page_size = cache.shape[-3], cache.shape[-2]
         return cls(kv_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,
                    page_size=int(page_size), pages_per_seq=int(pages_per_seq),
-                   num_pages=int(num_pages))
+                   num_pages=int(num_pages), compression_ratio=int(compression_ratio))
 
     @property
     def arrays(self) -> tuple[jax.Array, ...]:
@@ -120,7 +150,8 @@ class RaggedBatch:
 
     @property
     def capacity_tokens(self) -> int:
-        """Per-sequence capacity in tokens (``pages_per_seq * page_size``)."""
+        """Per-sequence capacity in keys (``pages_per_seq * page_size``): tokens, or entries
+        when ``compression_ratio > 1``."""
         return capacity_tokens(self.page_size, self.pages_per_seq)
 
     @property
@@ -137,8 +168,14 @@ class RaggedBatch:
         return jnp.arange(self.num_seqs) < self.num_active()
 
     def kv_eff(self, seq) -> jax.Array:
-        """Effective kv length ``min(kv_len, capacity_tokens)`` (at least 0) of ``seq``."""
-        return jnp.clip(self.kv_lens[seq], 0, self.capacity_tokens)
+        """Effective kv length ``min(kv_len, capacity_tokens)`` (at least 0) of ``seq``, in keys:
+        ``kv_len`` tokens hold ``entries_of_tokens(kv_len)`` keys."""
+        keys = entries_of_tokens(self.kv_lens[seq], self.compression_ratio)
+        return jnp.clip(keys, 0, self.capacity_tokens)
+
+    def key_pos(self, abs_pos) -> jax.Array:
+        """The last key a row at token position ``abs_pos`` may see (``last_visible_key``)."""
+        return last_visible_key(abs_pos, self.compression_ratio)
 
     def first_slot(self, seq) -> jax.Array:
         """The page-table slot of ``seq``'s first page: ``cu_kv_lens[seq] // page_size`` (a
@@ -186,7 +223,7 @@ class RaggedBatch:
 jax.tree_util.register_dataclass(
     RaggedBatch, data_fields=["kv_lens", "page_indices", "cu_q_lens", "cu_kv_lens",
                               "distribution"],
-    meta_fields=["page_size", "pages_per_seq", "num_pages"])
+    meta_fields=["page_size", "pages_per_seq", "num_pages", "compression_ratio"])
 
 
 def gather_pages(cache: jax.Array, page_ids: jax.Array) -> jax.Array:

@@ -65,8 +65,11 @@ def window_ladder(num_rows: int, capacity: int) -> tuple[int, ...]:
     return tuple(ladder) + (1,)
 
 
-# finish(scores f32[w, cap], token_ok bool[w, cap], abs_pos i32[w], kv_len i32) -> i32[w, width]
-# (kv_len is the effective length min(kv_len, capacity_tokens))
+# finish(scores f32[w, cap], token_ok bool[w, cap], key_pos i32[w], kv_len i32) -> i32[w, width]
+# key_pos: each row's last visible key (``batch.last_visible_key``: its absolute position for
+# tokens, ``(p + 1) // r - 1`` for compressed entries); kv_len the effective length in keys,
+# ``min(entries_of_tokens(kv_len), capacity)``. So ``min(key_pos + 1, kv_len)`` counts a row's
+# candidates in either unit.
 Finish = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
@@ -95,19 +98,22 @@ def scaled_scores(q, w, keys, key_scale) -> jax.Array:
 
 
 def _score_window(width_rows, q, w, keys, key_scale, pages, start, q_start, q_end, kv_len, out,
-                  finish: Finish):
+                  finish: Finish, compression_ratio: int = 1):
     """Score rows ``[start, start + width_rows)`` (clamped into ``[0, T)``) of one sequence and
-    write the rows that lie in ``[start, q_end)`` into ``out``."""
+    write the rows that lie in ``[start, q_end)`` into ``out``. ``kv_len``: the sequence's
+    length in tokens (row positions are tokens; keys are entries when ``compression_ratio >
+    1``, ``reference.batch``)."""
     num_rows = q.shape[0]
     s0 = jnp.clip(start, 0, num_rows - width_rows)
     rows = s0 + jnp.arange(width_rows, dtype=jnp.int32)
     q_w = jax.lax.dynamic_slice_in_dim(q, s0, width_rows, axis=0)
     w_w = jax.lax.dynamic_slice_in_dim(w, s0, width_rows, axis=0)
     abs_pos = kv_len - (q_end - q_start) + (rows - q_start)
+    key_pos = batch.last_visible_key(abs_pos, compression_ratio)
     cap = pages.token_ok.shape[0]
-    causal = jnp.arange(cap, dtype=jnp.int32)[None, :] <= abs_pos[:, None]
+    causal = jnp.arange(cap, dtype=jnp.int32)[None, :] <= key_pos[:, None]
     token_ok = pages.token_ok[None, :] & causal
-    sel = finish(scaled_scores(q_w, w_w, keys, key_scale), token_ok, abs_pos, pages.kv_len)
+    sel = finish(scaled_scores(q_w, w_w, keys, key_scale), token_ok, key_pos, pages.kv_len)
     mine = (rows >= start) & (rows < q_end)
     old = jax.lax.dynamic_slice_in_dim(out, s0, width_rows, axis=0)
     return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine[:, None], sel, old), s0, 0)
@@ -115,16 +121,19 @@ def _score_window(width_rows, q, w, keys, key_scale, pages, start, q_start, q_en
 
 def score_and_select(q, weights, cache, kv_lens, page_indices, cu_q_lens, cu_kv_lens,
                      distribution, *, pages_per_seq: int, out_width: int,
-                     one_token_per_seq: bool, finish: Finish, layer=None) -> jax.Array:
+                     one_token_per_seq: bool, finish: Finish, layer=None,
+                     compression_ratio: int = 1) -> jax.Array:
     """Drive ``finish`` over every active sequence's rows; rows outside stay ``-1``.
-    ``layer``: which layer of a stacked ``cache`` to read (``reference.stacked``).
+    ``layer``: which layer of a stacked ``cache`` to read (``reference.stacked``);
+    ``compression_ratio``: the cache's keys are entries of that many tokens
+    (``reference.batch``; ``kv_lens`` stay tokens).
 
     Returns i32[T, out_width].
     """
     num_rows = q.shape[0]
     page_indices = stacked.mask_table(page_indices, stacked.resolve("cache", cache, layer))
     b = batch.RaggedBatch.of(cache, kv_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,
-                             pages_per_seq=pages_per_seq)
+                             pages_per_seq=pages_per_seq, compression_ratio=compression_ratio)
     num_seqs = b.num_seqs
     n_active = b.num_active()
     out = jnp.full((num_rows, out_width), -1, dtype=jnp.int32)
@@ -143,7 +152,7 @@ def score_and_select(q, weights, cache, kv_lens, page_indices, cu_q_lens, cu_kv_
         branches = [
             lambda start, out, wr=wr: _score_window(wr, q, weights, keys, key_scale, pages,
                                                     start, q_start, q_end, kv_lens[seq_id], out,
-                                                    finish)
+                                                    finish, compression_ratio)
             for wr in ladder
         ]
 

@@ -11,7 +11,7 @@ from reference import index_scores, selection, stacked
 from reference._indexer_args import check_topk_args
 
 _STATICS = ("k", "pages_per_seq", "one_token_per_seq", "num_segments", "fill",
-            "refuse_full_overwrite", "recall_target", "exact")
+            "refuse_full_overwrite", "recall_target", "exact", "compression_ratio")
 
 
 @stacked.checks_layer(cache_pos=2)
@@ -22,7 +22,8 @@ def streamindex_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, 
                          one_token_per_seq: bool = False, num_segments: int = 0,
                          fill: str = "tail", refuse_full_overwrite: bool = False,
                          recall_target: float = selection.DEFAULT_RECALL_TARGET,
-                         exact: bool = False, layer=None) -> jax.Array:
+                         exact: bool = False, compression_ratio: int = 1,
+                         layer=None) -> jax.Array:
     """Lightning-indexer token top-k over a ragged paged batch.
 
     Shapes: ``q``: f32|bf16[T, H, D] indexer query heads; ``weights``: f32|bf16[T, H] per-head
@@ -46,25 +47,35 @@ def streamindex_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, 
       refuse_full_overwrite: opt-in guard, ValueError when ``num_segments >= k``
         (``reference.witnesses.check_witness_policy`` gives the reason).
       recall_target, exact: selection mode (see ``reference.selection``).
+      compression_ratio: static ``r >= 1``. ``1``: keys are tokens (DeepSeek-V3.2). ``r > 1``
+        (DeepSeek-V4's indexer, ``r = 4``): keys are compressed entries, one per group of ``r``
+        tokens; ``cache_kv``, ``page_indices``, ``cu_kv_lens``, ``page_size`` and the capacity
+        ``pages_per_seq * page_size`` count entries, ``seq_lens`` stays in tokens; a sequence
+        holds ``seq_len // r`` entries and entry ``j`` is a candidate of a row at token
+        position ``p`` iff ``j < (p + 1) // r`` (``reference.batch.last_visible_key``); the
+        witnesses' context length is that visible entry count. Refused
+        (``_indexer_args.check_compression_ratio``): not an int >= 1, or a capacity whose
+        tokens pass i32.
 
     Returns:
-      i32[T, k]: sequence-local token offsets by descending score, ``-1`` padding in the tail;
-      rows outside every sequence are all ``-1``.
+      i32[T, k]: sequence-local token offsets (entry numbers when ``compression_ratio > 1``) by
+      descending score, ``-1`` padding in the tail; rows outside every sequence are all ``-1``.
     """
     one_layer = stacked.resolve("cache_kv", cache_kv, layer).one
     check_topk_args((q, weights, one_layer, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                      distribution), k=k, k_name="k", pages_per_seq=pages_per_seq,
                     one_token_per_seq=one_token_per_seq, num_segments=num_segments,
                     fill=fill, refuse_full_overwrite=refuse_full_overwrite,
-                    recall_target=recall_target, exact=exact)
+                    recall_target=recall_target, exact=exact,
+                    compression_ratio=compression_ratio)
 
-    def finish(scores, token_ok, abs_pos, kv_len):
+    def finish(scores, token_ok, key_pos, kv_len):  # key_pos, kv_len: keys (index_scores)
         scores = jnp.where(token_ok, scores, selection.NEG_INF)
-        return selection.select_and_merge(scores, k, selection.causal_token_count(abs_pos, kv_len),
+        return selection.select_and_merge(scores, k, selection.causal_token_count(key_pos, kv_len),
                                           recall_target=recall_target, exact=exact,
                                           num_segments=num_segments, fill=fill)
 
     return index_scores.score_and_select(
         q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,
         pages_per_seq=pages_per_seq, out_width=k, one_token_per_seq=one_token_per_seq,
-        finish=finish, layer=layer)
+        finish=finish, layer=layer, compression_ratio=compression_ratio)

@@ -11,7 +11,7 @@ from reference import index_scores, selection, stacked
 from reference._indexer_args import check_topk_args
 
 _STATICS = ("k_pages", "pages_per_seq", "one_token_per_seq", "num_segments", "fill",
-            "refuse_full_overwrite", "recall_target", "exact")
+            "refuse_full_overwrite", "recall_target", "exact", "compression_ratio")
 
 
 def page_max(scores: jax.Array, token_ok: jax.Array, page_size: int) -> jax.Array:
@@ -37,7 +37,8 @@ def streamindex_page_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Ar
                               num_segments: int = 0, fill: str = "tail",
                               refuse_full_overwrite: bool = False,
                               recall_target: float = selection.DEFAULT_RECALL_TARGET,
-                              exact: bool = False, layer=None) -> jax.Array:
+                              exact: bool = False, compression_ratio: int = 1,
+                              layer=None) -> jax.Array:
     """Page-level lightning-indexer top-k over a ragged paged batch.
 
     Shapes: ``q``: f32|bf16[T, H, D]; ``weights``: f32|bf16[T, H]; ``cache_kv``: f32|bf16[num_pages,
@@ -48,7 +49,8 @@ def streamindex_page_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Ar
     tokens; then the selection stage over the sequence's ``pages_per_seq`` pages. Witnesses
     (``num_segments > 0``) use the row's causal page count as its context length; ``fill``
     and ``refuse_full_overwrite`` as ``streamindex_topk_ref`` (the guard compares with
-    ``k_pages``).
+    ``k_pages``). ``compression_ratio`` as ``streamindex_topk_ref``: with ``r > 1`` pages hold
+    entries and a page's score is the max over its visible entries.
 
     Returns:
       i32[T, k_pages]: sequence-local page numbers by descending page score, ``-1`` padding;
@@ -59,16 +61,17 @@ def streamindex_page_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Ar
                      distribution), k=k_pages, k_name="k_pages", pages_per_seq=pages_per_seq,
                     one_token_per_seq=one_token_per_seq, num_segments=num_segments,
                     fill=fill, refuse_full_overwrite=refuse_full_overwrite,
-                    recall_target=recall_target, exact=exact)
+                    recall_target=recall_target, exact=exact,
+                    compression_ratio=compression_ratio)
     page_size = cache_kv.shape[-2]
 
-    def finish(scores, token_ok, abs_pos, kv_len):
+    def finish(scores, token_ok, key_pos, kv_len):  # key_pos, kv_len: keys (index_scores)
         return selection.select_and_merge(
             page_max(scores, token_ok, page_size), k_pages,
-            causal_page_count(abs_pos, kv_len, page_size), recall_target=recall_target,
+            causal_page_count(key_pos, kv_len, page_size), recall_target=recall_target,
             exact=exact, num_segments=num_segments, fill=fill)
 
     return index_scores.score_and_select(
         q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,
         pages_per_seq=pages_per_seq, out_width=k_pages, one_token_per_seq=one_token_per_seq,
-        finish=finish, layer=layer)
+        finish=finish, layer=layer, compression_ratio=compression_ratio)

@@ -92,6 +92,8 @@ def select_topk_scored(scores: jax.Array, k: int, *,
 
 def causal_token_count(abs_pos: jax.Array, kv_len: jax.Array) -> jax.Array:
     """A row's causal candidate count in tokens: ``min(abs_pos + 1, kv_len)``, clipped at 0.
+    In keys generally: ``abs_pos`` the row's last visible key and ``kv_len`` the keys that
+    exist (compressed entries: ``reference.batch.last_visible_key`` / ``kv_eff``).
 
     The witness context length of token top-k (and, in pages, of page top-k)."""
     return jnp.clip(jnp.minimum(abs_pos + 1, kv_len), 0, None)

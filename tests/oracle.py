@@ -51,10 +51,18 @@ def token_keys(seq, cache, kv_lens, page_indices, cu_kv_lens, pages_per_seq):
 
 
 def token_candidates(q, weights, cache, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
-                     distribution, pages_per_seq):
-    """Per row: ``{offset: f64 score}`` of its causal candidates, or None outside sequences."""
+                     distribution, pages_per_seq, compression_ratio=1):
+    """Per row: ``{offset: f64 score}`` of its causal candidates, or None outside sequences.
+
+    ``compression_ratio = r > 1`` (DeepSeek-V4's indexer, SPEC "DeepSeek-V4 attention"): the
+    cache, page table and ``cu_kv_lens`` hold compressed entries, one per group of ``r`` tokens;
+    ``seq_lens`` stays in tokens. A sequence of ``L`` tokens has ``L // r`` complete entries and
+    entry ``j`` is a candidate of the row at token position ``p`` iff ``j < (p + 1) // r`` (an
+    entry exists once its group's last token has arrived). ``r = 1``: tokens, ``s <= p``."""
     q, w = _f64(q), _f64(weights)
     rows = row_sequences(q.shape[0], cu_q_lens, seq_lens, distribution)
+    r_ = int(compression_ratio)
+    entry_lens = [max(int(x), 0) // r_ for x in np.asarray(seq_lens)]
     cached = {}
     out = []
     for r, rs in enumerate(rows):
@@ -63,12 +71,13 @@ def token_candidates(q, weights, cache, seq_lens, page_indices, cu_q_lens, cu_kv
             continue
         seq, abs_pos = rs
         if seq not in cached:
-            cached[seq] = token_keys(seq, cache, seq_lens, page_indices, cu_kv_lens,
+            cached[seq] = token_keys(seq, cache, entry_lens, page_indices, cu_kv_lens,
                                      pages_per_seq)
         keys = cached[seq]
+        visible = (abs_pos + 1) // r_  # keys 0 .. visible - 1 (r = 1: s <= abs_pos)
         cand = {}
         for s, key in keys.items():
-            if s <= abs_pos:
+            if s < visible:
                 cand[s] = float(np.sum(w[r] * np.maximum(q[r] @ key, 0.0)))
         out.append(cand)
     return out
@@ -130,11 +139,12 @@ def check_topk_rows(idx, cands, k, *, rtol=1e-4, what="row"):
                                  f"selected minimum {min(vals)}")
 
 
-def check_token_topk(idx, batch, k, *, rtol=1e-4, **overrides):
+def check_token_topk(idx, batch, k, *, rtol=1e-4, compression_ratio=1, **overrides):
     """Check a token top-k result against ``batch`` (a ``SyntheticBatch``; any field, e.g.
-    ``q`` cast to bf16 or a corrupted ``page_indices``, may be overridden by keyword)."""
+    ``q`` cast to bf16 or a corrupted ``page_indices``, may be overridden by keyword);
+    ``compression_ratio`` as ``token_candidates`` (the batch's cache then holds entries)."""
     b = dataclasses.replace(batch, **overrides)
-    cands = token_candidates(*b.args(), b.pages_per_seq)
+    cands = token_candidates(*b.args(), b.pages_per_seq, compression_ratio)
     check_topk_rows(idx, cands, k, rtol=rtol, what="token row")
 
 

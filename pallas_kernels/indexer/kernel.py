@@ -47,6 +47,9 @@ Design.
 - Compute per stage: ``[L*H, D] x [P*page, D]^T -> f32`` on the MXU, relu, times the weight
   column, sum over heads -> ``[L, P*page]``; mask ``token <= abs_pos(row)``, ``token <
   kv_len``, page fetched; non-candidates become ``-inf`` (``where`` drops NaN keys).
+  Compressed keys (``compression_ratio = r > 1``, ``reference.batch``): the pages hold entries,
+  ``kv_len`` counts entries (the work list converts), positions stay tokens, and the causal
+  mask is the entry rule ``j < (p + 1) // r``, written ``(j + 1) * r <= p + 1`` (no division).
 - Token mode: the stage's scores go to a ``[L, capacity]`` VMEM row buffer (double-buffered
   across items); stages past the item's last needed block are filled with ``-inf``; then the
   item's rows are DMAed to the HBM output, one DMA per row. Page mode: per-page maxima go into
@@ -105,6 +108,7 @@ class ScoreConfig:
     chip: str | None = None  # the VMEM cap's chip (``tpu.vmem_limit``)
     scale_lanes: int = 0  # fp8 index cache: lanes of a page's scale row (0: no key scales)
     num_layers: int = 1  # L of the stacked cache the kernel reads in place
+    compression_ratio: int = 1  # r: keys are entries of r tokens (``reference.batch``)
 
     @property
     def capacity(self) -> int:
@@ -134,7 +138,7 @@ class ScoreConfig:
 
 def make_configs(q, cache_kv, *, rows: int, num_seqs: int, pages_per_seq: int,
                  blocks: IndexerBlocks, page_mode: bool, one_token_per_seq: bool,
-                 chip: str | None = None) -> list[ScoreConfig]:
+                 chip: str | None = None, compression_ratio: int = 1) -> list[ScoreConfig]:
     """Static configs of one chunk of ``rows`` query rows: one per ladder level, ascending.
     ``cache_kv``: the stacked cache ``[L, P, ps, D]`` (``reference.stacked``) or one layer.
     """
@@ -148,7 +152,8 @@ def make_configs(q, cache_kv, *, rows: int, num_seqs: int, pages_per_seq: int,
                         num_items=level_bound(ladder, i, rows, num_seqs), heads=heads, dim=dim,
                         page_size=page_size, pages_per_seq=pages_per_seq, num_pages=num_pages,
                         compute_dtype=compute, key_dtype=key_dtype, chip=chip,
-                        scale_lanes=lanes, num_layers=num_layers)
+                        scale_lanes=lanes, num_layers=num_layers,
+                        compression_ratio=compression_ratio)
             for i, size in enumerate(ladder)]
 
 
@@ -255,7 +260,9 @@ def _stage_scores(cfg: ScoreConfig, q, wcol, keys, scales, blk, pos0, kv_eff, pa
         fetched = fetched | ((lane // cfg.page_size == p) & page_ok[p])
     tok = blk * nb + lane
     pos = pos0 + jax.lax.broadcasted_iota(jnp.int32, (cfg.block_rows, 1), 0)
-    ok = fetched & (tok < kv_eff) & (tok <= pos)
+    r = cfg.compression_ratio  # entry j visible iff j < (p + 1) // r, division-free:
+    visible = (tok <= pos) if r == 1 else ((tok + 1) * r <= pos + 1)
+    ok = fetched & (tok < kv_eff) & visible
     return jnp.where(ok, s, NEG_INF)
 
 

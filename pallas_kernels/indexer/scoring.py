@@ -33,16 +33,19 @@ def select_rows(q, weights, cache_kv, meta, *, k: int, page_mode: bool, pages_pe
                 one_token_per_seq: bool, num_segments: int, fill: str, recall_target: float,
                 exact: bool,
                 blocks: IndexerBlocks, chip: str | None, chunk_bytes: int,
-                vmem_limit_bytes: int | None, interpret, layer=None) -> jax.Array:
+                vmem_limit_bytes: int | None, interpret, layer=None,
+                compression_ratio: int = 1) -> jax.Array:
     """The token and page top-k entries after their checks: score in chunks, then select ``k``
-    per row with the row's causal context (tokens, or pages in page mode) as the witnesses'
+    per row with the row's causal context (keys, or pages in page mode) as the witnesses'
     context length; rows outside every sequence all ``-1``. ``meta``: the five batch arrays;
-    ``layer``: the layer of a stacked ``cache_kv`` to read (``reference.stacked``)."""
-    b = batch.RaggedBatch.of(cache_kv, *meta, pages_per_seq=pages_per_seq)
+    ``layer``: the layer of a stacked ``cache_kv`` to read (``reference.stacked``);
+    ``compression_ratio``: keys are entries of that many tokens (``reference.batch``)."""
+    b = batch.RaggedBatch.of(cache_kv, *meta, pages_per_seq=pages_per_seq,
+                             compression_ratio=compression_ratio)
 
-    def finish(scores, row_ok, abs_pos, kv_eff):
-        context = (causal_page_count(abs_pos, kv_eff, b.page_size) if page_mode
-                   else selection.causal_token_count(abs_pos, kv_eff))
+    def finish(scores, row_ok, key_pos, kv_eff):  # keys: work_list's per-row facts
+        context = (causal_page_count(key_pos, kv_eff, b.page_size) if page_mode
+                   else selection.causal_token_count(key_pos, kv_eff))
         idx = selection.select_and_merge(scores, k, jnp.where(row_ok, context, 0),
                                          recall_target=recall_target, exact=exact,
                                          num_segments=num_segments, fill=fill)
@@ -59,8 +62,10 @@ def score_and_select(q, weights, cache_kv, b: batch.RaggedBatch, *, one_token_pe
                      vmem_limit_bytes: int | None, interpret, out_width: int, out_dtype,
                      finish, chip: str | None = None, layer=None) -> jax.Array:
     """Score the rows in chunks of ``C`` rows (one kernel call each, inside a ``fori_loop``) and
-    hand each chunk to ``finish(scores f32[C, N], row_ok bool[C], abs_pos i32[C],
-    kv_eff i32[C]) -> [C, out_width]``. Rows outside every sequence get ``-inf`` scores.
+    hand each chunk to ``finish(scores f32[C, N], row_ok bool[C], key_pos i32[C],
+    kv_eff i32[C]) -> [C, out_width]`` (``key_pos``: the row's last visible key, its absolute
+    position for tokens; ``kv_eff``: its sequence's keys; ``work_list``). Rows outside every
+    sequence get ``-inf`` scores.
     ``cache_kv`` is one layer, or a stacked cache read in place at ``layer``
     (``reference.stacked``: the kernel gets the stack and the layer as a scalar)."""
     read = stacked.resolve("cache_kv", cache_kv, layer)
@@ -70,7 +75,8 @@ def score_and_select(q, weights, cache_kv, b: batch.RaggedBatch, *, one_token_pe
     c = chunk_rows(total_rows, width, blocks.block_rows, chunk_bytes)
     cfgs = make_configs(q, cache_kv, rows=c, num_seqs=b.num_seqs, pages_per_seq=pages_per_seq,
                         blocks=blocks, page_mode=page_mode,
-                        one_token_per_seq=one_token_per_seq, chip=chip)
+                        one_token_per_seq=one_token_per_seq, chip=chip,
+                        compression_ratio=b.compression_ratio)
     table = tpu.smem_page_table(b.page_indices)
     q_in = q.astype(cfgs[0].compute_dtype)  # a no-op unless q and keys differ in dtype
     wcol = weights.astype(jnp.float32).reshape(total_rows, q.shape[1], 1)

@@ -21,11 +21,12 @@ import jax.numpy as jnp
 from pallas_kernels.indexer.blocks import IndexerBlocks, check_kernel_knobs, entry_blocks
 from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, score_and_select, select_rows
 from reference import batch, selection, stacked
-from reference._indexer_args import check_indexer_args, check_topk_args
+from reference._indexer_args import check_compression_ratio, check_indexer_args, check_topk_args
 
 _STATICS = ("k", "pages_per_seq", "one_token_per_seq", "num_segments", "fill",
             "refuse_full_overwrite", "recall_target", "exact", "block_rows", "block_pages",
-            "blocks", "chip", "score_chunk_bytes", "vmem_limit_bytes", "interpret")
+            "blocks", "chip", "score_chunk_bytes", "vmem_limit_bytes", "interpret",
+            "compression_ratio")
 
 
 @stacked.checks_layer(cache_pos=2)
@@ -40,7 +41,7 @@ def streamindex_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, seq_
                      blocks: IndexerBlocks | None = None, chip: str | None = None,
                      score_chunk_bytes: int = SCORE_CHUNK_BYTES,
                      vmem_limit_bytes: int | None = None, interpret=False,
-                     layer=None) -> jax.Array:
+                     compression_ratio: int = 1, layer=None) -> jax.Array:
     """Token top-k of the lightning indexer over a ragged paged batch (Pallas scores).
 
     Shapes: ``q``: f32|bf16[T, H, D] indexer query heads; ``weights``: f32|bf16[T, H] per-head
@@ -65,17 +66,22 @@ def streamindex_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, seq_
       vmem_limit_bytes: Mosaic VMEM limit; ``None`` -> ``tpu.vmem_limit`` (one policy).
       interpret: False (compile), True (the strict interpreter, ``tpu.interpret_params``) or a
         ``pltpu.InterpretParams``.
+      compression_ratio: as ``streamindex_topk_ref`` (``r > 1``: the cache, page table,
+        ``cu_kv_lens`` and ``page_size`` count compressed entries, ``seq_lens`` tokens; entry
+        ``j`` visible iff ``j < (p + 1) // r``). The kernel is the same; its causal mask takes
+        the entry rule and the work list converts lengths (``pallas_kernels.indexer.kernel``).
 
     Returns:
-      i32[T, k]: sequence-local token offsets by descending score, ``-1`` padding in the tail;
-      rows outside every sequence all ``-1``.
+      i32[T, k]: sequence-local token offsets (entry numbers when ``compression_ratio > 1``) by
+      descending score, ``-1`` padding in the tail; rows outside every sequence all ``-1``.
     """
     one_layer = stacked.resolve("cache_kv", cache_kv, layer).one
     check_topk_args((q, weights, one_layer, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                      distribution), k=k, k_name="k", pages_per_seq=pages_per_seq,
                     one_token_per_seq=one_token_per_seq, num_segments=num_segments,
                     fill=fill, refuse_full_overwrite=refuse_full_overwrite,
-                    recall_target=recall_target, exact=exact)
+                    recall_target=recall_target, exact=exact,
+                    compression_ratio=compression_ratio)
     chip, blocks = entry_blocks(chip, blocks, block_rows, block_pages,
                                 one_token_per_seq=one_token_per_seq, pages_per_seq=pages_per_seq,
                                 page_size=cache_kv.shape[-2], page_mode=False, interpret=interpret)
@@ -88,30 +94,36 @@ def streamindex_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, seq_
                        fill=fill, recall_target=recall_target, exact=exact, blocks=blocks,
                        chip=chip,
                        chunk_bytes=score_chunk_bytes, vmem_limit_bytes=vmem_limit_bytes,
-                       interpret=interpret, layer=layer)
+                       interpret=interpret, layer=layer,
+                       compression_ratio=compression_ratio)
 
 
 @functools.partial(jax.jit, static_argnames=("pages_per_seq", "one_token_per_seq", "page_mode",
                                              "block_rows", "block_pages", "blocks", "chip",
-                                             "interpret"))
+                                             "interpret", "compression_ratio"))
 def streamindex_scores(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                        distribution, *, pages_per_seq: int, one_token_per_seq: bool = False,
                        page_mode: bool = False, block_rows: int | None = None,
                        block_pages: int | None = None, blocks: IndexerBlocks | None = None,
-                       chip: str | None = None, interpret=False) -> jax.Array:
+                       chip: str | None = None, interpret=False,
+                       compression_ratio: int = 1) -> jax.Array:
     """The kernel's scores alone (tests, debugging): token mode ``f32[T, pages_per_seq *
     page_size]``, page mode ``f32[T, pages_per_seq]``; ``-inf`` for non-candidates and rows
-    outside every sequence. Materialises ``[T, capacity]``: not for long prefill."""
+    outside every sequence. Materialises ``[T, capacity]``: not for long prefill.
+    ``compression_ratio`` as ``streamindex_topk`` (columns are then entries)."""
     check_indexer_args(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                        distribution, pages_per_seq=pages_per_seq,
                        one_token_per_seq=one_token_per_seq)
+    check_compression_ratio(compression_ratio, page_size=int(cache_kv.shape[-2]),
+                            pages_per_seq=pages_per_seq)
     chip, blocks = entry_blocks(chip, blocks, block_rows, block_pages,
                                 one_token_per_seq=one_token_per_seq, pages_per_seq=pages_per_seq,
                                 page_size=cache_kv.shape[-2], page_mode=page_mode,
                                 interpret=interpret)
     width = pages_per_seq * (1 if page_mode else cache_kv.shape[1])
     b = batch.RaggedBatch.of(cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
-                             distribution, pages_per_seq=pages_per_seq)
+                             distribution, pages_per_seq=pages_per_seq,
+                             compression_ratio=compression_ratio)
     return score_and_select(
         q, weights, cache_kv, b, one_token_per_seq=one_token_per_seq, page_mode=page_mode,
         blocks=blocks, chunk_bytes=q.shape[0] * width * 4, vmem_limit_bytes=None,

@@ -60,9 +60,12 @@ def _seq_rows(b: batch.RaggedBatch, *, total_rows: int, row0, rows: int,
     return q_start, q_end - q_start, lo, hi
 
 
-def _level_items(cfg, i: int, top: int, ladder, seq_rows, kv_lens, slot0, row0):
-    """Items ``i32[W_L, NF]`` of ladder level ``i`` (see the module docstring)."""
+def _level_items(cfg, i: int, top: int, ladder, seq_rows, b: batch.RaggedBatch, slot0, row0):
+    """Items ``i32[W_L, NF]`` of ladder level ``i`` (see the module docstring). ``POS0`` is a
+    token position; ``KVLEN`` and ``NPAGES`` count keys (entries when ``b.compression_ratio >
+    1``: a block's last row at token ``pos + n - 1`` sees ``entries_of_tokens(pos + n)``)."""
     q_start, q_len, lo, hi = seq_rows
+    kv_lens = b.kv_lens
     num_seqs, size = kv_lens.shape[0], cfg.block_rows
     n_rows = hi - lo
     full = n_rows // top
@@ -85,8 +88,9 @@ def _level_items(cfg, i: int, top: int, ladder, seq_rows, kv_lens, slot0, row0):
     qrow = jnp.where(real, qrow, last)  # empty items: no new q block
     shift = jnp.where(real, row - qrow, 0)
     pos = kv_lens[seq] - q_len[seq] + (row - q_start[seq])  # abs pos of the first row
-    kv_eff = jnp.clip(kv_lens[seq], 0, cfg.capacity)
-    tokens = jnp.clip(jnp.minimum(pos + n, kv_eff), 0, cfg.capacity)
+    kv_eff = b.kv_eff(seq)  # keys: min(entries_of_tokens(kv_len), capacity)
+    seen = batch.entries_of_tokens(pos + n, b.compression_ratio)  # keys the last row may see
+    tokens = jnp.clip(jnp.minimum(seen, kv_eff), 0, cfg.capacity)
     # An empty item (n == 0) needs no pages: else the previous step's cross-item prefetch would
     # start DMAs for it that nobody waits on (found by scripts/hbm_traffic.py's count).
     npages = jnp.where(n > 0, (tokens + cfg.page_size - 1) // cfg.page_size, 0)
@@ -98,16 +102,18 @@ def _level_items(cfg, i: int, top: int, ladder, seq_rows, kv_lens, slot0, row0):
 def work_list(b: batch.RaggedBatch, *, row0, cfgs, one_token_per_seq: bool):
     """Items of every level plus per-row facts of the chunk's rows.
 
-    Returns ``(items [i32[W_L, NF] per level], row_slot i32[C], abs_pos i32[C], kv_eff
+    Returns ``(items [i32[W_L, NF] per level], row_slot i32[C], key_pos i32[C], kv_eff
     i32[C])``: ``row_slot`` is the row's flat slot in the levels' concatenated ``[W_L * L]``
-    block rows (``-1`` for a row outside every sequence)."""
+    block rows (``-1`` for a row outside every sequence); ``key_pos`` the row's last visible key
+    (``reference.batch.last_visible_key``: its absolute position for tokens), ``kv_eff`` its
+    sequence's keys (``RaggedBatch.kv_eff``)."""
     c, ladder = cfgs[0].rows, tuple(cfg.block_rows for cfg in cfgs)
     seq_rows = _seq_rows(b, total_rows=cfgs[0].total_rows, row0=row0, rows=c,
                          one_token_per_seq=one_token_per_seq)
     slot0 = b.first_slot(jnp.arange(b.num_seqs))  # each sequence's first page-table slot
     all_items, slot_rows, slot_pos, slot_kv = [], [], [], []
     for i, cfg in enumerate(cfgs):
-        items = _level_items(cfg, i, ladder[-1], ladder, seq_rows, b.kv_lens, slot0, row0)
+        items = _level_items(cfg, i, ladder[-1], ladder, seq_rows, b, slot0, row0)
         all_items.append(items)
         j = jnp.arange(cfg.block_rows, dtype=jnp.int32)[None, :]
         shift, n = items[:, SHIFT:SHIFT + 1], items[:, NROWS:NROWS + 1]
@@ -119,4 +125,5 @@ def work_list(b: batch.RaggedBatch, *, row0, cfgs, one_token_per_seq: bool):
     row_slot = jnp.full((c,), -1, jnp.int32).at[dest].set(
         jnp.arange(dest.shape[0], dtype=jnp.int32), mode="drop")
     at = jnp.clip(row_slot, 0, None)
-    return all_items, row_slot, jnp.concatenate(slot_pos)[at], jnp.concatenate(slot_kv)[at]
+    return (all_items, row_slot, b.key_pos(jnp.concatenate(slot_pos)[at]),
+            jnp.concatenate(slot_kv)[at])
