@@ -1,0 +1,148 @@
+"""``dsa_jax.v4_step`` against the dense statement of the official layer
+(``reference.deepseek_v4.attention_layer``), per sequence: the step's inputs are projected with
+the statement's own pieces (``tests/v4_step_model.py``), its output finished with the
+statement's inverse RoPE and output projection, and compared with the statement's output."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+
+from dsa_jax.v4_step import V4ModelLayout, v4_step
+from reference import deepseek_v4 as dv4
+from tests import v4_step_model as vm
+
+RATIOS = (0, 4, 128)
+MAX_SEQ = 400
+
+
+def _model(qat, seed=0):
+    cfgs = vm.configs(RATIOS)
+    params = [dv4.init_params(c, seed=seed + i) for i, c in enumerate(cfgs)]
+    return cfgs, params
+
+
+def _schedule(prefill, decodes):
+    """Steps as per-sequence new-token counts: one prefill, then one-token decodes."""
+    return [list(prefill)] + [[1] * len(prefill)] * decodes
+
+
+def _drive(schedule, *, qat, backend, kernel_options=None, seed=0, check_every=1, model=None):
+    """Run the paged step and the statement over ``schedule``; compare each checked step.
+    Returns the paged model and the last step's result."""
+    cfgs, params = model or _model(qat, seed)
+    num_seqs = len(schedule[0])
+    total = np.sum(schedule, axis=0)
+    rng = np.random.default_rng(seed + 100)
+    xs = [jnp.asarray(rng.standard_normal((int(n), cfgs[0].dim), dtype=np.float32))
+          for n in total]
+    pm = vm.PagedModel(RATIOS, num_seqs, MAX_SEQ)
+    sp = vm.step_params(cfgs, params, MAX_SEQ)
+    sink = jnp.stack([p["attn_sink"] for p in params])
+    states = {(l, i): dv4.init_state(c, 1, MAX_SEQ) for l, c in enumerate(cfgs)
+              for i in range(num_seqs)}
+    done = np.zeros(num_seqs, int)
+    caches, cstates, res = pm.caches, pm.states, None
+    for n_step, q_lens in enumerate(schedule):
+        pos = np.concatenate([np.arange(d, d + q) for d, q in zip(done, q_lens)])
+        x = jnp.concatenate([xs[i][done[i]:done[i] + q] for i, q in enumerate(q_lens)])
+        per_layer = [vm.project(params[l], x, jnp.asarray(pos), c, MAX_SEQ, qat)
+                     for l, c in enumerate(cfgs)]
+        meta = pm.meta(done + q_lens, q_lens, decode=max(q_lens) == 1)
+        res = v4_step(vm.step_inputs(cfgs, per_layer, sink), sp, caches, cstates, meta,
+                      layout=pm.layout, qat=qat, backend=backend, kernel_options=kernel_options)
+        caches, cstates = res.caches, res.states
+        check = n_step % check_every == 0 or n_step == len(schedule) - 1
+        row = 0
+        for i, q in enumerate(q_lens):
+            for l, c in enumerate(cfgs):
+                start = int(done[i]) if n_step == 0 else jnp.int32(done[i])
+                want, states[l, i] = dv4.attention_layer(
+                    params[l], xs[i][None, done[i]:done[i] + q], start, states[l, i], c,
+                    qat=qat)[:2]
+                if check:
+                    got = vm.finish(params[l], res.out[l, row:row + q].astype(jnp.float32),
+                                    jnp.asarray(pos[row:row + q]), c, MAX_SEQ)
+                    np.testing.assert_allclose(
+                        np.asarray(got), np.asarray(want[0]), rtol=2e-4, atol=2e-4,
+                        err_msg=f"step {n_step} seq {i} layer {l} (ratio {c.compress_ratio})")
+            row += q
+        done = done + q_lens
+    return pm, res
+
+
+@pytest.mark.parametrize("qat", [False, True])
+def test_step_equals_statement_long_decode(qat):
+    """Prefill (133 and 7 tokens) then 260 decodes: both sequences cross ratio-128 groups,
+    many ratio-4 groups and the 128-token window; every layer type; QAT on and off."""
+    _drive(_schedule([133, 7], 260), qat=qat, backend="reference", check_every=1)
+
+
+def test_step_pallas_strict_interpreter_few_steps():
+    """The Pallas backend (strict interpreter off TPU) on a prefill crossing a window and
+    group boundaries and three decodes, against the statement."""
+    _drive(_schedule([131, 6], 3), qat=False, backend="pallas")
+
+
+def test_prefill_chunks_equal_one_prefill():
+    """Chunk invariance of the paged step: a prefill in two chunks leaves the same compressed
+    caches and compressor states, bit for bit, as one prefill, and the same outputs."""
+    cfgs, params = _model(False)
+    one, r1 = _drive([[133, 9]], qat=False, backend="reference", model=(cfgs, params))
+    two, r2 = _drive([[70, 4], [63, 5]], qat=False, backend="reference", model=(cfgs, params))
+    for a, b in zip(jax.tree.leaves(r1.states), jax.tree.leaves(r2.states)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for name in ("csa_compressed", "csa_index", "hca_compressed"):
+        np.testing.assert_array_equal(np.asarray(getattr(r1.caches, name)),
+                                      np.asarray(getattr(r2.caches, name)), err_msg=name)
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def _one_step_args():
+    cfgs, params = _model(False)
+    pm = vm.PagedModel(RATIOS, 2, MAX_SEQ)
+    x = jnp.ones((3, cfgs[0].dim), jnp.float32)
+    pos = jnp.asarray([0, 1, 0])
+    per_layer = [vm.project(params[l], x, pos, c, MAX_SEQ, False) for l, c in enumerate(cfgs)]
+    inputs = vm.step_inputs(cfgs, per_layer, None)
+    return inputs, vm.step_params(cfgs, params, MAX_SEQ), pm, pm.meta([2, 1], [2, 1], False)
+
+
+def test_refuses_bad_ratio():
+    with pytest.raises(ValueError, match=r"compress_ratios\[1\]=8"):
+        V4ModelLayout((0, 8), 16, 4)
+
+
+def test_refuses_family_for_missing_type():
+    with pytest.raises(ValueError, match="no layer has ratio 4"):
+        V4ModelLayout((0, 128), 16, 4, csa_page_size=8, csa_pages_per_seq=2,
+                      hca_page_size=4, hca_pages_per_seq=1)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda a: a[0]._replace(window_kv=a[0].window_kv[:, :2]),
+     r"inputs.window_kv must have shape \(3, 3, 512\)"),
+    (lambda a: a[0]._replace(csa_kv=a[0].csa_kv[..., :512]),
+     r"inputs.csa_kv must have shape \(1, 3, 1024\)"),
+    (lambda a: a[0]._replace(hca_score=None), "inputs.hca_score is missing"),
+])
+def test_refuses_bad_inputs(change, match):
+    args = _one_step_args()
+    inputs, sp, pm, meta = args
+    with pytest.raises(ValueError, match=match):
+        v4_step(change(args), sp, pm.caches, pm.states, meta, layout=pm.layout,
+                backend="reference")
+
+
+def test_refuses_missing_param_and_bad_state():
+    inputs, sp, pm, meta = _one_step_args()
+    with pytest.raises(ValueError, match="params.csa_ape is missing"):
+        v4_step(inputs, sp._replace(csa_ape=None), pm.caches, pm.states, meta,
+                layout=pm.layout, backend="reference")
+    bad = pm.states._replace(hca=pm.states.hca._replace(kv=pm.states.hca.kv[:, :64]))
+    with pytest.raises(ValueError, match=r"states.hca.kv must have shape \(3, 128, 512\)"):
+        v4_step(inputs, sp, pm.caches, bad, meta, layout=pm.layout, backend="reference")
