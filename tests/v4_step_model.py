@@ -5,6 +5,9 @@ paged batch (page tables per family, NaN-filled caches, state pools)."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -28,6 +31,7 @@ def configs(ratios, **overrides):
     return [dv4.tiny_config(**kw, layer_id=i) for i in range(len(ratios))]
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "max_seq_len", "qat"))
 def project(params, x, pos, cfg, max_seq_len, qat):
     """The step's per-layer inputs for tokens ``x f32[S, dim]`` at positions ``pos i32[S]``,
     computed as ``reference.deepseek_v4._layer`` does."""
@@ -61,6 +65,7 @@ def project(params, x, pos, cfg, max_seq_len, qat):
     return out
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "max_seq_len"))
 def finish(params, o, pos, cfg, max_seq_len):
     """The statement's output side on ``o f32[S, H, 512]``: inverse RoPE, ``wo_a``, ``wo_b``."""
     c = cfg
@@ -88,7 +93,7 @@ def step_params(cfgs, params, max_seq_len) -> V4StepParams:
 def step_inputs(cfgs, per_layer, attn_sink) -> V4StepInputs:
     """``V4StepInputs`` from ``per_layer[l]`` (``project``'s dicts over the step's rows)."""
     def stack(ratio, key):
-        xs = [p[key] for p, c in zip(per_layer, cfgs) if c.compress_ratio == ratio]
+        xs = [p[key] for p, c in zip(per_layer, cfgs, strict=True) if c.compress_ratio == ratio]
         return jnp.stack(xs) if xs else None
     return V4StepInputs(
         jnp.stack([p["q"] for p in per_layer]), jnp.stack([p["window_kv"] for p in per_layer]),
