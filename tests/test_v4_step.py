@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 from dsa_jax.v4_step import V4ModelLayout, v4_step
 from reference import deepseek_v4 as dv4
@@ -30,7 +31,7 @@ def _schedule(prefill, decodes):
 
 
 def _drive(schedule, *, qat, backend, kernel_options=None, seed=0, check_every=1, model=None,
-           compare=True):
+           compare=True, pallas_from=0):
     """Run the paged step and the statement over ``schedule``; compare each checked step.
     Returns the paged model and the last step's result."""
     cfgs, params = model or _model(qat, seed)
@@ -53,7 +54,9 @@ def _drive(schedule, *, qat, backend, kernel_options=None, seed=0, check_every=1
                      for li, c in enumerate(cfgs)]
         meta = pm.meta(done + q_lens, q_lens, decode=max(q_lens) == 1)
         res = v4_step(vm.step_inputs(cfgs, per_layer, sink), sp, caches, cstates, meta,
-                      layout=pm.layout, qat=qat, backend=backend, kernel_options=kernel_options)
+                      layout=pm.layout, qat=qat,
+                      backend=backend if n_step >= pallas_from else "reference",
+                      kernel_options=kernel_options)
         caches, cstates = res.caches, res.states
         check = n_step % check_every == 0 or n_step == len(schedule) - 1
         row = 0
@@ -82,9 +85,11 @@ def test_step_equals_statement_long_decode(qat):
 
 
 def test_step_pallas_strict_interpreter_few_steps():
-    """The Pallas backend (strict interpreter off TPU) on a prefill crossing a window and
-    group boundaries and three decodes, against the statement."""
-    _drive(_schedule([131, 6], 3), qat=False, backend="pallas")
+    """The Pallas backend (strict interpreter off TPU: indexer and fused V4 kernel) on two
+    decode steps after a reference prefill of 131 and 6 tokens: the first decode completes a
+    ratio-4 group (entry 32) and its window drops token 3, every layer type; against the
+    statement. (A Pallas prefill of 137 rows takes > 10 min in the interpreter on 2 cores.)"""
+    _drive(_schedule([131, 6], 2), qat=False, backend="pallas", pallas_from=1)
 
 
 def test_prefill_chunks_equal_one_prefill():
@@ -149,3 +154,32 @@ def test_refuses_missing_param_and_bad_state():
     bad = pm.states._replace(hca=pm.states.hca._replace(kv=pm.states.hca.kv[:, :64]))
     with pytest.raises(ValueError, match=r"states.hca.kv must have shape \(3, 128, 512\)"):
         v4_step(inputs, sp, pm.caches, bad, meta, layout=pm.layout, backend="reference")
+
+
+def test_sharded_step_equals_the_single_device_step_per_local_batch():
+    """``sharded_v4_step`` on a 2 x 2 (data x model) mesh equals ``v4_step`` on each local
+    batch (heads split on the model axis, caches and states per data shard)."""
+    from argparse import Namespace
+
+    from dsa_jax import sharded_v4_step, v4_cli
+
+    args = Namespace(quick=True, context=256, prefill=8, heads=2, topk=16, layers=4,
+                     page_size=16)
+    s = v4_cli.sizes(args)
+    rng = np.random.default_rng(3)
+    q_lens, kv_lens = [1, 3, 8], [200, 131, 8]
+    local = [v4_cli.build(rng, s, q_lens, kv_lens) for _ in range(2)]
+    layout = local[0][0]
+    stacked = [jax.tree.map(lambda *xs: np.stack(xs), *[b[j] for b in local])
+               for j in range(1, 6)]
+    stacked[1] = local[0][2]  # params replicated
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    got = sharded_v4_step(mesh, *stacked, layout=layout, backend="reference")
+    for d, (_, inputs, _, caches, states, meta) in enumerate(local):
+        want = v4_step(inputs, local[0][2], caches, states, meta, layout=layout,
+                       backend="reference")
+        np.testing.assert_allclose(np.asarray(got.out[d]), np.asarray(want.out), rtol=1e-5,
+                                   atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(got.topk[d]), np.asarray(want.topk))
+        np.testing.assert_array_equal(np.asarray(got.states.hca.kv[d]),
+                                      np.asarray(want.states.hca.kv))
