@@ -77,19 +77,27 @@ def _drive(schedule, *, qat, backend, kernel_options=None, seed=0, check_every=1
     return pm, res
 
 
-@pytest.mark.parametrize("qat", [False, True])
-def test_step_equals_statement_long_decode(qat):
-    """Prefill (133 and 7 tokens) then 260 decodes: both sequences cross ratio-128 groups,
-    many ratio-4 groups and the 128-token window; every layer type; QAT on and off."""
-    _drive(_schedule([133, 7], 260), qat=qat, backend="reference", check_every=1)
+@pytest.mark.slow
+def test_step_equals_statement_long_decode():
+    """Prefill (133 and 7 tokens) then 260 decodes: both sequences cross ratio-128 groups
+    (entries 0 and 1 complete at positions 127 and 255), many ratio-4 groups and the 128-token
+    window; every layer type, each step against the statement (~2 min on 2 cores)."""
+    _drive(_schedule([133, 7], 260), qat=False, backend="reference")
+
+
+def test_step_equals_statement_across_the_second_hca_group_with_qat():
+    """Prefill 250 and 3 tokens, then 8 decodes: the first sequence completes HCA entry 1 at
+    position 255 and two ratio-4 groups, its window has long dropped the prefill's start;
+    every layer type; QAT on (off: the long decode test and the others)."""
+    _drive(_schedule([250, 3], 8), qat=True, backend="reference")
 
 
 def test_step_pallas_strict_interpreter_few_steps():
-    """The Pallas backend (strict interpreter off TPU: indexer and fused V4 kernel) on two
-    decode steps after a reference prefill of 131 and 6 tokens: the first decode completes a
-    ratio-4 group (entry 32) and its window drops token 3, every layer type; against the
-    statement. (A Pallas prefill of 137 rows takes > 10 min in the interpreter on 2 cores.)"""
-    _drive(_schedule([131, 6], 2), qat=False, backend="pallas", pallas_from=1)
+    """The Pallas backend (strict interpreter off TPU: indexer and fused V4 kernel) on a
+    decode step after a reference prefill of 131 and 6 tokens: it completes a ratio-4 group
+    (entry 32) and its window drops token 3, every layer type; against the statement. (A
+    Pallas prefill of 137 rows takes > 10 min in the interpreter on 2 cores.)"""
+    _drive(_schedule([131, 6], 1), qat=False, backend="pallas", pallas_from=1)
 
 
 def test_prefill_chunks_equal_one_prefill():
