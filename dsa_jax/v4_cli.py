@@ -42,9 +42,12 @@ def _table(rng, num_seqs, pages_per_seq, page_size):
     return ids, cu, num_pages
 
 
-def build(rng, s: dict, q_lens, kv_lens):
+def build(rng, s: dict, q_lens, kv_lens, spec: bool = False):
     """``(layout, inputs, params, caches, states, meta)`` of one synthetic batch (host arrays:
-    the step's donation never consumes them, so both backends run on the same values)."""
+    the step's donation never consumes them, so both backends run on the same values).
+    ``spec=True``: the float arrays as ``jax.ShapeDtypeStruct`` (for AOT cost analysis at full
+    dims without allocating the caches); the page tables and metadata stay concrete."""
+    import jax
     import numpy as np
 
     v4s = importlib.import_module("dsa_jax.v4_step")  # the module: dsa_jax.v4_step is the fn
@@ -61,14 +64,18 @@ def build(rng, s: dict, q_lens, kv_lens):
         hca_page_size=ps if cnt[128] else None, hca_pages_per_seq=pps[128] if cnt[128] else None,
         index_topk=s["k"])
     n, t = len(q_lens), sum(q_lens) + 2  # two padding rows
-    f32 = lambda *shape: rng.standard_normal(shape, np.float32)  # noqa: E731
+    def f32(*shape, scale=1.0):
+        if spec:
+            return jax.ShapeDtypeStruct(shape, np.float32)
+        return rng.standard_normal(shape, np.float32) * np.float32(scale)
     tables = {r: _table(rng, n, pps[r], ps) for r in (0, 4, 128) if cnt[r] or r == 0}
     lc, lh, hi = cnt[4], cnt[128], s["index_heads"]
     opt = lambda c, x: x if c else None  # noqa: E731
     inputs = v4s.V4StepInputs(
-        f32(len(ratios), t, s["heads"], 512) / 8, f32(len(ratios), t, 512),
-        opt(lc, f32(lc, t, 1024)), opt(lc, f32(lc, t, 1024)), opt(lc, f32(lc, t, hi, 128) / 4),
-        opt(lc, f32(lc, t, hi) / 8), opt(lc, f32(lc, t, 256)), opt(lc, f32(lc, t, 256)),
+        f32(len(ratios), t, s["heads"], 512, scale=1 / 8), f32(len(ratios), t, 512),
+        opt(lc, f32(lc, t, 1024)), opt(lc, f32(lc, t, 1024)),
+        opt(lc, f32(lc, t, hi, 128, scale=1 / 4)),
+        opt(lc, f32(lc, t, hi, scale=1 / 8)), opt(lc, f32(lc, t, 256)), opt(lc, f32(lc, t, 256)),
         opt(lh, f32(lh, t, 512)), opt(lh, f32(lh, t, 512)), f32(len(ratios), s["heads"]))
     cos, sin = (np.asarray(x) for x in vc.rope_tables(ctx))
     ones = lambda *shape: np.ones(shape, np.float32)  # noqa: E731
