@@ -191,3 +191,46 @@ def test_sharded_step_equals_the_single_device_step_per_local_batch():
         np.testing.assert_array_equal(np.asarray(got.topk[d]), np.asarray(want.topk))
         np.testing.assert_array_equal(np.asarray(got.states.hca.kv[d]),
                                       np.asarray(want.states.hca.kv))
+
+
+def test_fp8_caches_follow_the_plain_step():
+    """Window and compressed caches in the fp8 MODEL1 format (``V4ModelLayout(...,
+    window_cache_format="fp8", compressed_cache_format="fp8")``): the step writes quantized
+    rows and entries and reads them back; its output follows the plain-cache step to fp8
+    accuracy (the caches' history quantized from the same values)."""
+    import dataclasses
+    from argparse import Namespace
+
+    from dsa_jax import v4_cli
+
+    args = Namespace(quick=True, context=256, prefill=8, heads=2, topk=16, layers=4,
+                     page_size=16)
+    layout, inputs, params, caches, states, meta = v4_cli.build(
+        np.random.default_rng(5), v4_cli.sizes(args), [1, 3, 8], [200, 131, 8])
+    want = v4_step(inputs, params, caches, states, meta, layout=layout, backend="reference")
+    fp8 = dataclasses.replace(layout, window_cache_format="fp8", compressed_cache_format="fp8")
+    lay = fp8.layout_for(4)
+    q = {f: (None if getattr(caches, f) is None else
+             lay.to_cache(getattr(caches, f), "window")) for f in caches._fields
+         if f != "csa_index"}
+    got = v4_step(inputs, params, caches._replace(**q), states, meta, layout=fp8,
+                  backend="reference")
+    ref = np.asarray(want.out)
+    err = np.linalg.norm(np.asarray(got.out) - ref) / np.linalg.norm(ref)
+    assert err < 0.05, err
+    assert not np.isnan(np.asarray(got.out)).any()
+
+
+def test_v4_step_cost_script_quick(capsys):
+    """``scripts/v4_step_cost.py --quick`` compiles the step for v6e: no narrow gathers."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "v4_step_cost.py"
+    spec = importlib.util.spec_from_file_location("v4_step_cost", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(["--quick"])
+    text = capsys.readouterr().out
+    assert "v6e: 4 layers, 8 decode rows x 2048 tokens" in text
+    assert "narrow gathers/scatters (< 128 elements per index, > 1024 indices): []" in text
