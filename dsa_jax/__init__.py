@@ -27,6 +27,11 @@ writer, the multi-layer DSA step (IndexShare), opt-in checkify validation, mesh 
 - DeepSeek-V4 attention (``dsa_jax.v4``): ``V4Layout`` (window + compressed caches, declared
   once), ``PagedKV`` (a cache with its page table), ``v4_attention`` (window union compressed
   entries, one softmax, attention sink; ``backend=`` as the other ops).
+- The DeepSeek-V4 step (``dsa_jax.v4_step``): ``v4_step`` (window writes, compressors, CSA
+  indexer top-k, ``v4_attention`` per layer over stacked caches read in place), its
+  ``V4ModelLayout`` and NamedTuples (``V4StepInputs``, ``V4StepParams``, ``V4Caches``,
+  ``V4States``, ``V4BatchMeta``, ``V4StepResult``), ``init_v4_states``, and
+  ``sharded_v4_step`` (data x model mesh).
 - The DeepSeek-V4 fp8 cache (``reference.v4_cache``: FlashMLA's MODEL1 rule, 448 e4m3 in 7
   ue8m0-scaled tiles of 64 + 64 bf16 rope; 640 B per token on TPU): ``Fp8V4Cache``,
   ``quantize_v4_cache`` / ``dequantize_v4_cache``, the row writer ``write_v4_rows``, and
@@ -38,9 +43,20 @@ from dsa_jax.backend import BACKENDS, resolve_backend
 from dsa_jax.cache import update_kv_cache, write_slots
 from dsa_jax.layout import LayoutError, PagedLayout, aligned_page_size
 from dsa_jax.ops import indexer_topk, page_sparse_mla, page_topk, sparse_mla
-from dsa_jax.sharding import sharded_dsa_step
+from dsa_jax.sharding import sharded_dsa_step, sharded_v4_step
 from dsa_jax.step import BatchMeta, StepInputs, StepResult, dsa_step
 from dsa_jax.v4 import V4Layout, V4LayoutWarning, v4_attention
+from dsa_jax.v4_step import (
+    V4BatchMeta,
+    V4Caches,
+    V4ModelLayout,
+    V4States,
+    V4StepInputs,
+    V4StepParams,
+    V4StepResult,
+    init_v4_states,
+    v4_step,
+)
 from dsa_jax.validate import check_batch, run_checked
 from pallas_kernels import IndexerBlocks, MlaBlocks, PerformanceWarning
 from reference import build_index_share_map, glm_index_share_pattern
@@ -106,8 +122,15 @@ __all__ = [
     "SegmentsOutOfRange",
     "StepInputs",
     "StepResult",
+    "V4BatchMeta",
+    "V4Caches",
     "V4Layout",
     "V4LayoutWarning",
+    "V4ModelLayout",
+    "V4States",
+    "V4StepInputs",
+    "V4StepParams",
+    "V4StepResult",
     "WitnessError",
     "aligned_page_size",
     "apply_topology_witnesses",
@@ -124,6 +147,7 @@ __all__ = [
     "index_cache_from_paged_fp8",
     "index_cache_to_paged_fp8",
     "indexer_topk",
+    "init_v4_states",
     "latent_cache_from_flashmla",
     "latent_cache_to_flashmla",
     "local_selector",
@@ -146,6 +170,7 @@ __all__ = [
     "segment_coverage",
     "segment_of",
     "sharded_dsa_step",
+    "sharded_v4_step",
     "sparse_mla",
     "topology_witness_indices",
     "unpack_cache",
@@ -153,6 +178,7 @@ __all__ = [
     "v4_attention",
     "v4_cache_from_flashmla",
     "v4_cache_to_flashmla",
+    "v4_step",
     "write_slots",
     "write_v4_rows",
 ]

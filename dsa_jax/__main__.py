@@ -28,6 +28,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", description=__doc__, help="run the DSA step on a synthetic batch",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("--model", choices=("v3.2", "v4-flash"), default="v3.2",
+                   help="v3.2: the DSA step (default); v4-flash: the DeepSeek-V4 attention "
+                        "step at V4-Flash dims (dsa_jax.v4_cli: 43-layer SWA/CSA/HCA pattern, "
+                        "scaled by --layers, --heads, --context, --prefill, --topk, --page-size)")
     r.add_argument("--quick", action="store_true",
                    help="small sizes (context 512, prefill 32, 4 heads, k 128, 2 layers, "
                         "page 16): well under a minute on a laptop CPU")
@@ -289,6 +293,11 @@ def main(argv=None) -> int:
     from pallas_kernels import tpu
 
     tpu.skip_tpu_probe_without_tpu()  # no libtpu error block on a machine without a TPU
+    if args.cmd == "run" and args.model == "v4-flash":
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        from dsa_jax import v4_cli
+
+        return v4_cli.run_v4(args, lambda label: Progress(label, not args.no_progress))
     if args.cmd == "run":
         return run(args)
     return 2

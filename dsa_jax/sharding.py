@@ -31,8 +31,18 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from dsa_jax import backend as _backend
 from dsa_jax import step as _step_mod
 from dsa_jax.step import BatchMeta, StepInputs, StepResult
+from dsa_jax.v4_step import (
+    V4BatchMeta,
+    V4Caches,
+    V4States,
+    V4StepInputs,
+    V4StepParams,
+    V4StepResult,
+    v4_step_body,
+)
 from pallas_kernels import IndexerBlocks, MlaBlocks
 from reference.selection import DEFAULT_RECALL_TARGET
 
@@ -152,3 +162,63 @@ def _sharded(mesh, data_axis, model_axis, ctx_axis, statics, has_sink=False):
 
     fn = _shard_map(body, mesh, in_specs, out_specs)
     return jax.jit(fn, donate_argnums=(1, 2))
+
+
+# ----------------------------------------------------------------------------- DeepSeek-V4
+
+
+def sharded_v4_step(mesh: Mesh, inputs, params, caches, states, meta, *, layout,
+                    sm_scale: float | None = None, qat: bool = False, exact: bool = True,
+                    data_axis: str = "data", model_axis: str | None = "model",
+                    backend: str | None = None, kernel_options: dict | None = None):
+    """``dsa_jax.v4_step`` on ``mesh``: sequences, their pages and their compressor state
+    slots on ``data_axis`` (every array of ``inputs``, ``caches``, ``states`` and ``meta``
+    gets a leading axis ``D = mesh.shape[data_axis]``: local batch ``d`` is ``x[d]``, page ids
+    and state slots local to the shard); the attention heads ``H`` of ``inputs.q`` (``[D, L,
+    T, H, 512]``) and ``inputs.attn_sink`` (``[D, L, H]``) split over ``model_axis`` (``None``:
+    unsplit). ``params`` (compressor weights, RoPE tables) are replicated. The window /
+    compressed / index caches hold one 512-wide (128-wide) head and are replicated over the
+    model axis, as MLA's latent is; the cache writes, the compressors and the indexer (its
+    heads summed into one score) run redundantly on every model shard, so every replica stays
+    identical.
+
+    Context parallelism is not offered: the V3.2 design (``dsa_jax.context``: pages dealt
+    round-robin to context shards, local top-k then an exact merge, attention merged by LSE)
+    would carry over to the window and compressed caches and to the CSA indexer, but the V4
+    attention op would have to return its sink-free LSE over a shard's part of the window and
+    entries (it can: ``return_lse=True``) and the compressor's state ring would have to live
+    on the shard owning the sequence's current group (tokens of one group can straddle a page
+    boundary, hence two shards): a state exchange per step that the V3.2 step does not have.
+
+    Returns a ``V4StepResult`` with the same leading axis (``out`` split over heads on the
+    model axis)."""
+    inputs = V4StepInputs(*inputs)
+    num_local, heads = int(np.shape(inputs.q)[0]), int(np.shape(inputs.q)[3])
+    check_mesh(mesh, data_axis, model_axis, num_local=num_local, heads=heads)
+    statics = dict(layout=layout, sm_scale=None if sm_scale is None else float(sm_scale),
+                   qat=bool(qat), exact=bool(exact),
+                   backend=_backend.resolve_backend(backend),
+                   kernel_options=tuple(sorted((kernel_options or {}).items())))
+    fn = _sharded_v4(mesh, data_axis, model_axis, tuple(sorted(statics.items())),
+                     inputs.attn_sink is not None)
+    return fn(inputs, V4StepParams(*params), V4Caches(*caches), V4States(*states),
+              V4BatchMeta(*meta))
+
+
+@functools.lru_cache(maxsize=16)
+def _sharded_v4(mesh, data_axis, model_axis, statics, has_sink):
+    d = P(data_axis)
+    heads = P(data_axis, None, None, model_axis)  # q [D, L, T, H, 512]
+    sink = P(data_axis, None, model_axis) if has_sink else None
+    in_inputs = V4StepInputs(heads, d, d, d, d, d, d, d, d, d, sink)
+    in_specs = (in_inputs, P(), d, d, d)
+    out_specs = V4StepResult(heads, d, d, d)
+
+    def body(inputs, params, caches, states, meta):
+        first = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
+        res = v4_step_body(first(inputs), params, first(caches), first(states),
+                               first(meta), **dict(statics))
+        return jax.tree.map(lambda x: x[None], res)
+
+    fn = _shard_map(body, mesh, in_specs, out_specs)
+    return jax.jit(fn, donate_argnums=(2, 3))

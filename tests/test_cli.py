@@ -65,3 +65,12 @@ def test_devices_runs_sharded_and_matches_single_device(capsys, monkeypatch):
     text = capsys.readouterr().out
     assert "mesh: data=2 x model=2 (4 devices)" in text
     assert "sharded vs single-device (data shard 0): max |diff| 0.00e+00" in text
+
+
+def test_v4_flash_quick_runs_the_v4_step(capsys):
+    """``run --model v4-flash --quick`` (shrunk further): the V4 step on every layer type."""
+    assert main(["run", "--model", "v4-flash", "--quick", "--no-progress", "--context", "256",
+                 "--prefill", "8", "--decode", "1", "--topk", "16"]) == 0
+    text = capsys.readouterr().out
+    assert "4 layers ['SWA', 'SWA', 'CSA', 'HCA']" in text
+    assert "reference: one step" in text and "NaN in out: False" in text

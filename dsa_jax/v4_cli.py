@@ -1,0 +1,163 @@
+"""``python -m dsa_jax run --model v4-flash``: the DeepSeek-V4 step (``dsa_jax.v4_step``) on a
+synthetic ragged paged batch at V4-Flash dimensions.
+
+V4-Flash (``reference.deepseek_v4.flash_config``, the released ``config.json``): 64 attention
+heads of 512 (448 nope + 64 rope), window 128, 64 indexer heads of 128, index top-k 512, and
+the 43-layer ratio pattern ``reference.deepseek_v4.FLASH_COMPRESS_RATIOS[:43]`` = two
+window-only layers, then CSA (4) / HCA (128) alternating, the last layer CSA (the MTP layer,
+entry 44, is not run). ``--layers N`` runs the first N layers of the pattern; ``--heads``,
+``--context``, ``--prefill``, ``--topk``, ``--page-size`` scale the rest; ``--quick`` picks
+small sizes (4 layers: SWA, SWA, CSA, HCA). Activations, compressor parameters, cache
+history and compressor states are random (a shape and agreement check, not a model run).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+
+V4_FLASH = dict(heads=64, index_heads=64, index_dim=128, head_dim=512, layers=43, topk=512,
+                window=128)
+
+
+def sizes(args) -> dict:
+    """The run's sizes from the flags (``--quick``: small)."""
+    q = args.quick
+    return dict(context=args.context or (512 if q else 8192),
+                prefill=args.prefill or (32 if q else 256),
+                heads=args.heads or (2 if q else V4_FLASH["heads"]),
+                index_heads=8 if q else V4_FLASH["index_heads"],
+                k=args.topk or (64 if q else V4_FLASH["topk"]),
+                layers=args.layers or (4 if q else V4_FLASH["layers"]),
+                page_size=args.page_size or (16 if q else 64))
+
+
+def _table(rng, num_seqs, pages_per_seq, page_size):
+    import numpy as np
+
+    num_pages = num_seqs * pages_per_seq + 1
+    ids = rng.permutation(num_pages)[:num_seqs * pages_per_seq].astype(np.int32)
+    cu = (np.arange(num_seqs + 1) * pages_per_seq * page_size).astype(np.int32)
+    return ids, cu, num_pages
+
+
+def build(rng, s: dict, q_lens, kv_lens, spec: bool = False):
+    """``(layout, inputs, params, caches, states, meta)`` of one synthetic batch (host arrays:
+    the step's donation never consumes them, so both backends run on the same values).
+    ``spec=True``: the float arrays as ``jax.ShapeDtypeStruct`` (for AOT cost analysis at full
+    dims without allocating the caches); the page tables and metadata stay concrete."""
+    import jax
+    import numpy as np
+
+    v4s = importlib.import_module("dsa_jax.v4_step")  # the module: dsa_jax.v4_step is the fn
+    from reference import deepseek_v4 as dv4
+    from reference import v4_compressor as vc
+
+    ratios = tuple(dv4.FLASH_COMPRESS_RATIOS[:V4_FLASH["layers"]][:s["layers"]])
+    ps, ctx = s["page_size"], s["context"]
+    cnt = {r: ratios.count(r) for r in (0, 4, 128)}
+    pps = {0: -(-ctx // ps), 4: -(-(ctx // 4) // ps), 128: max(-(-(ctx // 128) // ps), 1)}
+    layout = v4s.V4ModelLayout(
+        ratios, ps, pps[0], window_size=V4_FLASH["window"],
+        csa_page_size=ps if cnt[4] else None, csa_pages_per_seq=pps[4] if cnt[4] else None,
+        hca_page_size=ps if cnt[128] else None, hca_pages_per_seq=pps[128] if cnt[128] else None,
+        index_topk=s["k"])
+    n, t = len(q_lens), sum(q_lens) + 2  # two padding rows
+    def f32(*shape, scale=1.0):
+        if spec:
+            return jax.ShapeDtypeStruct(shape, np.float32)
+        return rng.standard_normal(shape, np.float32) * np.float32(scale)
+    tables = {r: _table(rng, n, pps[r], ps) for r in (0, 4, 128) if cnt[r] or r == 0}
+    lc, lh, hi = cnt[4], cnt[128], s["index_heads"]
+    opt = lambda c, x: x if c else None  # noqa: E731
+    inputs = v4s.V4StepInputs(
+        f32(len(ratios), t, s["heads"], 512, scale=1 / 8), f32(len(ratios), t, 512),
+        opt(lc, f32(lc, t, 1024)), opt(lc, f32(lc, t, 1024)),
+        opt(lc, f32(lc, t, hi, 128, scale=1 / 4)),
+        opt(lc, f32(lc, t, hi, scale=1 / 8)), opt(lc, f32(lc, t, 256)), opt(lc, f32(lc, t, 256)),
+        opt(lh, f32(lh, t, 512)), opt(lh, f32(lh, t, 512)), f32(len(ratios), s["heads"]))
+    cos, sin = (np.asarray(x) for x in vc.rope_tables(ctx))
+    ones = lambda *shape: np.ones(shape, np.float32)  # noqa: E731
+    params = v4s.V4StepParams(cos, sin, opt(lc, f32(lc, 4, 1024)), opt(lc, ones(lc, 512)),
+                              opt(lc, f32(lc, 4, 256)), opt(lc, ones(lc, 128)),
+                              opt(lh, f32(lh, 128, 512)), opt(lh, ones(lh, 512)))
+    wp = tables[0][2]
+    cache = lambda c, p, w=512: opt(c, f32(c, p, ps, w))  # noqa: E731
+    caches = v4s.V4Caches(cache(cnt[0], wp), cache(lc, wp), cache(lc, tables[4][2]) if lc else None,
+                          cache(lc, tables[4][2], 128) if lc else None, cache(lh, wp),
+                          cache(lh, tables[128][2]) if lh else None)
+    num_slots = n + 1
+    st = lambda c, r, d: opt(c, vc.CompressorState(  # noqa: E731
+        f32(c * num_slots, vc.state_rows(r), vc.compressor_coff(r) * d),
+        f32(c * num_slots, vc.state_rows(r), vc.compressor_coff(r) * d)))
+    states = v4s.V4States(st(lc, 4, 512), st(lc, 4, 128), st(lh, 128, 512))
+    cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    dist = np.asarray([sum(q == 1 for q in q_lens), n, n], np.int32)
+    fam = lambda r: tables[r][:2] if cnt[r] else (None, None)  # noqa: E731
+    meta = v4s.V4BatchMeta(np.asarray(kv_lens, np.int32), cu_q, dist,
+                           np.arange(n, dtype=np.int32), *tables[0][:2], *fam(4), *fam(128))
+    return layout, inputs, params, caches, states, meta
+
+
+def agreement(ref, pal) -> str:
+    """Top-k overlap over CSA rows (entries chosen by both) and the output relative error."""
+    import numpy as np
+
+    overlaps = []
+    for lay in range(ref.topk.shape[0]):
+        for r in range(ref.topk.shape[1]):
+            a = set(ref.topk[lay, r].tolist()) - {-1}
+            if a:
+                b = set(pal.topk[lay, r].tolist()) - {-1}
+                overlaps.append(len(a & b) / len(a))
+    o_ref, o_pal = np.asarray(ref.out, np.float64), np.asarray(pal.out, np.float64)
+    rel = np.linalg.norm(o_pal - o_ref) / max(np.linalg.norm(o_ref), 1e-30)
+    top = (f"top-k overlap mean {np.mean(overlaps):.4f} (min {np.min(overlaps):.4f})"
+           if overlaps else "no CSA rows")
+    return f"agreement pallas vs reference: {top}, output rel. error {rel:.2e}"
+
+
+def run_v4(args, progress) -> int:
+    """The ``--model v4-flash`` run (module docstring); ``progress(label)`` a context manager."""
+    import jax
+    import numpy as np
+
+    v4s = importlib.import_module("dsa_jax.v4_step")  # the module: dsa_jax.v4_step is the fn
+
+    if args.devices > 1:
+        print("--model v4-flash runs on one device (dsa_jax.sharded_v4_step is the mesh form)",
+              file=sys.stderr)
+        return 2
+    s = sizes(args)
+    rng = np.random.default_rng(args.seed)
+    q_lens = [1] * args.decode + [3, s["prefill"]]
+    kv_lens = [int(rng.integers(max(q, 1), s["context"] + 1)) for q in q_lens]
+    layout, inputs, params, caches, states, meta = build(rng, s, q_lens, kv_lens)
+    types = {0: "SWA", 4: "CSA", 128: "HCA"}
+    print(f"model: DeepSeek-V4-Flash attention, {s['layers']} layers "
+          f"{[types[r] for r in layout.compress_ratios]}")
+    print(f"layout: window {layout.window_size} tokens, page {layout.window_page_size} tokens x "
+          f"{layout.window_pages_per_seq}/seq; CSA pages {layout.csa_page_size} entries x "
+          f"{layout.csa_pages_per_seq}/seq; HCA pages {layout.hca_page_size} entries x "
+          f"{layout.hca_pages_per_seq}/seq; heads {s['heads']} x 512, indexer "
+          f"{s['index_heads']} x 128, top-k {s['k']}")
+    print(f"batch: q_lens={q_lens} (+2 padding rows), kv_lens={kv_lens}; "
+          f"T={inputs.q.shape[1]} rows")
+    results = {}
+    for backend in ["reference"] + (["pallas"] if args.dsa_use_pallas else []):
+        with progress(f"{backend}: compile + first step"):
+            t0 = time.perf_counter()
+            res = jax.block_until_ready(v4s.v4_step(inputs, params, caches, states, meta,
+                                                    layout=layout, backend=backend))
+            t1 = time.perf_counter()
+        results[backend] = jax.tree.map(np.asarray, (res.out, res.topk))
+        out = results[backend][0]
+        interp = backend == "pallas" and jax.default_backend() != "tpu"
+        note = "; interpret mode, not a TPU timing" if interp else ""
+        print(f"{backend}: one step {t1 - t0:.2f} s (incl. compile{note}); out {out.shape}, "
+              f"NaN in out: {bool(np.isnan(out).any())}")
+    if "pallas" in results:
+        print(agreement(*(v4s.V4StepResult(o, k, None, None) for o, k in
+                          (results["reference"], results["pallas"]))))
+    return 0

@@ -1,0 +1,154 @@
+"""A tiny DeepSeek-V4 model for the V4 step tests and the CLI: per-layer statement configs and
+params (``reference.deepseek_v4``), the projections the step takes (the statement's own
+pieces: its linears, norms, RoPE tables and QAT simulations), the output projection, and the
+paged batch (page tables per family, NaN-filled caches, state pools)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from dsa_jax.v4_step import (
+    V4BatchMeta,
+    V4Caches,
+    V4ModelLayout,
+    V4StepInputs,
+    V4StepParams,
+    init_v4_states,
+)
+from reference import deepseek_v4 as dv4
+from reference import v4_compressor as vc
+
+
+def configs(ratios, **overrides):
+    """One ``V4AttentionConfig`` per layer (head_dim 512: the V4 op's only head)."""
+    kw = dict(head_dim=512, n_heads=2, o_groups=2, compress_ratios=tuple(ratios))
+    kw.update(overrides)
+    return [dv4.tiny_config(**kw, layer_id=i) for i in range(len(ratios))]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_seq_len", "qat"))
+def project(params, x, pos, cfg, max_seq_len, qat):
+    """The step's per-layer inputs for tokens ``x f32[S, dim]`` at positions ``pos i32[S]``,
+    computed as ``reference.deepseek_v4._layer`` does."""
+    c = cfg
+    cos, sin = dv4._rope(c, max_seq_len)
+    cos_p, sin_p = jnp.take(cos, pos, axis=0), jnp.take(sin, pos, axis=0)
+    lin = lambda v, name: v @ params[name].T  # noqa: E731
+    qr = vc.rms_norm(lin(x, "wq_a.weight"), params["q_norm.weight"], c.norm_eps)
+    q = lin(qr, "wq_b.weight").reshape(-1, c.n_heads, c.head_dim)
+    q = q * lax.rsqrt(jnp.mean(q * q, axis=-1, keepdims=True) + jnp.float32(c.norm_eps))
+    q = vc.apply_rope(q, cos_p[:, None], sin_p[:, None])
+    kv = vc.rms_norm(lin(x, "wkv.weight"), params["kv_norm.weight"], c.norm_eps)
+    kv = vc.apply_rope(kv, cos_p, sin_p)
+    if qat:
+        kv = dv4._nope_fp8(c)(kv)
+    out = dict(q=q, window_kv=kv)
+    r = c.compress_ratio
+    if r:
+        out["kv"] = lin(x, "compressor.wkv.weight")
+        out["score"] = lin(x, "compressor.wgate.weight")
+    if r == 4:
+        iq = lin(qr, "indexer.wq_b.weight").reshape(-1, c.index_n_heads, c.index_head_dim)
+        iq = vc.apply_rope(iq, cos_p[:, None], sin_p[:, None])
+        if qat:
+            iq = dv4.fp4_act_quant_sim(dv4.hadamard_rotate(iq))
+        out["index_q"] = iq
+        out["index_weights"] = lin(x, "indexer.weights_proj.weight") * jnp.float32(
+            c.index_head_dim ** -0.5 * c.index_n_heads ** -0.5)
+        out["index_kv"] = lin(x, "indexer.compressor.wkv.weight")
+        out["index_score"] = lin(x, "indexer.compressor.wgate.weight")
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_seq_len"))
+def finish(params, o, pos, cfg, max_seq_len):
+    """The statement's output side on ``o f32[S, H, 512]``: inverse RoPE, ``wo_a``, ``wo_b``."""
+    c = cfg
+    cos, sin = dv4._rope(c, max_seq_len)
+    cos_p, sin_p = jnp.take(cos, pos, axis=0), jnp.take(sin, pos, axis=0)
+    o = vc.apply_rope(o, cos_p[:, None], -sin_p[:, None])
+    o = o.reshape(o.shape[0], c.o_groups, -1)
+    wo_a = params["wo_a.weight"].reshape(c.o_groups, c.o_lora_rank, -1)
+    o = jnp.einsum("sgd,grd->sgr", o, wo_a).reshape(o.shape[0], -1)
+    return o @ params["wo_b.weight"].T
+
+
+def step_params(cfgs, params, max_seq_len) -> V4StepParams:
+    """The compressor params of each family, stacked in layer order, and the entry tables."""
+    def stack(ratio, name):
+        xs = [params[i][name] for i, c in enumerate(cfgs) if c.compress_ratio == ratio]
+        return jnp.stack(xs) if xs else None
+    cos, sin = vc.rope_tables(max_seq_len)
+    return V4StepParams(cos, sin, stack(4, "compressor.ape"), stack(4, "compressor.norm.weight"),
+                        stack(4, "indexer.compressor.ape"),
+                        stack(4, "indexer.compressor.norm.weight"),
+                        stack(128, "compressor.ape"), stack(128, "compressor.norm.weight"))
+
+
+def step_inputs(cfgs, per_layer, attn_sink) -> V4StepInputs:
+    """``V4StepInputs`` from ``per_layer[l]`` (``project``'s dicts over the step's rows)."""
+    def stack(ratio, key):
+        xs = [p[key] for p, c in zip(per_layer, cfgs, strict=True) if c.compress_ratio == ratio]
+        return jnp.stack(xs) if xs else None
+    return V4StepInputs(
+        jnp.stack([p["q"] for p in per_layer]), jnp.stack([p["window_kv"] for p in per_layer]),
+        stack(4, "kv"), stack(4, "score"), stack(4, "index_q"), stack(4, "index_weights"),
+        stack(4, "index_kv"), stack(4, "index_score"), stack(128, "kv"), stack(128, "score"),
+        attn_sink)
+
+
+def table(num_seqs, pages_per_seq, page_size, seed):
+    """A shuffled packed page table: ``(page_indices i32[S * pps], cu_lens i32[S+1],
+    num_pages)`` (one spare page, never referenced)."""
+    num_pages = num_seqs * pages_per_seq + 1
+    ids = np.random.default_rng(seed).permutation(num_pages)[:num_seqs * pages_per_seq]
+    cu = np.arange(num_seqs + 1) * pages_per_seq * page_size
+    return jnp.asarray(ids, jnp.int32), jnp.asarray(cu, jnp.int32), num_pages
+
+
+class PagedModel:
+    """The paged side of a test: layout, NaN-filled caches, state pools, page tables."""
+
+    def __init__(self, ratios, num_seqs, max_seq_len, *, index_topk=8, num_slots=None,
+                 window_page_size=16, csa_page_size=8, hca_page_size=4):
+        count = {r: sum(1 for x in ratios if x == r) for r in (0, 4, 128)}
+        pps = lambda n, ps: -(-n // ps)  # noqa: E731
+        self.layout = V4ModelLayout(
+            tuple(ratios), window_page_size, pps(max_seq_len, window_page_size),
+            csa_page_size=csa_page_size if count[4] else None,
+            csa_pages_per_seq=pps(max_seq_len // 4, csa_page_size) if count[4] else None,
+            hca_page_size=hca_page_size if count[128] else None,
+            hca_pages_per_seq=pps(max(max_seq_len // 128, 1), hca_page_size)
+            if count[128] else None, index_topk=index_topk)
+        lay = self.layout
+        self.window = table(num_seqs, lay.window_pages_per_seq, window_page_size, 1)
+        self.csa = table(num_seqs, lay.csa_pages_per_seq, csa_page_size, 2) if count[4] else None
+        self.hca = (table(num_seqs, lay.hca_pages_per_seq, hca_page_size, 3)
+                    if count[128] else None)
+
+        def nan(n, pages, ps, width=512):
+            return jnp.full((n, pages, ps, width), jnp.nan, jnp.float32) if n else None
+        wp = self.window[2]
+        self.caches = V4Caches(
+            nan(count[0], wp, window_page_size), nan(count[4], wp, window_page_size),
+            nan(count[4], self.csa[2], csa_page_size) if count[4] else None,
+            nan(count[4], self.csa[2], csa_page_size, 128) if count[4] else None,
+            nan(count[128], wp, window_page_size),
+            nan(count[128], self.hca[2], hca_page_size) if count[128] else None)
+        self.num_slots = num_slots or num_seqs + 1
+        self.states = init_v4_states(lay, self.num_slots)
+        self.state_slots = jnp.asarray((np.arange(num_seqs) + 1) % self.num_slots, jnp.int32)
+
+    def meta(self, kv_lens, q_lens, decode: bool) -> V4BatchMeta:
+        s = len(kv_lens)
+        cu_q = np.concatenate([[0], np.cumsum(q_lens)])
+        dist = [s if decode else 0, s, s]
+        fam = lambda t: (None, None) if t is None else t[:2]  # noqa: E731
+        return V4BatchMeta(jnp.asarray(kv_lens, jnp.int32), jnp.asarray(cu_q, jnp.int32),
+                           jnp.asarray(dist, jnp.int32), self.state_slots, *self.window[:2],
+                           *fam(self.csa), *fam(self.hca))
