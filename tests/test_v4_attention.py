@@ -328,11 +328,14 @@ def test_property_ragged_batches_match_the_oracle(spec, ratio, window, sink, bac
 # ----------------------------------------------------------------------------- model dims
 
 
-@pytest.mark.parametrize("heads,topk,kv,backend", [
-    (64, 512, 2400, "reference"), (128, 1024, 4300, "reference"),
-    (64, 512, 2400, "fused")], ids=["v4_flash", "v4_pro", "v4_flash_fused"])
-def test_model_dims_decode(heads, topk, kv, backend):
-    b = make_v4_batch(7, q_lens=[1, 1], kv_lens=[kv, 300], heads=heads, ratio=4, k=topk,
+@pytest.mark.parametrize("heads,ratio,topk,kv,backend", [
+    (64, 4, 512, 2400, "reference"), (128, 4, 1024, 4300, "reference"),
+    (64, 4, 512, 2400, "fused"), (64, 128, None, 2400, "reference"),
+    (64, 128, None, 2400, "fused"), (128, 4, 1024, 4300, "fused")],
+    ids=["v4_flash", "v4_pro", "v4_flash_fused", "v4_flash_hca", "v4_flash_hca_fused",
+         "v4_pro_fused"])
+def test_model_dims_decode(heads, ratio, topk, kv, backend):
+    b = make_v4_batch(7, q_lens=[1, 1], kv_lens=[kv, 300], heads=heads, ratio=ratio, k=topk,
                       window_size=128, window_page_size=64, comp_page_size=64)
     out, lse = run(b, backend, sink=np.linspace(-2, 2, heads).astype(np.float32))
     check(out, lse, b, np.linspace(-2, 2, heads).astype(np.float32))
