@@ -106,7 +106,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from reference import _checks, fp8
+from reference import _checks, fp8, fp8_cache
 
 V4_DIM = 512
 V4_NOPE = 448
@@ -150,7 +150,7 @@ def flashmla_page_bytes(page_size: int) -> int:
 
 
 @dataclass(frozen=True)
-class Fp8V4Cache:
+class Fp8V4Cache(fp8_cache._Paged):
     """The fp8 MODEL1 cache (module docstring): ``nope u32[..., P, ps, 128]``, ``rope
     u32[..., P, ceil(ps / 4), 128]``. A pytree: it passes through ``jax.jit``."""
 
@@ -162,14 +162,6 @@ class Fp8V4Cache:
         """The logical ``(..., num_pages, page_size, 512)`` of the rows it holds (leading dims
         of a stacked cache included)."""
         return (*np.shape(self.nope)[:-1], V4_DIM)
-
-    @property
-    def num_pages(self) -> int:
-        return self.shape[-3]
-
-    @property
-    def page_size(self) -> int:
-        return self.shape[-2]
 
 
 jax.tree_util.register_dataclass(Fp8V4Cache, data_fields=["nope", "rope"], meta_fields=[])
