@@ -61,9 +61,9 @@ from dsa_jax.v4 import V4Layout, layout_batch, v4_attention
 from reference import deepseek_v4 as _dv4
 from reference import fp8_cache, packed_cache, v4_cache
 from reference import v4_compressor as vc
-from reference.v4_attention import PagedKV
+from reference.v4_attention import COMPRESS_RATIOS, PagedKV
 
-TYPES = (0, 4, 128)
+TYPES = COMPRESS_RATIOS  # 0 window only, 4 CSA, 128 HCA
 TYPE_NAMES = {0: "swa", 4: "csa", 128: "hca"}
 INDEX_DIM = 128  # the V4 indexer head dim
 

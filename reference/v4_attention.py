@@ -51,8 +51,8 @@ import numpy as np
 
 from reference import _checks, attend, batch, packed_cache, sinks, stacked, v4_cache
 
-HEAD_DIM = 512  # one KV head of 448 nope + 64 rope features; K = V = the whole row
-ROPE_DIM = 64
+HEAD_DIM = v4_cache.V4_DIM  # one KV head of 448 nope + 64 rope features; K = V = the whole row
+ROPE_DIM = v4_cache.V4_ROPE
 COMPRESS_RATIOS = (0, 4, 128)  # window only, CSA (indexer top-k), HCA (every visible entry)
 DEFAULT_WINDOW = 128
 

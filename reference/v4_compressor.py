@@ -76,7 +76,7 @@ import numpy as np
 from reference import _checks, batch, fp8_cache, v4_cache
 
 RATIOS = (4, 128)
-ROPE_DIM = 64  # the V4 rope head dim
+ROPE_DIM = v4_cache.V4_ROPE  # the V4 rope head dim
 COMPRESS_ROPE_THETA = 160000.0
 ROPE_FACTOR = 16.0
 ORIGINAL_SEQ_LEN = 65536
