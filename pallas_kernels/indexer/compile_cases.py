@@ -42,19 +42,20 @@ V4_SHAPES = {
     "V4-Pro prefill 2048@131072 (32768 entries) k=1024": ([2048], [131072], False, 1024),
 }
 
-# index_quant="fp4_sim" (bf16 keys as stored, q simulated in the glue): the Flash and Pro decodes
-# on the token entry, the Flash mixed batch on both entries (the page entry shares the kernel;
-# quick: the page entry's mixed batch, whose ladder levels are the token entry's).
-# name -> (V4_SHAPES name, page_mode)
+# index_quant="fp4_sim" (bf16 keys as stored, q simulated in the glue). The in-kernel rotation
+# and rounding depend only on the stage's key tile (``P * page`` x 128), so the quick gate holds
+# the Flash decode on the token entry (16-page stages) and the mixed batch at Pro's budget on the
+# page entry (the general path's smaller stages and its row ladder); the rest when not quick.
+# V4-Pro has Flash's indexer dims (64 heads x 128, ratio 4); only the budget differs.
+# name -> (q_lens, kv_lens in tokens, one_token_per_seq, k entries, page_mode, quick)
+_MIXED = V4_SHAPES["V4-Flash mixed 60x1@8192 + 512@32768 k=512"][:2]
 V4_FP4_SHAPES = {
     "V4-Flash decode 64x8192 (2048 entries) k=512 fp4_sim":
-        ("V4-Flash decode 64x8192 (2048 entries) k=512", False),
+        (*V4_SHAPES["V4-Flash decode 64x8192 (2048 entries) k=512"], False, True),
+    "V4-Pro mixed 60x1@8192 + 512@32768 k=1024 pages fp4_sim": (*_MIXED, False, 1024, True, True),
     "V4-Pro decode 64x8192 (2048 entries) k=1024 fp4_sim":
-        ("V4-Pro decode 64x8192 (2048 entries) k=1024", False),
-    "V4-Flash mixed 60x1@8192 + 512@32768 k=512 fp4_sim":
-        ("V4-Flash mixed 60x1@8192 + 512@32768 k=512", False),
-    "V4-Flash mixed 60x1@8192 + 512@32768 k=512 pages fp4_sim":
-        ("V4-Flash mixed 60x1@8192 + 512@32768 k=512", True),
+        (*V4_SHAPES["V4-Pro decode 64x8192 (2048 entries) k=1024"], False, False),
+    "V4-Flash mixed 60x1@8192 + 512@32768 k=512 fp4_sim": (*_MIXED, False, 512, False, False),
 }
 
 
@@ -133,15 +134,13 @@ def page_cases(quick: bool) -> list[aot.CompileCase]:
 def v4_cases(quick: bool) -> list[aot.CompileCase]:
     """``streamindex_topk(compression_ratio=4)`` at ``V4_SHAPES`` with bf16 keys, plus the fp8
     index cache at the Flash decode (quick: the long prefill is left out), plus
-    ``index_quant="fp4_sim"`` at ``V4_FP4_SHAPES`` (token entry; the mixed batch also on the
-    page entry, ``k_pages = k / 64``)."""
+    ``index_quant="fp4_sim"`` at ``V4_FP4_SHAPES`` (page entry: ``k_pages = k / 64``)."""
     shapes = {name: (*v, None, False) for name, v in V4_SHAPES.items()
               if not (quick and name.startswith("V4-Pro prefill"))}
     flash = next(iter(V4_SHAPES))
     shapes[flash + " fp8 keys"] = (*V4_SHAPES[flash], None, False)
-    shapes.update({name: (*V4_SHAPES[base], "fp4_sim", page_mode)
-                   for name, (base, page_mode) in V4_FP4_SHAPES.items()
-                   if not (quick and "mixed" in name and not page_mode)})
+    shapes.update({name: (*v[:4], "fp4_sim", v[4]) for name, v in V4_FP4_SHAPES.items()
+                   if v[5] or not quick})
     cases = []
     for name, (q_lens, kv_lens, otp, k, quant, page_mode) in shapes.items():
         key_dtype = fp8.FP8_DTYPE if "fp8 keys" in name else jnp.bfloat16
