@@ -12,6 +12,8 @@ leave NaN in every unowned slot (``tests/test_compressed_indexer.py``)."""
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -263,3 +265,17 @@ def test_the_fp4_path_moves_the_bytes_of_plain_keys(chip, page_mode):
         if otp:  # decode: one row per item, so the plain flops count the keys fetched
             assert sim.flops - plain.flops == 2 * 128 * 128 * plain.flops // (2 * 64 * 128)
         assert plain.vmem_bytes < sim.vmem_bytes < aot.chip_info(chip).vmem_capacity_bytes // 2
+
+
+def test_counted_fp4_bytes_are_the_models_which_are_the_plain_keys():
+    # the interpreter's count of the fp4 path at scripts/hbm_traffic.py's decode shape equals
+    # the model's kernel side, and that model's bytes are the plain path's (rotation in VMEM)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import hbm_traffic as ht
+
+    knobs = dict(page_mode=False, block_rows=1, block_pages=2)
+    case = ht.indexer_case(ht.DECODE, **knobs, index_quant="fp4_sim")
+    assert ht.count(case).bytes(lane_padded=True) == case.model_kernel_bytes
+    plain = ht.indexer_case(ht.DECODE, **knobs)
+    assert case.model_kernel_bytes == plain.model_kernel_bytes
+    assert case.model.bytes_moved == plain.model.bytes_moved
