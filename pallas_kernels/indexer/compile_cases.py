@@ -56,6 +56,8 @@ V4_FP4_SHAPES = {
     "V4-Pro decode 64x8192 (2048 entries) k=1024 fp4_sim":
         (*V4_SHAPES["V4-Pro decode 64x8192 (2048 entries) k=1024"], False, False),
     "V4-Flash mixed 60x1@8192 + 512@32768 k=512 fp4_sim": (*_MIXED, False, 512, False, False),
+    "V4-Flash decode 64x8192 (2048 entries) k=512 f32 keys fp4_sim":  # the HIGHEST rotation
+        (*V4_SHAPES["V4-Flash decode 64x8192 (2048 entries) k=512"], False, False),
 }
 
 
@@ -143,7 +145,8 @@ def v4_cases(quick: bool) -> list[aot.CompileCase]:
                    if v[5] or not quick})
     cases = []
     for name, (q_lens, kv_lens, otp, k, quant, page_mode) in shapes.items():
-        key_dtype = fp8.FP8_DTYPE if "fp8 keys" in name else jnp.bfloat16
+        key_dtype = (fp8.FP8_DTYPE if "fp8 keys" in name else jnp.float32 if "f32 keys" in name
+                     else jnp.bfloat16)
         specs, pps = gate_specs(q_lens, kv_lens, key_dtype=key_dtype, compression_ratio=V4_RATIO)
         entry, k_kw = ((streamindex_page_topk, {"k_pages": k // GATE_PAGE}) if page_mode
                        else (streamindex_topk, {"k": k}))

@@ -2,7 +2,8 @@
 
 Module map: ``work_list`` (the XLA work list), ``blocks`` (block table, resolution, VMEM
 estimate), ``scoring`` (row chunks and the selection hand-off), ``traffic`` (traffic model),
-``compile_cases`` (AOT gate shapes), ``token`` / ``page`` (the entries). This file: the static
+``compile_cases`` (AOT gate shapes), ``fp4`` (``index_quant="fp4_sim"`` on a key tile),
+``token`` / ``page`` (the entries). This file: the static
 config, the kernel body and its ``pallas_call``.
 
     score[t, s] = sum_h w[t, h] * relu(q[t, h, :] . k[s, :])        (f32 accumulate)
