@@ -421,7 +421,9 @@ def hadamard_rotate(x: jax.Array) -> jax.Array:
     n = x.shape[-1]
     if n & (n - 1):
         raise ValueError(f"the Hadamard rotation needs a power-of-two width, got {n}")
-    return (x @ jnp.asarray(_hadamard_matrix(n))) * jnp.float32(n ** -0.5)
+    # HIGHEST: a TPU's default f32 matmul is one bf16 pass, which would round x before the sum
+    return jnp.matmul(x, jnp.asarray(_hadamard_matrix(n)),
+                      precision=lax.Precision.HIGHEST) * jnp.float32(n ** -0.5)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from reference import batch, fp8_cache, stacked
+from reference import batch, deepseek_v4, fp8_cache, stacked
 
 SCORE_BLOCK_BYTES = 64 * 1024 * 1024
 MAX_WINDOW_ROWS = 256
@@ -51,6 +51,21 @@ def index_scores(q: jax.Array, w: jax.Array, keys: jax.Array) -> jax.Array:
         return acc + jax.nn.relu(s_h) * w_h
 
     return jax.lax.fori_loop(0, heads, head_step, jnp.zeros((rows, n), jnp.float32))
+
+
+def fp4_sim(x: jax.Array) -> jax.Array:
+    """``f32[..., 128]``: the official indexer's view of q heads / keys, a normalized Hadamard
+    rotation then the FP4 simulation (``reference.deepseek_v4.hadamard_rotate`` /
+    ``fp4_act_quant_sim``, SPEC.md's ``fp4_act_quant`` rule: block 32, ue8m0, e2m1 RNE)."""
+    return deepseek_v4.fp4_act_quant_sim(deepseek_v4.hadamard_rotate(x.astype(jnp.float32)))
+
+
+# ``index_quant`` name -> the map applied to q heads ``f[T, H, D]`` and to the gathered keys
+# ``f[N, D]`` before scoring (``None``: scores as given). One definition for the reference token
+# and page top-k; the Pallas indexer applies the same map to q in its glue and to the keys in
+# the kernel (``pallas_kernels.indexer.fp4``). Names are checked by
+# ``_indexer_args.check_index_quant``.
+INDEX_QUANT_MAPS = {None: None, "fp4_sim": fp4_sim}
 
 
 def window_ladder(num_rows: int, capacity: int) -> tuple[int, ...]:
@@ -127,7 +142,7 @@ def score_and_select(q, weights, cache, kv_lens, page_indices, cu_q_lens, cu_kv_
     ``layer``: which layer of a stacked ``cache`` to read (``reference.stacked``);
     ``compression_ratio``: the cache's keys are entries of that many tokens
     (``reference.batch``; ``kv_lens`` stay tokens); ``key_map``: applied to each sequence's
-    gathered keys ``f[N, D]`` before scoring (``reference.fp4``'s simulation), or None.
+    gathered keys ``f[N, D]`` before scoring (``INDEX_QUANT_MAPS``), or None.
 
     Returns i32[T, out_width].
     """

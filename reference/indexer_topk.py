@@ -7,19 +7,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from reference import deepseek_v4, index_scores, selection, stacked
+from reference import index_scores, selection, stacked
 from reference._indexer_args import check_index_quant, check_topk_args
 
 _STATICS = ("k", "pages_per_seq", "one_token_per_seq", "num_segments", "fill",
             "refuse_full_overwrite", "recall_target", "exact", "compression_ratio",
             "index_quant")
-
-
-def _fp4_sim(x: jax.Array) -> jax.Array:
-    """``f32[..., 128]``: the official indexer's view of q heads / keys, a normalized Hadamard
-    rotation then the FP4 simulation (``reference.deepseek_v4.hadamard_rotate`` /
-    ``fp4_act_quant_sim``, SPEC.md's ``fp4_act_quant`` rule: block 32, ue8m0, e2m1 RNE)."""
-    return deepseek_v4.fp4_act_quant_sim(deepseek_v4.hadamard_rotate(x.astype(jnp.float32)))
 
 
 @stacked.checks_layer(cache_pos=2)
@@ -65,9 +58,12 @@ def streamindex_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, 
         (``_indexer_args.check_compression_ratio``): not an int >= 1, or a capacity whose
         tokens pass i32.
       index_quant: ``None`` (scores as given), or ``"fp4_sim"``: DeepSeek-V4's simulation
-        (``_fp4_sim``): q heads and the cache's keys (stored unrotated, f32/bf16, D = 128) are
-        each rotated by the normalized Hadamard transform and FP4-simulated (block 32, ue8m0)
-        before the scores. Reference only; the fp8 index cache is the other format.
+        (``index_scores.fp4_sim``): q heads and the cache's keys (stored unrotated, f32/bf16,
+        D = 128) are each rotated by the normalized Hadamard transform and FP4-simulated
+        (block 32, ue8m0) before the scores (``index_scores.INDEX_QUANT_MAPS``; the Pallas
+        entries run the same rule on the key tiles in the kernel). Refused
+        (``_indexer_args.check_index_quant``, ``ValueError``): another name, ``D != 128``, an
+        fp8 index cache (the other format).
 
     Returns:
       i32[T, k]: sequence-local token offsets (entry numbers when ``compression_ratio > 1``) by
@@ -81,9 +77,9 @@ def streamindex_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, 
                     recall_target=recall_target, exact=exact,
                     compression_ratio=compression_ratio)
     check_index_quant(index_quant, int(q.shape[2]), one_layer)
-    key_map = None
-    if index_quant == "fp4_sim":
-        q, key_map = _fp4_sim(q), _fp4_sim
+    key_map = index_scores.INDEX_QUANT_MAPS[index_quant]
+    if key_map is not None:
+        q = key_map(q)
 
     def finish(scores, token_ok, key_pos, kv_len):  # key_pos, kv_len: keys (index_scores)
         scores = jnp.where(token_ok, scores, selection.NEG_INF)

@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 
 from reference import index_scores, selection, stacked
-from reference._indexer_args import check_topk_args
+from reference._indexer_args import check_index_quant, check_topk_args
 
 _STATICS = ("k_pages", "pages_per_seq", "one_token_per_seq", "num_segments", "fill",
-            "refuse_full_overwrite", "recall_target", "exact", "compression_ratio")
+            "refuse_full_overwrite", "recall_target", "exact", "compression_ratio",
+            "index_quant")
 
 
 def page_max(scores: jax.Array, token_ok: jax.Array, page_size: int) -> jax.Array:
@@ -38,7 +39,7 @@ def streamindex_page_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Ar
                               refuse_full_overwrite: bool = False,
                               recall_target: float = selection.DEFAULT_RECALL_TARGET,
                               exact: bool = False, compression_ratio: int = 1,
-                              layer=None) -> jax.Array:
+                              index_quant: str | None = None, layer=None) -> jax.Array:
     """Page-level lightning-indexer top-k over a ragged paged batch.
 
     Shapes: ``q``: f32|bf16[T, H, D]; ``weights``: f32|bf16[T, H]; ``cache_kv``: f32|bf16[num_pages,
@@ -50,7 +51,9 @@ def streamindex_page_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Ar
     (``num_segments > 0``) use the row's causal page count as its context length; ``fill``
     and ``refuse_full_overwrite`` as ``streamindex_topk_ref`` (the guard compares with
     ``k_pages``). ``compression_ratio`` as ``streamindex_topk_ref``: with ``r > 1`` pages hold
-    entries and a page's score is the max over its visible entries.
+    entries and a page's score is the max over its visible entries. ``index_quant`` as
+    ``streamindex_topk_ref`` (``"fp4_sim"``: the token scores, hence the page maxima, are those
+    of the rotated, FP4-simulated q heads and keys; same map, ``index_scores.INDEX_QUANT_MAPS``).
 
     Returns:
       i32[T, k_pages]: sequence-local page numbers by descending page score, ``-1`` padding;
@@ -63,6 +66,10 @@ def streamindex_page_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Ar
                     fill=fill, refuse_full_overwrite=refuse_full_overwrite,
                     recall_target=recall_target, exact=exact,
                     compression_ratio=compression_ratio)
+    check_index_quant(index_quant, int(q.shape[2]), one_layer)
+    key_map = index_scores.INDEX_QUANT_MAPS[index_quant]
+    if key_map is not None:
+        q = key_map(q)
     page_size = cache_kv.shape[-2]
 
     def finish(scores, token_ok, key_pos, kv_len):  # key_pos, kv_len: keys (index_scores)
@@ -74,4 +81,4 @@ def streamindex_page_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Ar
     return index_scores.score_and_select(
         q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,
         pages_per_seq=pages_per_seq, out_width=k_pages, one_token_per_seq=one_token_per_seq,
-        finish=finish, layer=layer, compression_ratio=compression_ratio)
+        finish=finish, layer=layer, compression_ratio=compression_ratio, key_map=key_map)

@@ -119,7 +119,7 @@ def indexer_xla_bytes(s: Shape, *, page_mode: bool) -> int:
 
 def indexer_case(s: Shape, *, page_mode: bool, block_pages: int, block_rows: int,
                  chunk_bytes: int = scoring.SCORE_CHUNK_BYTES, dtype=jnp.bfloat16,
-                 seed: int = 0) -> Case:
+                 seed: int = 0, index_quant: str | None = None) -> Case:
     b = s.batch(seed)
     blocks = iblocks.resolve_blocks(None, block_rows=block_rows, block_pages=block_pages,
                                 chip=None, one_token_per_seq=s.decode,
@@ -132,7 +132,7 @@ def indexer_case(s: Shape, *, page_mode: bool, block_pages: int, block_rows: int
             cache) + tuple(jnp.asarray(x) for x in b.meta())
     knobs = dict(pages_per_seq=s.pages_per_seq, one_token_per_seq=s.decode,
                  block_rows=blocks.block_rows, block_pages=blocks.block_pages,
-                 score_chunk_bytes=chunk_bytes, interpret=INTERPRET)
+                 score_chunk_bytes=chunk_bytes, interpret=INTERPRET, index_quant=index_quant)
     if page_mode:
         k = min(4, s.pages_per_seq)
         run = lambda: streamindex_page_topk(*args, k_pages=k, **knobs)  # noqa: E731
@@ -145,12 +145,13 @@ def indexer_case(s: Shape, *, page_mode: bool, block_pages: int, block_rows: int
                         q_itemsize=jnp.dtype(q_dtype).itemsize, blocks=blocks,
                         page_mode=page_mode, one_token_per_seq=s.decode,
                         chunk_bytes=chunk_bytes,
-                        scale_lanes=fp8_cache.scale_lanes(s.page_size) if fp8_keys else 0)
+                        scale_lanes=fp8_cache.scale_lanes(s.page_size) if fp8_keys else 0,
+                        index_quant=index_quant)
     xla = indexer_xla_bytes(s, page_mode=page_mode)
     chunked = "" if chunk_bytes == scoring.SCORE_CHUNK_BYTES else f" chunk={chunk_bytes}B"
     return Case("streamindex_page_topk" if page_mode else "streamindex_topk", s.name, run,
                 model, xla, f"R={blocks.block_rows} P={blocks.block_pages}{chunked}"
-                + (" fp8 keys" if fp8_keys else ""))
+                + (" fp8 keys" if fp8_keys else "") + (f" {index_quant}" if index_quant else ""))
 
 
 # ----------------------------------------------------------------------------- sparse MLA

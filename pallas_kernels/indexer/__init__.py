@@ -1,6 +1,6 @@
 """The lightning indexer on TPU: one score kernel (``kernel``) behind the token and page top-k
-entries (``token``, ``page``), with its work list, blocks, row chunks, traffic model and
-compile-gate cases in their own modules."""
+entries (``token``, ``page``), with its work list, blocks, row chunks, in-kernel FP4 simulation
+(``fp4``), traffic model and compile-gate cases in their own modules."""
 
 from pallas_kernels.indexer.blocks import IndexerBlocks
 from pallas_kernels.indexer.page import streamindex_page_topk

@@ -71,9 +71,10 @@ def default_blocks(chip: str | None, *, one_token_per_seq: bool) -> IndexerBlock
 
 def vmem_estimate(*, block_rows: int, block_pages: int, num_heads: int, dim: int,
                   page_size: int, pages_per_seq: int, key_itemsize: int, q_itemsize: int,
-                  page_mode: bool, scale_lanes: int = 0) -> int:
+                  page_mode: bool, scale_lanes: int = 0, index_quant: str | None = None) -> int:
     """VMEM bytes the score kernel allocates (padded to tiles), one term per buffer
-    (``scale_lanes``: an fp8 cache's scale rows, 0 for none)."""
+    (``scale_lanes``: an fp8 cache's scale rows, 0 for none; ``index_quant``: the in-kernel
+    FP4 simulation's Hadamard matrix and f32 key-tile temporaries, ``indexer.fp4``)."""
     rh = block_rows * num_heads
     nb = block_pages * page_size
     num_blocks = -(-pages_per_seq // block_pages)
@@ -84,6 +85,9 @@ def vmem_estimate(*, block_rows: int, block_pages: int, num_heads: int, dim: int
     total += tile_bytes(rh, nb, 4)  # f32 score tile [R*H, P*page] (compiler temporary)
     if key_itemsize != q_itemsize:
         total += tile_bytes(nb, dim, 4)  # key block cast to the compute dtype
+    if index_quant is not None:
+        total += tile_bytes(dim, dim, 4)  # the Hadamard matrix (built once per grid step)
+        total += 4 * tile_bytes(nb, dim, 4)  # rotated keys, |x|, per-lane scale, 1/scale (f32)
     if scale_lanes:
         total += 2 * tile_bytes(block_pages, scale_lanes, 4)  # scale rows, 2 stages
         total += tile_bytes(1, nb, 4)  # the stage's scale row on lanes

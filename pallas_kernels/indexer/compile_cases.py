@@ -2,7 +2,9 @@
 indexer shapes (H=64, D=128, pages of 64, k=2048 tokens or 32 pages), decode, long decode,
 prefill and a mixed batch, with the traffic model of the blocks each chip picks; and the
 DeepSeek-V4 compressed-key indexer (``compression_ratio=4``: H=64, D=128, pages of 64 entries,
-k=512 Flash / 1024 Pro entries; ``V4_SHAPES``)."""
+k=512 Flash / 1024 Pro entries; ``V4_SHAPES``), also with DeepSeek-V4's FP4 index simulation
+(``index_quant="fp4_sim"``: the Hadamard rotation and FP4 rounding of each key tile in the
+kernel; ``V4_FP4_SHAPES``)."""
 
 from __future__ import annotations
 
@@ -38,6 +40,24 @@ V4_SHAPES = {
     "V4-Flash mixed 60x1@8192 + 512@32768 k=512": ([1] * 60 + [512], [8192] * 60 + [32768],
                                                    False, 512),
     "V4-Pro prefill 2048@131072 (32768 entries) k=1024": ([2048], [131072], False, 1024),
+}
+
+# index_quant="fp4_sim" (bf16 keys as stored, q simulated in the glue). The in-kernel rotation
+# and rounding depend only on the stage's key tile (``P * page`` x 128), so the quick gate holds
+# the Flash decode on the token entry (16-page stages) and the mixed batch at Pro's budget on the
+# page entry (the general path's smaller stages and its row ladder); the rest when not quick.
+# V4-Pro has Flash's indexer dims (64 heads x 128, ratio 4); only the budget differs.
+# name -> (q_lens, kv_lens in tokens, one_token_per_seq, k entries, page_mode, quick)
+_MIXED = V4_SHAPES["V4-Flash mixed 60x1@8192 + 512@32768 k=512"][:2]
+V4_FP4_SHAPES = {
+    "V4-Flash decode 64x8192 (2048 entries) k=512 fp4_sim":
+        (*V4_SHAPES["V4-Flash decode 64x8192 (2048 entries) k=512"], False, True),
+    "V4-Pro mixed 60x1@8192 + 512@32768 k=1024 pages fp4_sim": (*_MIXED, False, 1024, True, True),
+    "V4-Pro decode 64x8192 (2048 entries) k=1024 fp4_sim":
+        (*V4_SHAPES["V4-Pro decode 64x8192 (2048 entries) k=1024"], False, False),
+    "V4-Flash mixed 60x1@8192 + 512@32768 k=512 fp4_sim": (*_MIXED, False, 512, False, False),
+    "V4-Flash decode 64x8192 (2048 entries) k=512 f32 keys fp4_sim":  # the HIGHEST rotation
+        (*V4_SHAPES["V4-Flash decode 64x8192 (2048 entries) k=512"], False, False),
 }
 
 
@@ -115,36 +135,42 @@ def page_cases(quick: bool) -> list[aot.CompileCase]:
 
 def v4_cases(quick: bool) -> list[aot.CompileCase]:
     """``streamindex_topk(compression_ratio=4)`` at ``V4_SHAPES`` with bf16 keys, plus the fp8
-    index cache at the Flash decode (quick: the long prefill is left out)."""
-    shapes = {name: v for name, v in V4_SHAPES.items()
+    index cache at the Flash decode (quick: the long prefill is left out), plus
+    ``index_quant="fp4_sim"`` at ``V4_FP4_SHAPES`` (page entry: ``k_pages = k / 64``)."""
+    shapes = {name: (*v, None, False) for name, v in V4_SHAPES.items()
               if not (quick and name.startswith("V4-Pro prefill"))}
     flash = next(iter(V4_SHAPES))
-    shapes[flash + " fp8 keys"] = V4_SHAPES[flash]
+    shapes[flash + " fp8 keys"] = (*V4_SHAPES[flash], None, False)
+    shapes.update({name: (*v[:4], "fp4_sim", v[4]) for name, v in V4_FP4_SHAPES.items()
+                   if v[5] or not quick})
     cases = []
-    for name, (q_lens, kv_lens, otp, k) in shapes.items():
-        key_dtype = fp8.FP8_DTYPE if "fp8 keys" in name else jnp.bfloat16
+    for name, (q_lens, kv_lens, otp, k, quant, page_mode) in shapes.items():
+        key_dtype = (fp8.FP8_DTYPE if "fp8 keys" in name else jnp.float32 if "f32 keys" in name
+                     else jnp.bfloat16)
         specs, pps = gate_specs(q_lens, kv_lens, key_dtype=key_dtype, compression_ratio=V4_RATIO)
+        entry, k_kw = ((streamindex_page_topk, {"k_pages": k // GATE_PAGE}) if page_mode
+                       else (streamindex_topk, {"k": k}))
 
-        def fn_for_chip(chip, pps=pps, otp=otp, k=k):
-            return functools.partial(streamindex_topk, k=k, pages_per_seq=pps,
-                                     one_token_per_seq=otp, compression_ratio=V4_RATIO,
-                                     chip=chip)
+        def fn_for_chip(chip, pps=pps, otp=otp, entry=entry, k_kw=k_kw, quant=quant):
+            return functools.partial(entry, **k_kw, pages_per_seq=pps, one_token_per_seq=otp,
+                                     compression_ratio=V4_RATIO, index_quant=quant, chip=chip)
 
         def model(chip, q_lens=q_lens, kv_lens=kv_lens, otp=otp, pps=pps, key_dtype=key_dtype,
-                  specs=specs):
-            compute, _, lanes = compute_dtypes(specs[0], specs[2], chip)
+                  specs=specs, quant=quant, page_mode=page_mode):
+            compute, _, lanes = compute_dtypes(specs[0], specs[2], chip, quant)
             blocks = resolve_blocks(None, block_rows=None, block_pages=None, chip=chip,
                                     one_token_per_seq=otp, pages_per_seq=pps,
-                                    page_size=GATE_PAGE, page_mode=False, mosaic=True)
+                                    page_size=GATE_PAGE, page_mode=page_mode, mosaic=True)
             return traffic(q_lens, kv_lens, heads=GATE_HEADS, dim=GATE_DIM, page_size=GATE_PAGE,
                            pages_per_seq=pps, key_itemsize=jnp.dtype(key_dtype).itemsize,
                            q_itemsize=compute.itemsize, scale_lanes=lanes, blocks=blocks,
-                           page_mode=False, one_token_per_seq=otp,
-                           compression_ratio=V4_RATIO)
+                           page_mode=page_mode, one_token_per_seq=otp,
+                           compression_ratio=V4_RATIO, index_quant=quant)
 
         tags = ("decode",) if otp else ("mixed",) if "mixed" in name else ("prefill",)
-        cases.append(aot.CompileCase("streamindex_topk r=4", name, fn_for_chip, specs, model,
-                                     tags + ("v4",)))
+        tags += ("v4",) + (("fp4_sim",) if quant else ())
+        kernel = "streamindex_page_topk r=4" if page_mode else "streamindex_topk r=4"
+        cases.append(aot.CompileCase(kernel, name, fn_for_chip, specs, model, tags))
     return cases
 
 

@@ -2,7 +2,8 @@
 
 Module map: ``work_list`` (the XLA work list), ``blocks`` (block table, resolution, VMEM
 estimate), ``scoring`` (row chunks and the selection hand-off), ``traffic`` (traffic model),
-``compile_cases`` (AOT gate shapes), ``token`` / ``page`` (the entries). This file: the static
+``compile_cases`` (AOT gate shapes), ``fp4`` (``index_quant="fp4_sim"`` on a key tile),
+``token`` / ``page`` (the entries). This file: the static
 config, the kernel body and its ``pallas_call``.
 
     score[t, s] = sum_h w[t, h] * relu(q[t, h, :] . k[s, :])        (f32 accumulate)
@@ -60,6 +61,13 @@ Design.
   semaphore, its e4m3 keys ``[page, 128]`` (whole (32, 128) tiles) and its f32 scale row
   (``scale_lanes`` lanes); keys are upcast in VMEM (exact in bf16), or stay e4m3 for an fp8
   ``q`` on tpu7x (``compute_dtypes``); the stage's scores are scaled per key after the head sum.
+- ``index_quant="fp4_sim"`` (DeepSeek-V4's simulation, ``reference.index_scores.fp4_sim``): q
+  is rotated and FP4-simulated in the glue (``scoring``: ``[T, H, 128]``, small); each stage's
+  key tile, after its DMA, is rotated by the Hadamard matrix (one ``[P*page, 128] x [128, 128]``
+  MXU matmul; the matrix is built from iotas once per grid step) and FP4-rounded in VMEM
+  (``fp4``). The keys stay as stored (no pass over the cache); HBM bytes are those of plain
+  keys. The simulated values are exact in bf16, so the score matmul runs in bf16 with exact
+  products (``compute_dtypes``).
 
 Traffic (``traffic``): keys ``sum over items of pages_needed * page_size * D * itemsize`` (each
 sequence's causal keys ``ceil(n / R_max)`` times; decode once); q and the lane-padded weight
@@ -79,6 +87,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import tpu
+from pallas_kernels.indexer import fp4
 from pallas_kernels.indexer import work_list as wl
 from pallas_kernels.indexer.blocks import IndexerBlocks, vmem_estimate
 from pallas_kernels.indexer.work_list import level_bound, row_ladder
@@ -109,6 +118,7 @@ class ScoreConfig:
     scale_lanes: int = 0  # fp8 index cache: lanes of a page's scale row (0: no key scales)
     num_layers: int = 1  # L of the stacked cache the kernel reads in place
     compression_ratio: int = 1  # r: keys are entries of r tokens (``reference.batch``)
+    index_quant: str | None = None  # "fp4_sim": keys rotated and FP4-rounded in VMEM (``fp4``)
 
     @property
     def capacity(self) -> int:
@@ -138,14 +148,15 @@ class ScoreConfig:
 
 def make_configs(q, cache_kv, *, rows: int, num_seqs: int, pages_per_seq: int,
                  blocks: IndexerBlocks, page_mode: bool, one_token_per_seq: bool,
-                 chip: str | None = None, compression_ratio: int = 1) -> list[ScoreConfig]:
+                 chip: str | None = None, compression_ratio: int = 1,
+                 index_quant: str | None = None) -> list[ScoreConfig]:
     """Static configs of one chunk of ``rows`` query rows: one per ladder level, ascending.
     ``cache_kv``: the stacked cache ``[L, P, ps, D]`` (``reference.stacked``) or one layer.
     """
     total_rows, heads, dim = q.shape
     *lead, num_pages, page_size, _ = cache_kv.shape
     num_layers = lead[0] if lead else 1
-    compute, key_dtype, lanes = compute_dtypes(q, cache_kv, chip)
+    compute, key_dtype, lanes = compute_dtypes(q, cache_kv, chip, index_quant)
     ladder = row_ladder(blocks.block_rows, rows, one_token_per_seq)
     return [ScoreConfig(page_mode=page_mode, rows=rows, total_rows=total_rows, block_rows=size,
                         block_pages=blocks.block_pages,
@@ -153,22 +164,27 @@ def make_configs(q, cache_kv, *, rows: int, num_seqs: int, pages_per_seq: int,
                         page_size=page_size, pages_per_seq=pages_per_seq, num_pages=num_pages,
                         compute_dtype=compute, key_dtype=key_dtype, chip=chip,
                         scale_lanes=lanes, num_layers=num_layers,
-                        compression_ratio=compression_ratio)
+                        compression_ratio=compression_ratio, index_quant=index_quant)
             for i, size in enumerate(ladder)]
 
 
-def compute_dtypes(q, cache_kv, chip: str | None) -> tuple[jnp.dtype, jnp.dtype, int]:
+def compute_dtypes(q, cache_kv, chip: str | None,
+                   index_quant: str | None = None) -> tuple[jnp.dtype, jnp.dtype, int]:
     """``(compute dtype, key dtype, scale lanes)`` of a call. Plain keys: the promotion of q's
     and the keys' dtypes (f32 or bf16). An ``Fp8IndexCache``: e4m3 keys upcast in VMEM to bf16
     (f32 for an f32 query): every e4m3 value is exact in bf16, so products are exact; an fp8
     query stays fp8 on tpu7x (the fp8 MXU path, twice the bf16 rate) and is upcast to bf16
-    elsewhere (v5e has no fp8 MXU; v6e runs fp8 at the bf16 rate)."""
+    elsewhere (v5e has no fp8 MXU; v6e runs fp8 at the bf16 rate). ``index_quant="fp4_sim"``:
+    bf16, whatever q's and the keys' dtypes (q and keys are then e2m1 values times powers of
+    two, exact in bf16: the products are exact and accumulate in f32)."""
     if isinstance(cache_kv, fp8_cache.Fp8IndexCache):
         if q.dtype == fp8.FP8_DTYPE:
             compute = fp8.FP8_DTYPE if chip == "tpu7x" else jnp.dtype(jnp.bfloat16)
         else:
             compute = jnp.dtype(jnp.promote_types(q.dtype, jnp.bfloat16))
         return jnp.dtype(compute), fp8.FP8_DTYPE, fp8_cache.scale_lanes(cache_kv.page_size)
+    if index_quant is not None:
+        return jnp.dtype(jnp.bfloat16), jnp.dtype(cache_kv.dtype), 0
     compute = jnp.promote_types(q.dtype, cache_kv.dtype)
     if compute not in (jnp.float32, jnp.bfloat16):
         compute = jnp.dtype(jnp.float32)
@@ -239,12 +255,18 @@ def _wait(copies):
         pl.when(ok)(desc.wait)
 
 
-def _stage_scores(cfg: ScoreConfig, q, wcol, keys, scales, blk, pos0, kv_eff, page_ok):
+def _stage_scores(cfg: ScoreConfig, q, wcol, keys, scales, blk, pos0, kv_eff, page_ok,
+                  hadamard=None):
     """Masked scores ``f32[R, P*page]`` of one stage (``page_ok``: P traced bools); with an fp8
     cache ``scales f32[P, scale_lanes]`` scale each key's column after the head sum (the
-    reference's order, ``reference.index_scores.scaled_scores``)."""
+    reference's order, ``reference.index_scores.scaled_scores``); with ``index_quant`` the key
+    tile is first rotated by ``hadamard [D, D]`` and FP4-rounded (``fp4.rotate_and_round``;
+    q arrives simulated)."""
     nb = cfg.block_tokens
-    k = keys.reshape(nb, cfg.dim).astype(cfg.compute_dtype)
+    k = keys.reshape(nb, cfg.dim)
+    if cfg.index_quant is not None:
+        k = fp4.rotate_and_round(k, hadamard)
+    k = k.astype(cfg.compute_dtype)
     prec = (jax.lax.Precision.HIGHEST if cfg.compute_dtype == jnp.float32
             else jax.lax.Precision.DEFAULT)
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
@@ -339,6 +361,8 @@ def _score_kernel(cfg: ScoreConfig, aliased: bool,
     rh = cfg.block_rows * cfg.heads
     q = q_ref[...].reshape(rh, cfg.dim)
     wcol = w_ref[...].reshape(rh, 1)
+    hadamard = (fp4.hadamard(cfg.dim, cfg.key_dtype) if cfg.index_quant is not None
+                else None)
 
     def stage(blk, carry):
         slot = (base + blk) % 2
@@ -356,7 +380,7 @@ def _score_kernel(cfg: ScoreConfig, aliased: bool,
         _wait(mine)
         keys, scales = (kbuf[0][slot], kbuf[1][slot]) if cfg.key_scales else (kbuf[slot], None)
         s = _stage_scores(cfg, q, wcol, keys, scales, blk, pos0, kv_eff,
-                          [ok for ok, _ in mine[::2 if cfg.key_scales else 1]])
+                          [ok for ok, _ in mine[::2 if cfg.key_scales else 1]], hadamard)
         if cfg.page_mode:
             _put_page_max(cfg, obuf.at[oslot], s, blk)
         else:
@@ -415,7 +439,7 @@ def score_call(cfg: ScoreConfig, q, wcol, cache_kv, layer, items, page_table, pr
                         page_size=cfg.page_size, pages_per_seq=cfg.pages_per_seq,
                         key_itemsize=cfg.key_dtype.itemsize,
                         q_itemsize=cfg.compute_dtype.itemsize, page_mode=cfg.page_mode,
-                        scale_lanes=cfg.scale_lanes)
+                        scale_lanes=cfg.scale_lanes, index_quant=cfg.index_quant)
     limit = tpu.vmem_limit(est, cfg.chip, vmem_limit_bytes)
 
     def q_rows(w, items_ref, _pages, _layer):  # element offset of the item's q block
@@ -452,6 +476,8 @@ def _cost_estimate(cfg: ScoreConfig) -> pl.CostEstimate:
     """Upper bound: every item reads its whole capacity (the real kernel reads causal pages)."""
     toks = cfg.num_items * cfg.capacity
     flops = 2 * toks * cfg.block_rows * cfg.heads * cfg.dim
+    if cfg.index_quant is not None:  # the key tile's Hadamard rotation, once per item
+        flops += 2 * toks * cfg.dim * cfg.dim
     key_bytes = toks * cfg.dim * cfg.key_dtype.itemsize
     key_bytes += cfg.num_items * cfg.pages_per_seq * cfg.scale_lanes * 4
     rows = cfg.num_items * cfg.block_rows * cfg.heads

@@ -18,12 +18,12 @@ import jax
 from pallas_kernels.indexer.blocks import IndexerBlocks, check_kernel_knobs, entry_blocks
 from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, select_rows
 from reference import selection, stacked
-from reference._indexer_args import check_topk_args
+from reference._indexer_args import check_index_quant, check_topk_args
 
 _STATICS = ("k_pages", "pages_per_seq", "one_token_per_seq", "num_segments", "fill",
             "refuse_full_overwrite", "recall_target", "exact", "block_rows", "block_pages",
             "blocks", "chip", "score_chunk_bytes", "vmem_limit_bytes", "interpret",
-            "compression_ratio")
+            "compression_ratio", "index_quant")
 
 
 @stacked.checks_layer(cache_pos=2)
@@ -39,7 +39,8 @@ def streamindex_page_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array,
                           block_pages: int | None = None, blocks: IndexerBlocks | None = None,
                           chip: str | None = None, score_chunk_bytes: int = SCORE_CHUNK_BYTES,
                           vmem_limit_bytes: int | None = None, interpret=False,
-                          compression_ratio: int = 1, layer=None) -> jax.Array:
+                          compression_ratio: int = 1, index_quant: str | None = None,
+                          layer=None) -> jax.Array:
     """Page top-k of the lightning indexer over a ragged paged batch (Pallas page scores).
 
     Shapes: ``q``: f32|bf16[T, H, D] (fp8 with an fp8 cache); ``weights``: f32|bf16[T, H];
@@ -48,7 +49,9 @@ def streamindex_page_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array,
 
     Args: as ``pallas_kernels.streamindex_topk`` with ``k_pages`` for ``k``;
     witnesses use the row's causal page count as its context length; ``compression_ratio > 1``:
-    pages of compressed entries, a page's score the max over its visible entries.
+    pages of compressed entries, a page's score the max over its visible entries;
+    ``index_quant="fp4_sim"``: q simulated in the glue, key tiles in the kernel, as
+    ``streamindex_topk``.
 
     Returns: what ``reference.streamindex_page_topk_ref`` returns (``i32[T, k_pages]``).
     """
@@ -59,6 +62,7 @@ def streamindex_page_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array,
                     fill=fill, refuse_full_overwrite=refuse_full_overwrite,
                     recall_target=recall_target, exact=exact,
                     compression_ratio=compression_ratio)
+    check_index_quant(index_quant, int(q.shape[2]), one_layer)
     chip, blocks = entry_blocks(chip, blocks, block_rows, block_pages,
                                 one_token_per_seq=one_token_per_seq, pages_per_seq=pages_per_seq,
                                 page_size=cache_kv.shape[-2], page_mode=True, interpret=interpret)
@@ -71,5 +75,5 @@ def streamindex_page_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array,
                        chip=chip,
                        chunk_bytes=score_chunk_bytes, vmem_limit_bytes=vmem_limit_bytes,
                        interpret=interpret, layer=layer,
-                       compression_ratio=compression_ratio)
+                       compression_ratio=compression_ratio, index_quant=index_quant)
 

@@ -34,12 +34,13 @@ def select_rows(q, weights, cache_kv, meta, *, k: int, page_mode: bool, pages_pe
                 exact: bool,
                 blocks: IndexerBlocks, chip: str | None, chunk_bytes: int,
                 vmem_limit_bytes: int | None, interpret, layer=None,
-                compression_ratio: int = 1) -> jax.Array:
+                compression_ratio: int = 1, index_quant: str | None = None) -> jax.Array:
     """The token and page top-k entries after their checks: score in chunks, then select ``k``
     per row with the row's causal context (keys, or pages in page mode) as the witnesses'
     context length; rows outside every sequence all ``-1``. ``meta``: the five batch arrays;
     ``layer``: the layer of a stacked ``cache_kv`` to read (``reference.stacked``);
-    ``compression_ratio``: keys are entries of that many tokens (``reference.batch``)."""
+    ``compression_ratio``: keys are entries of that many tokens (``reference.batch``);
+    ``index_quant``: as ``score_and_select``."""
     b = batch.RaggedBatch.of(cache_kv, *meta, pages_per_seq=pages_per_seq,
                              compression_ratio=compression_ratio)
 
@@ -54,20 +55,25 @@ def select_rows(q, weights, cache_kv, meta, *, k: int, page_mode: bool, pages_pe
     return score_and_select(q, weights, cache_kv, b, one_token_per_seq=one_token_per_seq,
                             page_mode=page_mode, blocks=blocks, chunk_bytes=chunk_bytes,
                             vmem_limit_bytes=vmem_limit_bytes, interpret=interpret, chip=chip,
-                            out_width=k, out_dtype=jnp.int32, finish=finish, layer=layer)
+                            out_width=k, out_dtype=jnp.int32, finish=finish, layer=layer,
+                            index_quant=index_quant)
 
 
 def score_and_select(q, weights, cache_kv, b: batch.RaggedBatch, *, one_token_per_seq: bool,
                      page_mode: bool, blocks: IndexerBlocks, chunk_bytes: int,
                      vmem_limit_bytes: int | None, interpret, out_width: int, out_dtype,
-                     finish, chip: str | None = None, layer=None) -> jax.Array:
+                     finish, chip: str | None = None, layer=None,
+                     index_quant: str | None = None) -> jax.Array:
     """Score the rows in chunks of ``C`` rows (one kernel call each, inside a ``fori_loop``) and
     hand each chunk to ``finish(scores f32[C, N], row_ok bool[C], key_pos i32[C],
     kv_eff i32[C]) -> [C, out_width]`` (``key_pos``: the row's last visible key, its absolute
     position for tokens; ``kv_eff``: its sequence's keys; ``work_list``). Rows outside every
     sequence get ``-inf`` scores.
     ``cache_kv`` is one layer, or a stacked cache read in place at ``layer``
-    (``reference.stacked``: the kernel gets the stack and the layer as a scalar)."""
+    (``reference.stacked``: the kernel gets the stack and the layer as a scalar).
+    ``index_quant`` (checked by the entry): q ``[T, H, D]`` goes through the reference's map
+    here (``reference.index_scores.INDEX_QUANT_MAPS``), the keys through the same rule in the
+    kernel, tile by tile after their DMA (``pallas_kernels.indexer.fp4``)."""
     read = stacked.resolve("cache_kv", cache_kv, layer)
     cache_kv = read.stacked
     total_rows, pages_per_seq = q.shape[0], b.pages_per_seq
@@ -76,7 +82,10 @@ def score_and_select(q, weights, cache_kv, b: batch.RaggedBatch, *, one_token_pe
     cfgs = make_configs(q, cache_kv, rows=c, num_seqs=b.num_seqs, pages_per_seq=pages_per_seq,
                         blocks=blocks, page_mode=page_mode,
                         one_token_per_seq=one_token_per_seq, chip=chip,
-                        compression_ratio=b.compression_ratio)
+                        compression_ratio=b.compression_ratio, index_quant=index_quant)
+    q_map = index_scores.INDEX_QUANT_MAPS[index_quant]
+    if q_map is not None:
+        q = q_map(q)
     table = tpu.smem_page_table(b.page_indices)
     q_in = q.astype(cfgs[0].compute_dtype)  # a no-op unless q and keys differ in dtype
     wcol = weights.astype(jnp.float32).reshape(total_rows, q.shape[1], 1)

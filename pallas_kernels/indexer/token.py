@@ -21,12 +21,17 @@ import jax.numpy as jnp
 from pallas_kernels.indexer.blocks import IndexerBlocks, check_kernel_knobs, entry_blocks
 from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, score_and_select, select_rows
 from reference import batch, selection, stacked
-from reference._indexer_args import check_compression_ratio, check_indexer_args, check_topk_args
+from reference._indexer_args import (
+    check_compression_ratio,
+    check_index_quant,
+    check_indexer_args,
+    check_topk_args,
+)
 
 _STATICS = ("k", "pages_per_seq", "one_token_per_seq", "num_segments", "fill",
             "refuse_full_overwrite", "recall_target", "exact", "block_rows", "block_pages",
             "blocks", "chip", "score_chunk_bytes", "vmem_limit_bytes", "interpret",
-            "compression_ratio")
+            "compression_ratio", "index_quant")
 
 
 @stacked.checks_layer(cache_pos=2)
@@ -41,7 +46,8 @@ def streamindex_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, seq_
                      blocks: IndexerBlocks | None = None, chip: str | None = None,
                      score_chunk_bytes: int = SCORE_CHUNK_BYTES,
                      vmem_limit_bytes: int | None = None, interpret=False,
-                     compression_ratio: int = 1, layer=None) -> jax.Array:
+                     compression_ratio: int = 1, index_quant: str | None = None,
+                     layer=None) -> jax.Array:
     """Token top-k of the lightning indexer over a ragged paged batch (Pallas scores).
 
     Shapes: ``q``: f32|bf16[T, H, D] indexer query heads; ``weights``: f32|bf16[T, H] per-head
@@ -70,6 +76,11 @@ def streamindex_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, seq_
         ``cu_kv_lens`` and ``page_size`` count compressed entries, ``seq_lens`` tokens; entry
         ``j`` visible iff ``j < (p + 1) // r``). The kernel is the same; its causal mask takes
         the entry rule and the work list converts lengths (``pallas_kernels.indexer.kernel``).
+      index_quant: ``None`` or ``"fp4_sim"`` (DeepSeek-V4), as ``streamindex_topk_ref``: q
+        ``[T, H, 128]`` is rotated and FP4-simulated here (``reference.index_scores.fp4_sim``),
+        each key tile in the kernel after its DMA (Hadamard matmul plus the FP4 rounding,
+        ``pallas_kernels.indexer.fp4``; the cache is read as stored, f32/bf16, same bytes as
+        plain keys). Refused as the reference refuses (``D != 128``, an fp8 cache, a name).
 
     Returns:
       i32[T, k]: sequence-local token offsets (entry numbers when ``compression_ratio > 1``) by
@@ -82,6 +93,7 @@ def streamindex_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, seq_
                     fill=fill, refuse_full_overwrite=refuse_full_overwrite,
                     recall_target=recall_target, exact=exact,
                     compression_ratio=compression_ratio)
+    check_index_quant(index_quant, int(q.shape[2]), one_layer)
     chip, blocks = entry_blocks(chip, blocks, block_rows, block_pages,
                                 one_token_per_seq=one_token_per_seq, pages_per_seq=pages_per_seq,
                                 page_size=cache_kv.shape[-2], page_mode=False, interpret=interpret)
@@ -95,27 +107,30 @@ def streamindex_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, seq_
                        chip=chip,
                        chunk_bytes=score_chunk_bytes, vmem_limit_bytes=vmem_limit_bytes,
                        interpret=interpret, layer=layer,
-                       compression_ratio=compression_ratio)
+                       compression_ratio=compression_ratio, index_quant=index_quant)
 
 
 @functools.partial(jax.jit, static_argnames=("pages_per_seq", "one_token_per_seq", "page_mode",
                                              "block_rows", "block_pages", "blocks", "chip",
-                                             "interpret", "compression_ratio"))
+                                             "interpret", "compression_ratio",
+                                             "index_quant"))
 def streamindex_scores(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                        distribution, *, pages_per_seq: int, one_token_per_seq: bool = False,
                        page_mode: bool = False, block_rows: int | None = None,
                        block_pages: int | None = None, blocks: IndexerBlocks | None = None,
                        chip: str | None = None, interpret=False,
-                       compression_ratio: int = 1) -> jax.Array:
+                       compression_ratio: int = 1, index_quant: str | None = None) -> jax.Array:
     """The kernel's scores alone (tests, debugging): token mode ``f32[T, pages_per_seq *
     page_size]``, page mode ``f32[T, pages_per_seq]``; ``-inf`` for non-candidates and rows
     outside every sequence. Materialises ``[T, capacity]``: not for long prefill.
-    ``compression_ratio`` as ``streamindex_topk`` (columns are then entries)."""
+    ``compression_ratio`` and ``index_quant`` as ``streamindex_topk`` (columns are then
+    entries; with ``"fp4_sim"`` the scores of the simulated q heads and keys)."""
     check_indexer_args(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                        distribution, pages_per_seq=pages_per_seq,
                        one_token_per_seq=one_token_per_seq)
     check_compression_ratio(compression_ratio, page_size=int(cache_kv.shape[-2]),
                             pages_per_seq=pages_per_seq)
+    check_index_quant(index_quant, int(q.shape[2]), cache_kv)
     chip, blocks = entry_blocks(chip, blocks, block_rows, block_pages,
                                 one_token_per_seq=one_token_per_seq, pages_per_seq=pages_per_seq,
                                 page_size=cache_kv.shape[-2], page_mode=page_mode,
@@ -128,5 +143,5 @@ def streamindex_scores(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, 
         q, weights, cache_kv, b, one_token_per_seq=one_token_per_seq, page_mode=page_mode,
         blocks=blocks, chunk_bytes=q.shape[0] * width * 4, vmem_limit_bytes=None,
         interpret=interpret, chip=chip, out_width=width, out_dtype=jnp.float32,
-        finish=lambda s, *_: s)
+        finish=lambda s, *_: s, index_quant=index_quant)
 

@@ -39,7 +39,8 @@ def replay_items(q_lens, kv_lens, *, row0: int, rows: int, total_rows: int,
 def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_seq: int,
             key_itemsize: int, q_itemsize: int, blocks: IndexerBlocks, page_mode: bool,
             one_token_per_seq: bool, chunk_bytes: int = SCORE_CHUNK_BYTES,
-            scale_lanes: int = 0, compression_ratio: int = 1) -> aot.Traffic:
+            scale_lanes: int = 0, compression_ratio: int = 1,
+            index_quant: str | None = None) -> aot.Traffic:
     """HBM bytes, MXU flops and VMEM of the score kernel (and the page-score row map in XLA)
     for a batch of sequences ``(q_lens[i], kv_lens[i])``, replaying the work lists.
 
@@ -51,7 +52,10 @@ def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_
     cache, each fetched page also moves its f32 scale row of ``scale_lanes`` lanes (the
     minimum counts 4 scale bytes per key: the GPU layout's 132 B per key).
     ``compression_ratio = r``: ``kv_lens`` stay tokens, keys are their ``kv_len // r`` entries
-    (``page_size`` / ``pages_per_seq`` in entries)."""
+    (``page_size`` / ``pages_per_seq`` in entries). ``index_quant="fp4_sim"``: the same HBM
+    bytes as plain keys (the cache is read as stored; the rotation and FP4 rounding happen on
+    the tile in VMEM, q is simulated in the glue and moves as ``q_itemsize``), plus the
+    rotation's MXU flops ``2 * D * D`` per fetched key, and its VMEM temporaries."""
     total = sum(q_lens)
     cap = pages_per_seq * page_size
     width = pages_per_seq if page_mode else cap
@@ -74,6 +78,8 @@ def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_
             for _, n, pages in items:
                 keys += pages * (page_size * key_row + 4 * scale_lanes)
                 flops += 2 * size * heads * dim * pages * page_size
+                if index_quant is not None:  # the key tile's Hadamard rotation
+                    flops += 2 * dim * dim * pages * page_size
                 out += n * (page_cols if page_mode else cap) * 4
     min_key = key_row + (4 if scale_lanes else 0)
     keys_min = sum(kl // compression_ratio * min_key for kl in kv_lens)
@@ -82,7 +88,7 @@ def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_
     vmem = vmem_estimate(block_rows=ladder[-1], block_pages=p_blk, num_heads=heads, dim=dim,
                          page_size=page_size, pages_per_seq=pages_per_seq,
                          key_itemsize=key_itemsize, q_itemsize=q_itemsize, page_mode=page_mode,
-                         scale_lanes=scale_lanes)
+                         scale_lanes=scale_lanes, index_quant=index_quant)
     return aot.Traffic(bytes_moved=keys + q_moved + out, bytes_min=bytes_min, flops=flops,
                        vmem_bytes=vmem)
 
