@@ -68,10 +68,12 @@ def test_compiles_without_per_element_glue_and_within_the_traffic_bound(case, ch
 COMPRESSOR_CASES = [(case, chip) for case in v4ccases.compile_cases() for chip in aot.CHIPS]
 # the model's bytes over the minimum (pallas_kernels.v4_compressor.traffic): ratio 4 moves each
 # chunk row whole to both entries that pool it and once more to the ring, and its ring slot
-# whole (both halves); ratio 128 moves its old ring slot whole (128 rows for 127)
+# whole (both halves): 1.98x decode, 1.94x prefill; ratio 128 moves its old ring slot whole
+# (128 rows for 127): 1.03x decode, and a prefill entry's 128 rows as an aligned window of
+# 136: 1.09x
 COMPRESSOR_MAX_RATIO = {"csa_d512_decode64": 2.0, "hca_d512_decode64": 1.04,
                         "index_d128_decode64": 2.0, "csa_d512_prefill8192": 1.95,
-                        "hca_d512_prefill8192": 1.04, "index_d128_prefill8192": 1.95}
+                        "hca_d512_prefill8192": 1.1, "index_d128_prefill8192": 1.95}
 
 
 @pytest.mark.parametrize("case,chip", COMPRESSOR_CASES,

@@ -14,7 +14,11 @@ them in order and keeps one pool buffer):
    ``entry_facts``). A slot that is not a completing entry writes a zero row and moves nothing
    else. Entry ``j`` pools tokens ``q = r j - (coff - 1) r + k``, ``k < R``: slots ``k >= k_c``
    (``q >= kv_old``) from this step's rows, one row DMA per slot, kv and score each (Mosaic
-   slices a tiled dimension at a dynamic offset one row at a time); slots ``k_s <= k < k_c``
+   slices a tiled dimension at a dynamic offset one row at a time, or whole tiles), except
+   that at ratio 128 a run of more than 8 rows whose aligned window (the run's first row
+   rounded down to 8, ``R + 8`` rows) lies inside the step moves as that window, 2 DMAs, and
+   is rotated into place in VMEM (a prefill entry: 2 DMAs instead of 256); slots
+   ``k_s <= k < k_c``
    (``0 <= q < kv_old``) from the sequence's ring slot, one whole-slot DMA each for kv and gate
    when there is any (ratio 4: rolled by half a slot in VMEM when the ring starts mid-slot, so
    buffer row ``k`` holds ring row ``q % R``); slots ``k < k_s`` (``q < 0``, ratio 4's group 0)
@@ -42,7 +46,8 @@ same tree of the same ops; measured bit-identical under the strict interpreter o
 state bit for bit (data movement and the same ``score + ape`` add).
 
 Not measured on a TPU (none here): the pool call issues its DMAs per entry and waits before
-pooling (no overlap across entries); a prefill of ``T`` tokens runs ``T / r`` such round trips.
+pooling (no overlap across entries); a prefill of ``T`` tokens runs ``T / r`` such round trips
+(ratio 4: 16 row DMAs each).
 """
 
 from __future__ import annotations
@@ -138,10 +143,33 @@ def _ring_copies(skv_hbm, sscore_hbm, rbuf, rsem, slot):
             for a, src in enumerate((skv_hbm, sscore_hbm))]
 
 
-def _pool(cbuf, rbuf, ape_ref, k_s, k_c, off, ratio: int):
-    """The pooled row ``f32[1, d]`` of one entry from its gathered slots (module docstring);
-    ``off`` the ring row of slot 0 (ratio 4: 0 or ``r``, the ring rolled by half a slot)."""
-    rows, width = cbuf.shape[1], cbuf.shape[2]
+def _window_copies(kv_hbm, score_hbm, wbuf, wsem, first):
+    """The DMAs of the aligned window of ``R + 8`` rows from row ``first`` rounded down to 8
+    (kv into ``wbuf[0]``, score into ``wbuf[1]``): Mosaic moves a run of rows at a dynamic
+    offset only tile-aligned."""
+    start = pl.multiple_of(first // traffic.WINDOW_PAD * traffic.WINDOW_PAD, traffic.WINDOW_PAD)
+    return [pltpu.make_async_copy(src.at[pl.ds(start, wbuf.shape[1])], wbuf.at[a], wsem.at[a])
+            for a, src in enumerate((kv_hbm, score_hbm))]
+
+
+def _chunk_values(cbuf, wbuf, use_window, k_c, first):
+    """``(kv, score) f32[R, W]`` whose row ``k >= k_c`` is slot ``k``'s chunk row: from the row
+    buffers, or (``use_window``) the window rolled so that row ``first`` (the run's first, slot
+    ``k_c``) lands on row ``k_c`` (a dynamic sublane rotation)."""
+    rows = cbuf.shape[1]
+    if wbuf is None:
+        return cbuf[0], cbuf[1]
+    size = wbuf.shape[1]
+    shift = jax.lax.rem(k_c - first % traffic.WINDOW_PAD + size, size)
+    sel = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) < jnp.where(use_window, rows, 0)
+    return tuple(jnp.where(sel, pltpu.roll(wbuf[a], shift, 0)[:rows], cbuf[a]) for a in (0, 1))
+
+
+def _pool(chunk_kv, chunk_score, rbuf, ape_ref, k_s, k_c, off, ratio: int):
+    """The pooled row ``f32[1, d]`` of one entry from its slots (module docstring): rows
+    ``k >= k_c`` of ``chunk_kv`` / ``chunk_score f32[R, W]``, the ring in ``rbuf``; ``off`` the
+    ring row of slot 0 (ratio 4: 0 or ``r``, the ring rolled by half a slot)."""
+    rows, width = chunk_kv.shape
     k = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
     chunk = k >= k_c
     ring = (k >= k_s) & ~chunk
@@ -149,8 +177,8 @@ def _pool(cbuf, rbuf, ape_ref, k_s, k_c, off, ratio: int):
     if rows != ratio:  # buffer row k = ring row (off + k) % R
         ring_kv = jnp.where(off == 0, ring_kv, pltpu.roll(ring_kv, ratio, 0))
         ring_gate = jnp.where(off == 0, ring_gate, pltpu.roll(ring_gate, ratio, 0))
-    gate = jnp.where(chunk, cbuf[1] + ape_ref[...], jnp.where(ring, ring_gate, -jnp.inf))
-    vals = jnp.where(chunk, cbuf[0], jnp.where(ring, ring_kv, 0.0))
+    gate = jnp.where(chunk, chunk_score + ape_ref[...], jnp.where(ring, ring_gate, -jnp.inf))
+    vals = jnp.where(chunk, chunk_kv, jnp.where(ring, ring_kv, 0.0))
     if rows != ratio:  # ratio 4: slot k uses channel half k // r
         d = width // 2
         gate = jnp.where(k < ratio, gate[:, :d], gate[:, d:])
@@ -161,12 +189,14 @@ def _pool(cbuf, rbuf, ape_ref, k_s, k_c, off, ratio: int):
 
 
 def _pool_kernel(facts_ref, kv_hbm, score_hbm, ape_ref, skv_hbm, sscore_hbm, out_ref,
-                 cbuf, rbuf, csem, rsem, *, ratio: int):
+                 cbuf, rbuf, wbuf, csem, rsem, wsem, *, ratio: int, window: bool):
     """One grid step = one output slot. Prefetch: ``facts`` (SMEM i32[E * 6]); inputs: this
     step's ``kv`` / ``score`` (HBM f32[T, W]), the ape tile (VMEM f32[R, W], row ``k`` =
     ``ape[k % r]``), the pool's ``kv`` / ``score`` (HBM f32[N, R, W]); output the pooled block
-    ``[1, 1, d]``; scratch: chunk and ring buffers (VMEM f32[2, R, W] each: kv, score), their
-    DMA semaphores."""
+    ``[1, 1, d]``; scratch: chunk, ring and window buffers (VMEM f32[2, R | R | R + 8, W]:
+    kv, score), their DMA semaphores. ``window`` (static): a run of more than 8 chunk rows
+    whose aligned window lies inside ``[0, T)`` moves as the window (2 DMAs), else row by
+    row."""
     at = pl.program_id(0) * ENTRY_WORDS
     valid = facts_ref[at + _VALID] != 0
 
@@ -176,14 +206,27 @@ def _pool_kernel(facts_ref, kv_hbm, score_hbm, ape_ref, skv_hbm, sscore_hbm, out
 
     @pl.when(valid)
     def _():
+        rows = cbuf.shape[1]
         base, k_s, k_c = facts_ref[at + _BASE], facts_ref[at + _KS], facts_ref[at + _KC]
-        ring = _ring_copies(skv_hbm, sscore_hbm, rbuf, rsem, facts_ref[at + _SLOT])
-        for cp in ring:
-            pl.when(k_s < k_c)(cp.start)
-        _chunk_rows(kv_hbm, score_hbm, cbuf, csem, base, k_c, cbuf.shape[1])
-        for cp in ring:
-            pl.when(k_s < k_c)(cp.wait)
-        out_ref[0] = _pool(cbuf, rbuf, ape_ref, k_s, k_c, facts_ref[at + _OFF], ratio)
+        first = base + k_c  # this step's row of slot k_c
+        use_window = jnp.bool_(False)
+        copies = [(k_s < k_c, cp) for cp in _ring_copies(skv_hbm, sscore_hbm, rbuf, rsem,
+                                                         facts_ref[at + _SLOT])]
+        if window:
+            pad = traffic.WINDOW_PAD
+            use_window = ((rows - k_c > pad)
+                          & (first // pad * pad + wbuf.shape[1] <= kv_hbm.shape[0]))
+            copies += [(use_window, cp) for cp in _window_copies(kv_hbm, score_hbm, wbuf, wsem,
+                                                                 first)]
+        for cond, cp in copies:
+            pl.when(cond)(cp.start)
+        _chunk_rows(kv_hbm, score_hbm, cbuf, csem, base, jnp.where(use_window, rows, k_c), rows)
+        for cond, cp in copies:
+            pl.when(cond)(cp.wait)
+        chunk_kv, chunk_score = _chunk_values(cbuf, wbuf if window else None, use_window, k_c,
+                                              first)
+        out_ref[0] = _pool(chunk_kv, chunk_score, rbuf, ape_ref, k_s, k_c, facts_ref[at + _OFF],
+                           ratio)
 
 
 def pool_call(facts, kv, score, ape, state: vc.CompressorState, *, ratio: int,
@@ -195,6 +238,8 @@ def pool_call(facts, kv, score, ape, state: vc.CompressorState, *, ratio: int,
     rows, d = coff * ratio, width // coff
     slots = facts.shape[0] // ENTRY_WORDS
     c = traffic.worst_counts(num_rows, slots - num_rows // ratio, ratio)  # E = T // r + S
+    window = traffic.uses_window(ratio, num_rows)
+    wshape = (2, rows + traffic.WINDOW_PAD, width) if window else (2, tpu.SUBLANES, tpu.LANES)
     const = lambda e, *_: (0, 0)  # noqa: E731
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1, grid=(slots,),
@@ -203,13 +248,15 @@ def pool_call(facts, kv, score, ape, state: vc.CompressorState, *, ratio: int,
         out_specs=pl.BlockSpec((1, 1, d), lambda e, *_: (e, 0, 0)),
         scratch_shapes=[pltpu.VMEM((2, rows, width), jnp.float32),
                         pltpu.VMEM((2, rows, width), jnp.float32),
-                        pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2,))])
+                        pltpu.VMEM(wshape, jnp.float32),  # unused without the window path
+                        pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2,)),
+                        pltpu.SemaphoreType.DMA((2,))])
     call = pl.pallas_call(
-        functools.partial(_pool_kernel, ratio=ratio), grid_spec=grid_spec,
+        functools.partial(_pool_kernel, ratio=ratio, window=window), grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((slots, 1, d), jnp.float32),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",),
-            vmem_limit_bytes=tpu.vmem_limit(traffic.vmem_bytes(ratio=ratio, d=d),
+            vmem_limit_bytes=tpu.vmem_limit(traffic.vmem_bytes(ratio=ratio, d=d, window=window),
                                             tpu.device_chip(), vmem_limit_bytes)),
         cost_estimate=pl.CostEstimate(flops=6 * slots * rows * d, transcendentals=slots * rows * d,
                                       bytes_accessed=traffic.pool_bytes(c, ratio=ratio, d=d)),

@@ -2,9 +2,10 @@
 
 Counts (all rows f32, ``W = coff * d`` wide, ``R = coff * r`` slots per entry):
 
-- moved, pooling call: per completing entry its ``chunk_rows`` slots from this step's rows and,
-  when any slot precedes the step, its whole ring slot (``R`` rows), each kv and score, whole
-  rows (``W``); every output slot writes its pooled row (``d``); the ``[R, W]`` ape tile once;
+- moved, pooling call: per completing entry its ``chunk_rows`` slots from this step's rows
+  (ratio 128 runs of more than 8 rows: an aligned window of ``R + 8`` rows) and, when any slot
+  precedes the step, its whole ring slot (``R`` rows), each kv and score, whole rows (``W``);
+  every output slot writes its pooled row (``d``); the ``[R, W]`` ape tile once;
 - moved, state call: per state row written, this step's kv row copied HBM to HBM (read + write)
   and its score row read, ``+ ape``, written; ape ``[r, W]`` once;
 - minimum: this step's kv and score rows read once (``step_rows``), the old ring slots the
@@ -24,6 +25,17 @@ from pallas_kernels import aot, tpu
 from reference import v4_compressor as vc
 
 F32 = 4
+# Entries of at least this many slots (ratio 128) move a run of more than 8 chunk rows as one
+# aligned window of R + 8 rows (2 DMAs, 8 rows over); ratio 4's 8 slots keep row DMAs (a
+# 16-row window would double their bytes).
+WINDOW_MIN_ROWS = 64
+WINDOW_PAD = tpu.SUBLANES  # the window starts at the run's first row rounded down to 8
+
+
+def uses_window(ratio: int, num_rows: int) -> bool:
+    """Whether the pool kernel has the window path at this ratio and step size (static)."""
+    rows = vc.state_rows(ratio)
+    return rows >= WINDOW_MIN_ROWS and num_rows >= rows + WINDOW_PAD
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,9 @@ def prefill_counts(tokens: int, ratio: int) -> StepCounts:
     coff, rows = vc.compressor_coff(ratio), vc.state_rows(ratio)
     entries = tokens // ratio
     chunk = entries * rows - (coff - 1) * ratio
+    if uses_window(ratio, tokens):  # entry j's window [r j, r j + R + 8) inside the chunk
+        windows = sum(ratio * j + rows + WINDOW_PAD <= tokens for j in range(entries))
+        chunk += windows * WINDOW_PAD
     return StepCounts(slots=vc.max_entries(tokens, 1, ratio), entries=entries, chunk_rows=chunk,
                       ring_entries=0, old_slots=0, step_rows=tokens,
                       state_rows=min(tokens, rows))
@@ -67,12 +82,15 @@ def prefill_counts(tokens: int, ratio: int) -> StepCounts:
 def worst_counts(num_rows: int, num_seqs: int, ratio: int) -> StepCounts:
     """A static upper bound for a step of ``num_rows`` rows and ``num_seqs`` sequences (what the
     kernels declare to XLA): every output slot completes; a chunk row is pooled by at most
-    ``coff`` entries; at most ``coff`` entries per sequence read the ring (ratio 4: the first
-    two entries of a step may reach back); at most ``min(T, S R)`` state rows are written."""
+    ``coff`` entries (plus 8 rows per entry on the window path); at most ``coff`` entries per
+    sequence read the ring (ratio 4: the first two entries of a step may reach back); at most
+    ``min(T, S R)`` state rows are written."""
     coff, rows = vc.compressor_coff(ratio), vc.state_rows(ratio)
     slots = vc.max_entries(num_rows, num_seqs, ratio)
     ring = min(slots, coff * num_seqs)
-    return StepCounts(slots=slots, entries=slots, chunk_rows=min(slots * rows, coff * num_rows),
+    pad = WINDOW_PAD if uses_window(ratio, num_rows) else 0
+    chunk = min(slots * (rows + pad), coff * num_rows + slots * pad)
+    return StepCounts(slots=slots, entries=slots, chunk_rows=chunk,
                       ring_entries=ring, old_slots=ring * (rows - 1), step_rows=num_rows,
                       state_rows=min(num_rows, num_seqs * rows))
 
@@ -100,16 +118,18 @@ def compressor_traffic(c: StepCounts, *, ratio: int, d: int) -> aot.Traffic:
     minimum = (c.step_rows * 2 * width + c.old_slots * 2 * d + c.state_rows * 2 * width
                + c.entries * d) * F32
     return aot.Traffic(int(moved), int(minimum), int(6 * c.entries * rows * d),
-                       vmem_bytes(ratio=ratio, d=d))
+                       vmem_bytes(ratio=ratio, d=d, window=uses_window(ratio, c.step_rows)))
 
 
-def vmem_bytes(*, ratio: int, d: int) -> int:
+def vmem_bytes(*, ratio: int, d: int, window: bool = False) -> int:
     """The larger of the two calls' VMEM (each buffer padded to (8, 128) tiles)."""
     coff, rows = vc.compressor_coff(ratio), vc.state_rows(ratio)
     width = coff * d
     slot = tpu.tile_bytes(rows, width, F32)
     pool = (4 * slot  # the chunk and ring buffers, kv and score each
             + 2 * slot  # the [R, W] ape tile, double-buffered by the pipeline
-            + 2 * tpu.tile_bytes(1, d, F32))  # the pooled row block, double-buffered
+            + 2 * tpu.tile_bytes(1, d, F32)  # the pooled row block, double-buffered
+            + 2 * (tpu.tile_bytes(rows + WINDOW_PAD, width, F32) if window  # the windows
+                   else tpu.tile_bytes(tpu.SUBLANES, tpu.LANES, F32)))
     state = slot + 2 * tpu.tile_bytes(ratio, width, F32)  # score rows; ape [r, W] x 2
     return max(pool, state)
