@@ -15,9 +15,11 @@ them in order and keeps one pool buffer):
    else. Entry ``j`` pools tokens ``q = r j - (coff - 1) r + k``, ``k < R``: slots ``k >= k_c``
    (``q >= kv_old``) from this step's rows, one row DMA per slot, kv and score each (Mosaic
    slices a tiled dimension at a dynamic offset one row at a time, or whole tiles), except
-   that at ratio 128 a run of more than 8 rows whose aligned window (the run's first row
-   rounded down to 8, ``R + 8`` rows) lies inside the step moves as that window, 2 DMAs, and
-   is rotated into place in VMEM (a prefill entry: 2 DMAs instead of 256); slots
+   that a run of all ``R`` slots starting at a multiple of 8 moves in one DMA (a prefill whose
+   rows start aligned: every ratio-128 entry, every other ratio-4 entry), and at ratio 128
+   another run of more than 8 rows whose aligned window (the run's first row rounded down to
+   8, ``R + 8`` rows) lies inside the step moves as that window, 2 DMAs, rotated into place in
+   VMEM (a prefill entry: 2 DMAs instead of 256); slots
    ``k_s <= k < k_c``
    (``0 <= q < kv_old``) from the sequence's ring slot, one whole-slot DMA each for kv and gate
    when there is any (ratio 4: rolled by half a slot in VMEM when the ring starts mid-slot, so
@@ -47,7 +49,7 @@ state bit for bit (data movement and the same ``score + ape`` add).
 
 Not measured on a TPU (none here): the pool call issues its DMAs per entry and waits before
 pooling (no overlap across entries); a prefill of ``T`` tokens runs ``T / r`` such round trips
-(ratio 4: 16 row DMAs each).
+(ratio 4: 2 or 16 DMAs each).
 """
 
 from __future__ import annotations
@@ -148,7 +150,16 @@ def _window_copies(kv_hbm, score_hbm, wbuf, wsem, first):
     (kv into ``wbuf[0]``, score into ``wbuf[1]``): Mosaic moves a run of rows at a dynamic
     offset only tile-aligned."""
     start = pl.multiple_of(first // traffic.WINDOW_PAD * traffic.WINDOW_PAD, traffic.WINDOW_PAD)
-    return [pltpu.make_async_copy(src.at[pl.ds(start, wbuf.shape[1])], wbuf.at[a], wsem.at[a])
+    return [pltpu.make_async_copy(src.at[pl.ds(start, wbuf.shape[1])], wbuf.at[a], wsem.at[a, 0])
+            for a, src in enumerate((kv_hbm, score_hbm))]
+
+
+def _run_copies(kv_hbm, score_hbm, cbuf, sem, base):
+    """The DMAs of a whole run that starts tile-aligned (rows ``[base, base + R)``, ``base %
+    8 == 0``): straight into ``cbuf`` (kv ``[0]``, score ``[1]``), no rotation."""
+    pad = traffic.WINDOW_PAD
+    start = pl.multiple_of(base // pad * pad, pad)
+    return [pltpu.make_async_copy(src.at[pl.ds(start, cbuf.shape[1])], cbuf.at[a], sem.at[a, 1])
             for a, src in enumerate((kv_hbm, score_hbm))]
 
 
@@ -194,9 +205,10 @@ def _pool_kernel(facts_ref, kv_hbm, score_hbm, ape_ref, skv_hbm, sscore_hbm, out
     step's ``kv`` / ``score`` (HBM f32[T, W]), the ape tile (VMEM f32[R, W], row ``k`` =
     ``ape[k % r]``), the pool's ``kv`` / ``score`` (HBM f32[N, R, W]); output the pooled block
     ``[1, 1, d]``; scratch: chunk, ring and window buffers (VMEM f32[2, R | R | R + 8, W]:
-    kv, score), their DMA semaphores. ``window`` (static): a run of more than 8 chunk rows
-    whose aligned window lies inside ``[0, T)`` moves as the window (2 DMAs), else row by
-    row."""
+    kv, score), their DMA semaphores. A run of all ``R`` slots starting at a row that is a
+    multiple of 8 moves in one DMA per array (when ``T >= R``); else, with ``window`` (static),
+    a run of more than 8 chunk rows whose aligned window lies inside ``[0, T)`` moves as the
+    window (2 DMAs); else row by row."""
     at = pl.program_id(0) * ENTRY_WORDS
     valid = facts_ref[at + _VALID] != 0
 
@@ -209,18 +221,22 @@ def _pool_kernel(facts_ref, kv_hbm, score_hbm, ape_ref, skv_hbm, sscore_hbm, out
         rows = cbuf.shape[1]
         base, k_s, k_c = facts_ref[at + _BASE], facts_ref[at + _KS], facts_ref[at + _KC]
         first = base + k_c  # this step's row of slot k_c
-        use_window = jnp.bool_(False)
+        pad = traffic.WINDOW_PAD
+        aligned = use_window = jnp.bool_(False)
         copies = [(k_s < k_c, cp) for cp in _ring_copies(skv_hbm, sscore_hbm, rbuf, rsem,
                                                          facts_ref[at + _SLOT])]
+        if kv_hbm.shape[0] >= rows:  # (a static slice of R rows must fit)
+            aligned = (k_c == 0) & (base % pad == 0)
+            copies += [(aligned, cp) for cp in _run_copies(kv_hbm, score_hbm, cbuf, wsem, base)]
         if window:
-            pad = traffic.WINDOW_PAD
-            use_window = ((rows - k_c > pad)
+            use_window = (~aligned & (rows - k_c > pad)
                           & (first // pad * pad + wbuf.shape[1] <= kv_hbm.shape[0]))
             copies += [(use_window, cp) for cp in _window_copies(kv_hbm, score_hbm, wbuf, wsem,
                                                                  first)]
         for cond, cp in copies:
             pl.when(cond)(cp.start)
-        _chunk_rows(kv_hbm, score_hbm, cbuf, csem, base, jnp.where(use_window, rows, k_c), rows)
+        _chunk_rows(kv_hbm, score_hbm, cbuf, csem, base,
+                    jnp.where(aligned | use_window, rows, k_c), rows)
         for cond, cp in copies:
             pl.when(cond)(cp.wait)
         chunk_kv, chunk_score = _chunk_values(cbuf, wbuf if window else None, use_window, k_c,
@@ -250,7 +266,7 @@ def pool_call(facts, kv, score, ape, state: vc.CompressorState, *, ratio: int,
                         pltpu.VMEM((2, rows, width), jnp.float32),
                         pltpu.VMEM(wshape, jnp.float32),  # unused without the window path
                         pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2,)),
-                        pltpu.SemaphoreType.DMA((2,))])
+                        pltpu.SemaphoreType.DMA((2, 2))])
     call = pl.pallas_call(
         functools.partial(_pool_kernel, ratio=ratio, window=window), grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((slots, 1, d), jnp.float32),

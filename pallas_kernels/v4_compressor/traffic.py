@@ -3,7 +3,8 @@
 Counts (all rows f32, ``W = coff * d`` wide, ``R = coff * r`` slots per entry):
 
 - moved, pooling call: per completing entry its ``chunk_rows`` slots from this step's rows
-  (ratio 128 runs of more than 8 rows: an aligned window of ``R + 8`` rows) and, when any slot
+  (ratio 128 runs of more than 8 rows that do not start tile-aligned: an aligned window of
+  ``R + 8`` rows) and, when any slot
   precedes the step, its whole ring slot (``R`` rows), each kv and score, whole rows (``W``);
   every output slot writes its pooled row (``d``); the ``[R, W]`` ape tile once;
 - moved, state call: per state row written, this step's kv row copied HBM to HBM (read + write)
@@ -65,14 +66,17 @@ def decode_counts(seqs: int, ratio: int, *, complete: bool = True) -> StepCounts
                       state_rows=seqs)
 
 
-def prefill_counts(tokens: int, ratio: int) -> StepCounts:
-    """One sequence's first ``tokens`` tokens in one chunk (a multiple of ``ratio``): every
-    group completes from chunk rows (ratio 4's group 0 pools only its own 4)."""
+def prefill_counts(tokens: int, ratio: int, first_row: int = 0) -> StepCounts:
+    """One sequence's first ``tokens`` tokens in one chunk (a multiple of ``ratio``) at row
+    ``first_row`` of the step: every group completes from chunk rows (ratio 4's group 0 pools
+    only its own 4); an unaligned ``first_row`` sends ratio 128's runs through the window."""
     coff, rows = vc.compressor_coff(ratio), vc.state_rows(ratio)
     entries = tokens // ratio
     chunk = entries * rows - (coff - 1) * ratio
-    if uses_window(ratio, tokens):  # entry j's window [r j, r j + R + 8) inside the chunk
-        windows = sum(ratio * j + rows + WINDOW_PAD <= tokens for j in range(entries))
+    if first_row % WINDOW_PAD and uses_window(ratio, first_row + tokens):
+        end = first_row + tokens  # entry j's window: its first row rounded down, R + 8 rows
+        windows = sum((first_row + ratio * j) // WINDOW_PAD * WINDOW_PAD + rows + WINDOW_PAD
+                      <= end for j in range(entries))
         chunk += windows * WINDOW_PAD
     return StepCounts(slots=vc.max_entries(tokens, 1, ratio), entries=entries, chunk_rows=chunk,
                       ring_entries=0, old_slots=0, step_rows=tokens,
