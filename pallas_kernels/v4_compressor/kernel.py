@@ -19,14 +19,12 @@ them in order and keeps one pool buffer):
    rows start aligned: every ratio-128 entry, every other ratio-4 entry), and at ratio 128
    another run of more than 8 rows whose aligned window (the run's first row rounded down to
    8, ``R + 8`` rows) lies inside the step moves as that window, 2 DMAs, rotated into place in
-   VMEM (a prefill entry: 2 DMAs instead of 256); slots
-   ``k_s <= k < k_c``
-   (``0 <= q < kv_old``) from the sequence's ring slot, one whole-slot DMA each for kv and gate
-   when there is any (ratio 4: rolled by half a slot in VMEM when the ring starts mid-slot, so
-   buffer row ``k`` holds ring row ``q % R``); slots ``k < k_s`` (``q < 0``, ratio 4's group 0)
-   are gate ``-inf``, kv 0. Chunk slots add ``ape[k % r]`` (the ring already holds gate =
-   score + ape).
-   Ratio 4 takes channel half ``k // r`` of slot ``k``. Then per channel the softmax over the
+   VMEM (a prefill entry: 2 DMAs instead of 256); slots ``k_s <= k < k_c`` (``0 <= q <
+   kv_old``) from the sequence's ring slot, one whole-slot DMA each for kv and gate when there
+   is any (ratio 4: rolled by half a slot in VMEM when the ring starts mid-slot, so buffer row
+   ``k`` holds ring row ``q % R``); slots ``k < k_s`` (``q < 0``, ratio 4's group 0) are gate
+   ``-inf``, kv 0. Chunk slots add ``ape[k % r]`` (the ring already holds gate = score +
+   ape). Ratio 4 takes channel half ``k // r`` of slot ``k``. Then per channel the softmax over the
    ``R`` slots and the weighted sum, ``f32[1, d]`` per slot, every sum and max a fixed pairwise
    tree over slot halves (the reference's ``_tree``): each entry's arithmetic is the same
    whatever the step's shapes, so any split of a sequence gives bit-identical entries.
