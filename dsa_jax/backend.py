@@ -23,6 +23,7 @@ from pallas_kernels import (
     streamindex_topk,
     v4_attention,
 )
+from pallas_kernels.v4_compressor import compress_step as v4_compress_step
 from reference import (
     page_sparse_mla_ref,
     sparse_mla_ref,
@@ -30,6 +31,7 @@ from reference import (
     streamindex_topk_ref,
     v4_attention_ref,
 )
+from reference.v4_compressor import compress_step as v4_compress_step_ref
 
 BACKENDS = ("reference", "pallas")
 ENV_VAR = "DSA_USE_PALLAS"
@@ -41,6 +43,7 @@ OPS = {
     "sparse_mla": (sparse_mla_ref, sparse_mla),
     "page_sparse_mla": (page_sparse_mla_ref, page_sparse_mla),
     "v4_attention": (v4_attention_ref, v4_attention),
+    "v4_compressor": (v4_compress_step_ref, v4_compress_step),
 }
 
 

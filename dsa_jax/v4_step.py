@@ -9,7 +9,8 @@ layers of that type), because ``v4_attention`` reads a window and a compressed c
 Order of one step (every write before any read, so XLA keeps one buffer per donated stack):
 
 1. each layer's window rows into its type's window stack (the ``V4Layout``'s slot rule);
-2. each compressed layer's compressor (``reference.v4_compressor.compress_step``): the entries
+2. each compressed layer's compressor (``reference.v4_compressor.compress_step``; with
+   ``backend="pallas"`` the Pallas ``pallas_kernels.v4_compressor.compress_step``): the entries
    that complete in this step go into the compressed stack (CSA: also the indexer compressor's
    entries into the index-key stack), the state ring advances; the state pools are stacked
    ``[Lx * num_slots, R, W]`` and layer ``slot`` uses slots ``slot * num_slots + i``, so no
@@ -398,17 +399,18 @@ def _index_fp4(rows):
 
 
 def _compress_family(cache, state, kv, score, ape, norm, cos, sin, meta: V4BatchMeta, *,
-                     ratio: int, num_slots: int, table, pages_per_seq: int, fmt: str, finish):
-    """Run the compressor of every layer of one family (stacked inputs ``[Lx, ...]``) and store
-    the completed entries in layer ``s`` of ``cache``; the state pool is updated in place
-    (layer ``s`` owns slots ``s * num_slots + i``). Returns ``(cache, state)``."""
+                     ratio: int, num_slots: int, table, pages_per_seq: int, fmt: str, finish,
+                     compress):
+    """Run the compressor ``compress`` (a ``compress_step``) of every layer of one family
+    (stacked inputs ``[Lx, ...]``) and store the completed entries in layer ``s`` of ``cache``;
+    the state pool is updated in place (layer ``s`` owns slots ``s * num_slots + i``). Returns
+    ``(cache, state)``."""
     ok = (meta.state_slots >= 0) & (meta.state_slots < num_slots)
     page_indices, cu_lens = table
     for s in range(kv.shape[0]):
         slots = jnp.where(ok, meta.state_slots + s * num_slots, -1).astype(jnp.int32)
-        entries, state = vc.compress_step(kv[s], score[s], ape[s], norm[s], cos, sin, state,
-                                          slots, meta.kv_lens, meta.cu_q_lens,
-                                          meta.distribution, ratio=ratio)
+        entries, state = compress(kv[s], score[s], ape[s], norm[s], cos, sin, state, slots,
+                                  meta.kv_lens, meta.cu_q_lens, meta.distribution, ratio=ratio)
         entries = entries._replace(rows=finish(entries.rows))
         if fmt == "packed":
             page_id, offset = vc.entry_slots(entries, page_indices, cu_lens,
@@ -422,13 +424,14 @@ def _compress_family(cache, state, kv, score, ape, norm, cos, sin, meta: V4Batch
     return cache, state
 
 
-def _compress_all(caches, states, inputs, params, meta, layout, num_slots, qat):
-    """Every compressor of the step (CSA: attention + indexer; HCA)."""
+def _compress_all(caches, states, inputs, params, meta, layout, num_slots, qat, compress):
+    """Every compressor of the step (CSA: attention + indexer; HCA), each by ``compress``."""
     ident = lambda x: x  # noqa: E731
     fmt = layout.compressed_cache_format
     if layout.count(4):
         table = (meta.csa_page_indices, meta.csa_cu_lens)
-        kw = dict(ratio=4, num_slots=num_slots, table=table, pages_per_seq=layout.csa_pages_per_seq)
+        kw = dict(ratio=4, num_slots=num_slots, table=table, compress=compress,
+                  pages_per_seq=layout.csa_pages_per_seq)
         comp, st = _compress_family(caches.csa_compressed, states.csa, inputs.csa_kv,
                                     inputs.csa_score, params.csa_ape, params.csa_norm,
                                     params.cos, params.sin, meta, fmt=fmt,
@@ -447,7 +450,7 @@ def _compress_all(caches, states, inputs, params, meta, layout, num_slots, qat):
             params.hca_norm, params.cos, params.sin, meta, ratio=128, num_slots=num_slots,
             table=(meta.hca_page_indices, meta.hca_cu_lens),
             pages_per_seq=layout.hca_pages_per_seq, fmt=fmt,
-            finish=_nope_fp8 if qat else ident)
+            finish=_nope_fp8 if qat else ident, compress=compress)
         caches = caches._replace(hca_compressed=comp)
         states = states._replace(hca=st)
     return caches, states
@@ -465,10 +468,12 @@ def v4_step_body(inputs: V4StepInputs, params: V4StepParams, caches: V4Caches,
     """The step, unjitted (``v4_step`` jits it; ``sharded_v4_step`` runs it per shard);
     ``backend`` resolved, ``kernel_options`` a sorted tuple of items."""
     num_slots = check_v4_step_args(inputs, params, caches, states, meta, layout)
-    topk_opts, attn_opts = _backend.split_kernel_options(
-        ("indexer_topk", "v4_attention"), dict(kernel_options)).values()
+    topk_opts, attn_opts, comp_opts = _backend.split_kernel_options(
+        ("indexer_topk", "v4_attention", "v4_compressor"), dict(kernel_options)).values()
+    comp_fn, comp_extra = _backend.implementation("v4_compressor", backend, comp_opts)
     caches = _write_windows(caches, inputs, meta, layout)
-    caches, states = _compress_all(caches, states, inputs, params, meta, layout, num_slots, qat)
+    caches, states = _compress_all(caches, states, inputs, params, meta, layout, num_slots, qat,
+                                   functools.partial(comp_fn, **comp_extra))
     # Every write above, every read below.
     topks, dep = [], None
     for s in range(layout.count(4)):
@@ -520,8 +525,9 @@ def v4_step(inputs: V4StepInputs, params: V4StepParams, caches: V4Caches, states
       qat: apply the official QAT simulations to the compressed and index entries stored.
       exact: exact indexer top-k (the official ``topk``); False allows the approximate one.
       backend: ``"reference"`` / ``"pallas"`` / ``None`` (``dsa_jax.backend``) for every op.
-      kernel_options: Pallas knobs, routed to the indexer and the V4 attention entries by
-        name (``dsa_jax.backend.split_kernel_options``; ``interpret`` to both).
+      kernel_options: Pallas knobs, routed to the indexer, the V4 attention and the
+        compressor entries by name (``dsa_jax.backend.split_kernel_options``; ``interpret`` to
+        all).
 
     Returns ``V4StepResult(out [L, T, H, 512], topk [Lc, T, index_topk], caches, states)``.
     Bad shapes, a missing family argument or one given for a type the model lacks raise

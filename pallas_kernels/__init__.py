@@ -3,6 +3,8 @@
 - ``pallas_kernels.indexer``: the lightning-indexer score kernel behind token and page top-k;
 - ``pallas_kernels.mla``: the sparse MLA gather kernel behind token and page sparse MLA;
 - ``pallas_kernels.v4``: DeepSeek-V4 attention (window + compressed) on the token MLA kernel;
+- ``pallas_kernels.v4_compressor``: the DeepSeek-V4 compressor step (pool the completing
+  entries, update the state pool in place);
 - ``pallas_kernels.tpu``: lanes, chip detection, the VMEM policy, what ``interpret=True`` means;
 - ``pallas_kernels.aot``: AOT Mosaic compiles for v5e / v6e / tpu7x without a TPU.
 

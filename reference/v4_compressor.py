@@ -225,9 +225,10 @@ def _check_int_vector(name: str, x, length: int, why: str) -> None:
     _checks.dim(name, x, 0, length, why)
 
 
-def _check_step_args(kv, score, ape, norm_weight, cos, sin, state, state_slots, kv_lens,
+def check_step_args(kv, score, ape, norm_weight, cos, sin, state, state_slots, kv_lens,
                      cu_q_lens, distribution, ratio):
-    """Static checks of ``compress_step``'s arguments; returns ``(T, d, coff)``."""
+    """Static checks of ``compress_step``'s arguments (ValueError / TypeError naming the
+    numbers; the Pallas compressor reuses them); returns ``(T, d, coff)``."""
     coff = compressor_coff(ratio)
     _checks.rank("norm_weight", norm_weight, 1)
     d = int(np.shape(norm_weight)[0])
@@ -272,7 +273,7 @@ def _check_step_args(kv, score, ape, norm_weight, cos, sin, state, state_slots, 
 # ---------------------------------------------------------------------------------------------
 # The step.
 
-class _Seqs(NamedTuple):
+class SeqFacts(NamedTuple):
     """Per sequence ``i32[S]`` / ``bool[S]``: ``ok`` (not skipped, module docstring), first row
     ``q_start``, length before the step ``kv_old``, after it ``kv_len``, state ``slot``."""
 
@@ -283,17 +284,19 @@ class _Seqs(NamedTuple):
     slot: jax.Array
 
 
-def _seq_facts(kv_lens, cu_q_lens, distribution, state_slots, num_rows, num_slots) -> _Seqs:
+def seq_facts(kv_lens, cu_q_lens, distribution, state_slots, num_rows, num_slots) -> SeqFacts:
+    """Each sequence's ``SeqFacts`` (``ok`` applies the module docstring's masking rules) for a
+    step of ``num_rows`` rows over a pool of ``num_slots`` slots."""
     num_seqs = kv_lens.shape[0]
     q_start, q_end = cu_q_lens[:-1], cu_q_lens[1:]
     kv_old = kv_lens - (q_end - q_start)
     active = jnp.arange(num_seqs) < batch.num_active_seqs(distribution, num_seqs)
     ok = (active & (state_slots >= 0) & (state_slots < num_slots) & (q_start >= 0)
           & (q_end >= q_start) & (q_end <= num_rows) & (kv_old >= 0))
-    return _Seqs(ok, q_start, kv_old, kv_lens, state_slots)
+    return SeqFacts(ok, q_start, kv_old, kv_lens, state_slots)
 
 
-def _enumerate_entries(s: _Seqs, num_entries: int, ratio: int, table_len: int):
+def enumerate_entries(s: SeqFacts, num_entries: int, ratio: int, table_len: int):
     """``(seq, entry, valid)`` of each of the ``num_entries`` output slots: sequence ``i``
     completes entries ``[kv_old // r, kv_len // r)`` (those whose RoPE position ``r j`` lies in
     the tables), laid out by sequence."""
@@ -309,7 +312,7 @@ def _enumerate_entries(s: _Seqs, num_entries: int, ratio: int, table_len: int):
     return seq, entry.astype(jnp.int32), valid
 
 
-def _gather_slots(kv, score, ape, state, s: _Seqs, seq, entry, valid, ratio, coff):
+def _gather_slots(kv, score, ape, state, s: SeqFacts, seq, entry, valid, ratio, coff):
     """The pooled slots of each entry, slot-major: ``(gate, kv)`` both ``f32[R, E, d]``. Slot
     ``k`` is token ``q = r j - (coff - 1) r + k``, half ``k // r`` (ratio 4) or 0; read from
     this step's rows when ``q >= kv_old``, else from the state ring (row ``q % R``); ``q < 0``:
@@ -369,7 +372,7 @@ def _pool(gate, vals):
     return _tree(w * vals, 0, jnp.add, 0.0)[0]
 
 
-def _update_state(kv, score, ape, state, s: _Seqs, kv_lens, cu_q_lens, distribution, ratio,
+def _update_state(kv, score, ape, state, s: SeqFacts, kv_lens, cu_q_lens, distribution, ratio,
                   coff):
     """Write each of this step's tokens that is the latest of its ring row (``p >= kv_len -
     R``) into row ``p % R`` of its sequence's slot; nothing else changes."""
@@ -387,20 +390,30 @@ def _update_state(kv, score, ape, state, s: _Seqs, kv_lens, cu_q_lens, distribut
     return CompressorState(new_kv.reshape(state.kv.shape), new_score.reshape(state.kv.shape))
 
 
+def finish_entries(pooled, norm_weight, cos, sin, seq, entry, valid, *, ratio: int,
+                   eps: float) -> CompressedEntries:
+    """The pooled rows ``f32[E, d]`` of the output slots ``(seq, entry, valid)``
+    (``enumerate_entries``) as ``CompressedEntries``: the weighted RMSNorm, RoPE at the group's
+    first position ``r j``, unused slots zeroed and marked ``-1``. Row-wise arithmetic only
+    (``rms_norm``'s fixed tree), so a row's bits do not depend on ``E``."""
+    rows = rms_norm(pooled, norm_weight, eps)
+    pos = jnp.where(valid, ratio * entry, 0)
+    rows = apply_rope(rows, cos[pos], sin[pos])
+    return CompressedEntries(jnp.where(valid[:, None], rows, 0.0), jnp.where(valid, seq, -1),
+                             jnp.where(valid, entry, -1))
+
+
 @functools.partial(jax.jit, static_argnames=("ratio", "eps"))
 def _compress(kv, score, ape, norm_weight, cos, sin, state, state_slots, kv_lens, cu_q_lens,
               distribution, ratio, eps):
     coff = compressor_coff(ratio)
     num_rows, num_seqs = kv.shape[0], kv_lens.shape[0]
-    s = _seq_facts(kv_lens, cu_q_lens, distribution, state_slots, num_rows, state.kv.shape[0])
-    seq, entry, valid = _enumerate_entries(s, max_entries(num_rows, num_seqs, ratio), ratio,
-                                           cos.shape[0])
+    s = seq_facts(kv_lens, cu_q_lens, distribution, state_slots, num_rows, state.kv.shape[0])
+    seq, entry, valid = enumerate_entries(s, max_entries(num_rows, num_seqs, ratio), ratio,
+                                          cos.shape[0])
     gate, vals = _gather_slots(kv, score, ape, state, s, seq, entry, valid, ratio, coff)
-    rows = rms_norm(_pool(gate, vals), norm_weight, eps)
-    pos = jnp.where(valid, ratio * entry, 0)
-    rows = apply_rope(rows, cos[pos], sin[pos])
-    entries = CompressedEntries(jnp.where(valid[:, None], rows, 0.0),
-                                jnp.where(valid, seq, -1), jnp.where(valid, entry, -1))
+    entries = finish_entries(_pool(gate, vals), norm_weight, cos, sin, seq, entry, valid,
+                             ratio=ratio, eps=eps)
     new_state = _update_state(kv, score, ape, state, s, kv_lens, cu_q_lens, distribution,
                               ratio, coff)
     return entries, new_state
@@ -431,7 +444,7 @@ def compress_step(
     entry), and the updated ``CompressorState`` (only the rows of this step's tokens change;
     jit the caller with the state donated to update it in place). Bad shapes, dtypes or a
     ratio other than 4 / 128 raise ``ValueError`` naming the numbers."""
-    _check_step_args(kv, score, ape, norm_weight, cos, sin, state, state_slots, kv_lens,
+    check_step_args(kv, score, ape, norm_weight, cos, sin, state, state_slots, kv_lens,
                      cu_q_lens, distribution, ratio)
     f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
     return _compress(f32(kv), f32(score), f32(ape), f32(norm_weight), f32(cos), f32(sin),

@@ -12,7 +12,12 @@ compressors' slot gathers and the row / entry / state writes); ``large results``
 results over 1 MiB: a per-layer cache copy would show here); and the gathers / scatters
 moving under 128 elements per index over more than 1024 indices (per-element traffic).
 
-Usage: ``python scripts/v4_step_cost.py [--quick] [--chips v6e] [--markdown PATH]``.
+Each chip is compiled twice (``--compressors``): with the Pallas compressor
+(``pallas_kernels.v4_compressor``, what ``backend="pallas"`` runs) and, for the before/after
+comparison, with the reference compressor (``reference.v4_compressor``, XLA) beside the same
+Pallas attention and indexer kernels.
+
+Usage: ``python scripts/v4_step_cost.py [--quick] [--chips v6e] [--compressors pallas,reference]``.
 """
 
 from __future__ import annotations
@@ -27,12 +32,37 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import contextlib  # noqa: E402
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from dsa_jax import backend as _backend  # noqa: E402
 from dsa_jax import v4_cli  # noqa: E402
 from dsa_jax.v4_step import v4_step_body  # noqa: E402
 from pallas_kernels import xla_cost  # noqa: E402
+from reference import v4_compressor as vc  # noqa: E402
+
+
+def _reference_compressor(*args, ratio, eps=vc.NORM_EPS, interpret=False, vmem_limit_bytes=None):
+    """The reference compressor behind the Pallas entry's knobs (ignored)."""
+    del interpret, vmem_limit_bytes
+    return vc.compress_step(*args, ratio=ratio, eps=eps)
+
+
+@contextlib.contextmanager
+def compressor(name: str):
+    """The step's ``backend="pallas"`` compressor while compiling: ``"pallas"`` (as shipped) or
+    ``"reference"`` (the XLA form, for the before column)."""
+    saved = _backend.OPS["v4_compressor"]
+    if name == "reference":
+        _backend.OPS["v4_compressor"] = (saved[0], _reference_compressor)
+    elif name != "pallas":
+        raise ValueError(f"compressor must be 'pallas' or 'reference', got {name!r}")
+    try:
+        yield
+    finally:
+        _backend.OPS["v4_compressor"] = saved
 
 
 def program(layers: int, rows: int, context: int):
@@ -58,10 +88,11 @@ def program(layers: int, rows: int, context: int):
     return fn, specs, donate, rows, layout
 
 
-def row(chip: str, layers: int, rows: int, context: int) -> dict:
+def row(chip: str, layers: int, rows: int, context: int, comp: str = "pallas") -> dict:
     fn, specs, donate, n, layout = program(layers, rows, context)
-    compiled = xla_cost.compile_program(fn, specs, chip, donate_argnums=donate,
-                                        case="v4_step")
+    with compressor(comp):
+        compiled = xla_cost.compile_program(fn, specs, chip, donate_argnums=donate,
+                                            case="v4_step")
     cost = xla_cost.analyze(compiled)
     big = xla_cost.parse_large_results(compiled.as_text(), 1 << 20)
     return dict(chip=chip, layers=layers, rows=n, context=context, cost=cost, large=big,
@@ -78,12 +109,15 @@ def main(argv=None) -> None:
     p.add_argument("--layers", type=int, default=4, help="first N layers of the Flash pattern")
     p.add_argument("--rows", type=int, default=64, help="decode sequences (default 64)")
     p.add_argument("--context", type=int, default=8192, help="tokens per sequence")
+    p.add_argument("--compressors", default="pallas,reference",
+                   help="the compressors to compile the step with (default both)")
     a = p.parse_args(argv)
     rows, context = (8, 2048) if a.quick else (a.rows, a.context)
-    for chip in a.chips.split(","):
-        r = row(chip, a.layers, rows, context)
+    for chip, comp in [(c, m) for c in a.chips.split(",") for m in a.compressors.split(",")]:
+        r = row(chip, a.layers, rows, context, comp)
         c, n = r["cost"], rows + 2  # build adds two padding rows
-        print(f"{chip}: {a.layers} layers, {rows} decode rows x {context} tokens: XLA bytes "
+        print(f"{chip} ({comp} compressor): {a.layers} layers, {rows} decode rows x {context} "
+              f"tokens: XLA bytes "
               f"{c.total_bytes / n / 1e6:.3f} MB/row, kernel bytes {c.kernel_bytes / n / 1e6:.3f}"
               f" MB/row, XLA glue {c.xla_bytes / n / 1e6:.3f} MB/row; gathers {r['gathers']}, "
               f"scatters {r['scatters']}, kernels {len(c.kernels)}, loop {c.has_loop}")

@@ -15,10 +15,15 @@ only): each token's 2 DMAs move 1024 B against the 640 B stored (1.6x on those b
 (Flash CSA), 1.29x (Flash HCA), 1.45x (Pro CSA) of the fp8 minimum; the same bytes moved as
 packed bf16 (q, out and the tables dominate the rest), in 2x the DMAs. Numbers per chip:
 ``python scripts/v4_cost.py`` (BENCHMARKS.md, "DeepSeek-V4 attention (issue 20)").
+
+The Pallas compressor (``pallas_kernels.v4_compressor``, issue 21) compiles at the V4 dims
+(d 512 ratio 4 and 128, d 128 ratio 4; 64 decode sequences and an 8192-token prefill) with its
+pool updated in place (no copy of the donated pool) and its model within the stated factor.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -26,6 +31,9 @@ import pytest
 from pallas_kernels import aot, xla_cost
 from pallas_kernels.v4 import compile_cases as v4cases
 from pallas_kernels.v4.fused import INFO_WORDS
+from pallas_kernels.v4_compressor import compile_cases as v4ccases
+from pallas_kernels.v4_compressor import traffic as v4ctraffic
+from reference import v4_compressor as vc
 
 pytestmark = pytest.mark.kernel_gate
 
@@ -53,3 +61,53 @@ def test_compiles_without_per_element_glue_and_within_the_traffic_bound(case, ch
     assert t.ratio <= MAX_RATIO[case.kernel][case.shape.split("_decode")[0]], (case.shape, t)
     if case.kernel.startswith("v4_attention_fused"):  # the kernel declares the model's bytes
         assert cost.kernel_bytes == t.bytes_moved - rows * INFO_WORDS * 4
+
+
+# ----------------------------------------------------------------------------- the compressor
+
+COMPRESSOR_CASES = [(case, chip) for case in v4ccases.compile_cases() for chip in aot.CHIPS]
+# the model's bytes over the minimum (pallas_kernels.v4_compressor.traffic): ratio 4 moves each
+# chunk row whole to both entries that pool it and once more to the ring, and its ring slot
+# whole (both halves): 1.98x decode, 1.94x prefill; ratio 128 moves its old ring slot whole
+# (128 rows for 127): 1.03x decode, 1.03x prefill (rows from row 0: each entry's 128 rows in
+# one aligned DMA; from an unaligned row, windows of 136 rows: 1.09x, prefill_counts)
+COMPRESSOR_MAX_RATIO = {"csa_d512_decode64": 2.0, "hca_d512_decode64": 1.04,
+                        "index_d128_decode64": 2.0, "csa_d512_prefill8192": 1.95,
+                        "hca_d512_prefill8192": 1.04, "index_d128_prefill8192": 1.95}
+
+
+def test_compressor_model_of_an_unaligned_hca_prefill():
+    """A ratio-128 prefill whose rows start at row 3 moves its runs as 136-row windows."""
+    t = v4ctraffic.compressor_traffic(v4ctraffic.prefill_counts(8192, 128, first_row=3),
+                                      ratio=128, d=512)
+    assert 1.08 < t.ratio < 1.1
+
+
+@pytest.mark.parametrize("case,chip", COMPRESSOR_CASES,
+                         ids=[f"{c.shape}-{chip}" for c, chip in COMPRESSOR_CASES])
+def test_compressor_compiles_in_place_without_per_element_glue(case, chip):
+    """The Pallas compressor at the V4 dims (pool donated): compiles; the glue has no loop, no
+    per-element gather/scatter and no copy of the pool (the state call writes it in place);
+    the kernels declare the model's static bound; the model is within its factor."""
+    compiled = xla_cost.compile_program(case.fn_for_chip(chip), case.specs, chip,
+                                        donate_argnums=(6, 7), case=case.shape)
+    cost = xla_cost.analyze(compiled)
+    rows, seqs = case.specs[0].shape[0], case.specs[8].shape[0]
+    ratio, d = case.specs[2].shape[0], case.specs[3].shape[0]
+    slots = vc.max_entries(rows, seqs, ratio)  # one scalar per output slot is metadata
+    assert not cost.has_loop
+    assert not [op.describe() for op in cost.indexed_ops
+                if xla_cost.is_per_element(op, row_limit=max(rows, slots))]
+    pool = case.specs[6]
+    pool_shape = f"f32[{','.join(map(str, pool.shape))}]"
+    copies = [x for x in xla_cost.parse_large_results(compiled.as_text(),
+                                                      math.prod(pool.shape) * 4)
+              if x.opcode.startswith("copy") and x.shape == pool_shape]
+    assert not copies, copies
+    worst = v4ctraffic.worst_counts(rows, seqs, ratio)
+    assert cost.kernel_bytes == (v4ctraffic.pool_bytes(worst, ratio=ratio, d=d)
+                                 + v4ctraffic.state_bytes(worst, ratio=ratio, d=d))
+    t = case.traffic(chip)
+    assert t.vmem_bytes < aot.chip_info(chip).vmem_capacity_bytes
+    assert t.bytes_min <= t.bytes_moved
+    assert t.ratio <= COMPRESSOR_MAX_RATIO[case.shape], (case.shape, t)

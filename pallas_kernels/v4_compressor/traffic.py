@@ -1,0 +1,139 @@
+"""Traffic and VMEM model of the Pallas V4 compressor (``pallas_kernels.v4_compressor``).
+
+Counts (all rows f32, ``W = coff * d`` wide, ``R = coff * r`` slots per entry):
+
+- moved, pooling call: per completing entry its ``chunk_rows`` slots from this step's rows
+  (ratio 128 runs of more than 8 rows that do not start tile-aligned: an aligned window of
+  ``R + 8`` rows) and, when any slot
+  precedes the step, its whole ring slot (``R`` rows), each kv and score, whole rows (``W``);
+  every output slot writes its pooled row (``d``); the ``[R, W]`` ape tile once;
+- moved, state call: per state row written, this step's kv row copied HBM to HBM (read + write)
+  and its score row read, ``+ ape``, written; ape ``[r, W]`` once;
+- minimum: this step's kv and score rows read once (``step_rows``), the old ring slots the
+  completing entries need read once at their used half (``d``: the ``R - chunk`` old slots per
+  entry), the state rows written (kv and gate), the entries written (``d``).
+
+So the model's factors over the minimum come from: whole-row reads of the ring (ratio 4 uses
+one half of each slot row; both halves move), every chunk row read by the ``coff`` entries that
+pool it plus once more by the state call, and the unused output slots' zero rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pallas_kernels import aot, tpu
+from reference import v4_compressor as vc
+
+F32 = 4
+# Entries of at least this many slots (ratio 128) move a run of more than 8 chunk rows as one
+# aligned window of R + 8 rows (2 DMAs, 8 rows over); ratio 4's 8 slots keep row DMAs (a
+# 16-row window would double their bytes).
+WINDOW_MIN_ROWS = 64
+WINDOW_PAD = tpu.SUBLANES  # the window starts at the run's first row rounded down to 8
+
+
+def uses_window(ratio: int, num_rows: int) -> bool:
+    """Whether the pool kernel has the window path at this ratio and step size (static)."""
+    rows = vc.state_rows(ratio)
+    return rows >= WINDOW_MIN_ROWS and num_rows >= rows + WINDOW_PAD
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """What one step does, in rows: ``entries`` completing (of ``slots`` output slots),
+    ``chunk_rows`` pooled slots read from this step's rows (summed over entries),
+    ``ring_entries`` entries that read their ring slot, ``old_slots`` pooled slots that precede
+    the step (summed over entries; the minimum reads these), ``step_rows`` this step's rows,
+    ``state_rows`` ring rows written."""
+
+    slots: int
+    entries: int
+    chunk_rows: int
+    ring_entries: int
+    old_slots: int
+    step_rows: int
+    state_rows: int
+
+
+def decode_counts(seqs: int, ratio: int, *, complete: bool = True) -> StepCounts:
+    """One decode token per sequence; ``complete``: every sequence completes an entry (the
+    step a static program must serve: ratio 128 every 128th step), else none does."""
+    rows = vc.state_rows(ratio)
+    done = seqs if complete else 0
+    return StepCounts(slots=vc.max_entries(seqs, seqs, ratio), entries=done, chunk_rows=done,
+                      ring_entries=done, old_slots=done * (rows - 1), step_rows=seqs,
+                      state_rows=seqs)
+
+
+def prefill_counts(tokens: int, ratio: int, first_row: int = 0) -> StepCounts:
+    """One sequence's first ``tokens`` tokens in one chunk (a multiple of ``ratio``) at row
+    ``first_row`` of the step: every group completes from chunk rows (ratio 4's group 0 pools
+    only its own 4); an unaligned ``first_row`` sends ratio 128's runs through the window."""
+    coff, rows = vc.compressor_coff(ratio), vc.state_rows(ratio)
+    entries = tokens // ratio
+    chunk = entries * rows - (coff - 1) * ratio
+    if first_row % WINDOW_PAD and uses_window(ratio, first_row + tokens):
+        end = first_row + tokens  # entry j's window: its first row rounded down, R + 8 rows
+        windows = sum((first_row + ratio * j) // WINDOW_PAD * WINDOW_PAD + rows + WINDOW_PAD
+                      <= end for j in range(entries))
+        chunk += windows * WINDOW_PAD
+    return StepCounts(slots=vc.max_entries(tokens, 1, ratio), entries=entries, chunk_rows=chunk,
+                      ring_entries=0, old_slots=0, step_rows=tokens,
+                      state_rows=min(tokens, rows))
+
+
+def worst_counts(num_rows: int, num_seqs: int, ratio: int) -> StepCounts:
+    """A static upper bound for a step of ``num_rows`` rows and ``num_seqs`` sequences (what the
+    kernels declare to XLA): every output slot completes; a chunk row is pooled by at most
+    ``coff`` entries (plus 8 rows per entry on the window path); at most ``coff`` entries per
+    sequence read the ring (ratio 4: the first two entries of a step may reach back); at most
+    ``min(T, S R)`` state rows are written."""
+    coff, rows = vc.compressor_coff(ratio), vc.state_rows(ratio)
+    slots = vc.max_entries(num_rows, num_seqs, ratio)
+    ring = min(slots, coff * num_seqs)
+    pad = WINDOW_PAD if uses_window(ratio, num_rows) else 0
+    chunk = min(slots * (rows + pad), coff * num_rows + slots * pad)
+    return StepCounts(slots=slots, entries=slots, chunk_rows=chunk,
+                      ring_entries=ring, old_slots=ring * (rows - 1), step_rows=num_rows,
+                      state_rows=min(num_rows, num_seqs * rows))
+
+
+def pool_bytes(c: StepCounts, *, ratio: int, d: int) -> int:
+    """HBM bytes the pooling call moves (module docstring)."""
+    coff, rows = vc.compressor_coff(ratio), vc.state_rows(ratio)
+    width = coff * d
+    gathered = (c.chunk_rows + c.ring_entries * rows) * 2 * width * F32
+    return gathered + c.slots * d * F32 + rows * width * F32
+
+
+def state_bytes(c: StepCounts, *, ratio: int, d: int) -> int:
+    """HBM bytes the state call moves: 4 row transfers per written row, ape once."""
+    width = vc.compressor_coff(ratio) * d
+    return c.state_rows * 4 * width * F32 + ratio * width * F32
+
+
+def compressor_traffic(c: StepCounts, *, ratio: int, d: int) -> aot.Traffic:
+    """Both calls of one step against the minimum (module docstring); flops: the pooling's
+    ~6 flops per pooled slot channel; VMEM: ``vmem_bytes``."""
+    width = vc.compressor_coff(ratio) * d
+    rows = vc.state_rows(ratio)
+    moved = pool_bytes(c, ratio=ratio, d=d) + state_bytes(c, ratio=ratio, d=d)
+    minimum = (c.step_rows * 2 * width + c.old_slots * 2 * d + c.state_rows * 2 * width
+               + c.entries * d) * F32
+    return aot.Traffic(int(moved), int(minimum), int(6 * c.entries * rows * d),
+                       vmem_bytes(ratio=ratio, d=d, window=uses_window(ratio, c.step_rows)))
+
+
+def vmem_bytes(*, ratio: int, d: int, window: bool = False) -> int:
+    """The larger of the two calls' VMEM (each buffer padded to (8, 128) tiles)."""
+    coff, rows = vc.compressor_coff(ratio), vc.state_rows(ratio)
+    width = coff * d
+    slot = tpu.tile_bytes(rows, width, F32)
+    pool = (4 * slot  # the chunk and ring buffers, kv and score each
+            + 2 * slot  # the [R, W] ape tile, double-buffered by the pipeline
+            + 2 * tpu.tile_bytes(1, d, F32)  # the pooled row block, double-buffered
+            + 2 * (tpu.tile_bytes(rows + WINDOW_PAD, width, F32) if window  # the windows
+                   else tpu.tile_bytes(tpu.SUBLANES, tpu.LANES, F32)))
+    state = slot + 2 * tpu.tile_bytes(ratio, width, F32)  # score rows; ape [r, W] x 2
+    return max(pool, state)
