@@ -5,13 +5,17 @@ statement's inverse RoPE and output projection, and compared with the statement'
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from jax.sharding import Mesh
 
-from dsa_jax.v4_step import V4ModelLayout, v4_step
+from dsa_jax.v4_step import V4Caches, V4ModelLayout, v4_step
 from reference import deepseek_v4 as dv4
 from tests import v4_step_model as vm
 
@@ -156,6 +160,127 @@ def test_prefill_chunks_equal_one_prefill():
     for name in ("csa_compressed", "csa_index", "hca_compressed"):
         np.testing.assert_array_equal(np.asarray(getattr(r1.caches, name)),
                                       np.asarray(getattr(r2.caches, name)), err_msg=name)
+
+
+CHUNK_LENGTHS = ((257, 300), (129, 300), (1, 300))  # per sequence: crosses 255, 127, any
+CHUNK_MAX_SEQ = 304
+CHUNK_ROWS = 64  # rows of every split step (the rest: padding rows outside every sequence)
+
+
+@st.composite
+def _split(draw):
+    """Sequence lengths and a split of their tokens into steps: each sequence cycles its own
+    drawn pattern of new-token counts (1: a decode, 2..48: a chunk) from its drawn first step
+    on; a step takes every due sequence whose piece still fits ``CHUNK_ROWS`` rows (the others
+    wait) and orders them decodes first, rotated by the step number, so batch positions, page
+    tables and phases mix."""
+    lengths = [draw(st.integers(lo, hi)) for lo, hi in CHUNK_LENGTHS]
+    pieces = []
+    for n in lengths:
+        pattern = draw(st.lists(st.one_of(st.just(1), st.integers(2, 48)), min_size=1,
+                                max_size=12))
+        cut, k = [], 0
+        while sum(cut) < n:
+            cut.append(min(pattern[k % len(pattern)], n - sum(cut)))
+            k += 1
+        pieces.append(cut)
+    first = [draw(st.integers(0, 12)) for _ in lengths]
+    skip = [draw(st.sampled_from([0, 2, 3, 5])) for _ in lengths]  # sit out every k-th (0: never)
+    steps, nxt, t = [], [0] * len(lengths), 0
+    while any(nxt[i] < len(pieces[i]) for i in range(len(lengths))):
+        rows, step = 0, []
+        for j in range(len(lengths)):
+            i = (j + t) % len(lengths)
+            if nxt[i] == len(pieces[i]) or t < first[i] or skip[i] and t % skip[i] == 0:
+                continue
+            q = pieces[i][nxt[i]]
+            if rows + q <= CHUNK_ROWS:
+                step.append((i, q))
+                rows += q
+                nxt[i] += 1
+        if step:
+            steps.append(sorted(step, key=lambda s: s[1] != 1))  # decodes first, stable
+        t += 1
+    return lengths, steps
+
+
+@functools.cache
+def _chunk_model():
+    cfgs, params = _model(False)
+    return cfgs, params, vm.step_params(cfgs, params, CHUNK_MAX_SEQ)
+
+
+def _run_split(lengths, steps, proj, rows):
+    """The reference step over ``steps`` (``[(seq, new tokens), ...]`` each) on fresh paged
+    caches; every step padded to ``rows`` rows. Returns ``(result, outputs per sequence
+    f32[L, n, H, 512])``."""
+    cfgs, params, sp = _chunk_model()
+    pm = vm.PagedModel(RATIOS, len(lengths), CHUNK_MAX_SEQ)
+    caches, states, res = pm.caches, pm.states, None
+    done = np.zeros(len(lengths), int)
+    outs = [[] for _ in lengths]
+    sink = jnp.stack([p["attn_sink"] for p in params])
+    for step in steps:
+        seqs = [i for i, _ in step]
+        q_lens = [q for _, q in step]
+        per_layer = []
+        for li in range(len(cfgs)):
+            d = {}
+            for key in proj[0][li]:
+                x = np.concatenate([proj[i][li][key][done[i]:done[i] + q] for i, q in step])
+                pad = np.zeros((rows - len(x),) + x.shape[1:], x.dtype)
+                d[key] = jnp.asarray(np.concatenate([x, pad]))
+            per_layer.append(d)
+        meta = pm.batch_meta(seqs, [done[i] + q for i, q in step], q_lens,
+                             sum(q == 1 for q in q_lens) if len(steps) > 1 else 0)
+        res = v4_step(vm.step_inputs(cfgs, per_layer, sink), sp, caches, states, meta,
+                      layout=pm.layout, backend="reference")
+        caches, states = res.caches, res.states
+        out, row = np.asarray(res.out), 0
+        for i, q in step:
+            outs[i].append(out[:, row:row + q])
+            row += q
+            done[i] += q
+    return res, [np.concatenate(o, axis=1) for o in outs]
+
+
+@pytest.mark.slow
+@settings(max_examples=6, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(_split())
+def test_step_is_chunk_invariant(split):
+    """Chunk invariance of the paged step as a property (reference backend): three sequences
+    (257-300, 129-300 and 1-300 tokens: ratio-128 entries 0 and 1, ratio-4 groups, the
+    128-token window) split into steps of mixed phases (one-token decodes first, then chunks
+    of 2-48 tokens, sequences joining late and sitting steps out, batch order rotating) leave
+    the same window, compressed (``csa_compressed``, ``csa_index``, ``hca_compressed``) caches
+    and compressor states, bit for bit, as one prefill of every token; every token's output
+    follows the one prefill's (the outputs themselves are checked against the statement by
+    the long tests). The step's inputs are projected once per sequence and sliced, so only
+    the step's own arithmetic is under test."""
+    lengths, steps = split
+    cfgs, params, _ = _chunk_model()
+    rng = np.random.default_rng(sum(lengths))
+    pos = jnp.arange(CHUNK_MAX_SEQ)
+    proj = []
+    for n in lengths:
+        x = np.zeros((CHUNK_MAX_SEQ, cfgs[0].dim), np.float32)
+        x[:n] = rng.standard_normal((n, cfgs[0].dim), dtype=np.float32)
+        proj.append([{k: np.asarray(v) for k, v in vm.project(
+            params[li], jnp.asarray(x), pos, c, CHUNK_MAX_SEQ, False).items()}
+            for li, c in enumerate(cfgs)])
+    one, want = _run_split(lengths, [[(i, n) for i, n in enumerate(lengths)]], proj,
+                           len(lengths) * CHUNK_MAX_SEQ)
+    got_res, got = _run_split(lengths, steps, proj, CHUNK_ROWS)
+    for name in V4Caches._fields:
+        np.testing.assert_array_equal(np.asarray(getattr(got_res.caches, name)),
+                                      np.asarray(getattr(one.caches, name)), err_msg=name)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got_res.states),
+                            jax.tree.leaves(one.states), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                      err_msg=jax.tree_util.keystr(path))
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=f"sequence {i}")
 
 
 # ----------------------------------------------------------------------------- refusals
