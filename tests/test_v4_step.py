@@ -5,13 +5,17 @@ statement's inverse RoPE and output projection, and compared with the statement'
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from jax.sharding import Mesh
 
-from dsa_jax.v4_step import V4ModelLayout, v4_step
+from dsa_jax.v4_step import V4Caches, V4ModelLayout, v4_step
 from reference import deepseek_v4 as dv4
 from tests import v4_step_model as vm
 
@@ -19,8 +23,11 @@ RATIOS = (0, 4, 128)
 MAX_SEQ = 400
 
 
-def _model(qat, seed=0):
-    cfgs = vm.configs(RATIOS)
+INTERPRET = {"interpret": True}  # the strict Pallas interpreter (pallas_kernels.tpu)
+
+
+def _model(qat, seed=0, window_size=128):
+    cfgs = vm.configs(RATIOS, window_size=window_size)
     params = [dv4.init_params(c, seed=seed + i) for i, c in enumerate(cfgs)]
     return cfgs, params
 
@@ -30,35 +37,51 @@ def _schedule(prefill, decodes):
     return [list(prefill)] + [[1] * len(prefill)] * decodes
 
 
-def _drive(schedule, *, qat, backend, kernel_options=None, seed=0, check_every=1, model=None,
-           compare=True, pallas_from=0):
-    """Run the paged step and the statement over ``schedule``; compare each checked step.
-    Returns the paged model and the last step's result."""
-    cfgs, params = model or _model(qat, seed)
+def _drive(schedule, *, qat, backend="reference", kernel_options=None, seed=0, model=None,
+           compare=True, pallas_from=0, backends=None, window_size=128, window_page_size=16,
+           max_seq=MAX_SEQ):
+    """Run the paged step and the statement over ``schedule``; compare every step's output,
+    per sequence and layer, with the statement's.
+
+    ``backends``: ``[(backend, kernel_options), ...]`` driven in lockstep, each on its own
+    paged caches, against ONE statement run (the statement's per-step cost paid once); default
+    ``[(backend, kernel_options)]``, the backend taking over from step ``pallas_from`` (the
+    steps before run the reference). ``window_size`` overrides the window (statement configs
+    and layout alike). Returns the paged model and the last step's result of the first
+    backend."""
+    cfgs, params = model or _model(qat, seed, window_size)
+    backends = backends or [(backend, kernel_options)]
     num_seqs = len(schedule[0])
     total = np.sum(schedule, axis=0)
     rng = np.random.default_rng(seed + 100)
     xs = [jnp.asarray(rng.standard_normal((int(n), cfgs[0].dim), dtype=np.float32))
           for n in total]
-    pm = vm.PagedModel(RATIOS, num_seqs, MAX_SEQ)
-    sp = vm.step_params(cfgs, params, MAX_SEQ)
+    pms = [vm.PagedModel(RATIOS, num_seqs, max_seq, window_size=window_size,
+                         window_page_size=window_page_size) for _ in backends]
+    sp = vm.step_params(cfgs, params, max_seq)
     sink = jnp.stack([p["attn_sink"] for p in params])
-    states = {(li, i): dv4.init_state(c, 1, MAX_SEQ) for li, c in enumerate(cfgs)
+    states = {(li, i): dv4.init_state(c, 1, max_seq) for li, c in enumerate(cfgs)
               for i in range(num_seqs)}
     done = np.zeros(num_seqs, int)
-    caches, cstates, res = pm.caches, pm.states, None
+    carry = [(pm.caches, pm.states) for pm in pms]
+    results = [None] * len(backends)
     for n_step, q_lens in enumerate(schedule):
-        pos = np.concatenate([np.arange(d, d + q) for d, q in zip(done, q_lens, strict=True)])
-        x = jnp.concatenate([xs[i][done[i]:done[i] + q] for i, q in enumerate(q_lens)])
-        per_layer = [vm.project(params[li], x, jnp.asarray(pos), c, MAX_SEQ, qat)
-                     for li, c in enumerate(cfgs)]
-        meta = pm.meta(done + q_lens, q_lens, decode=max(q_lens) == 1)
-        res = v4_step(vm.step_inputs(cfgs, per_layer, sink), sp, caches, cstates, meta,
-                      layout=pm.layout, qat=qat,
-                      backend=backend if n_step >= pallas_from else "reference",
-                      kernel_options=kernel_options)
-        caches, cstates = res.caches, res.states
-        check = n_step % check_every == 0 or n_step == len(schedule) - 1
+        seq_pos = [np.arange(d, d + q, dtype=np.int32) for d, q in zip(done, q_lens, strict=True)]
+        pos = np.concatenate(seq_pos)
+        # Projected one sequence at a time, as the statement projects it (with QAT, a batch
+        # of other rows can move a value across an fp8 rounding boundary).
+        per_seq = [[vm.project(params[li], xs[i][done[i]:done[i] + q],
+                               jnp.asarray(seq_pos[i]), c, max_seq, qat)
+                    for li, c in enumerate(cfgs)] for i, q in enumerate(q_lens)]
+        per_layer = [{k: jnp.concatenate([p[li][k] for p in per_seq]) for k in per_seq[0][li]}
+                     for li in range(len(cfgs))]
+        meta = pms[0].meta(done + q_lens, q_lens, decode=max(q_lens) == 1)
+        inputs = vm.step_inputs(cfgs, per_layer, sink)
+        for b, (name, opts) in enumerate(backends):
+            res = v4_step(inputs, sp, *carry[b], meta, layout=pms[b].layout, qat=qat,
+                          backend=name if n_step >= pallas_from else "reference",
+                          kernel_options=opts)
+            carry[b], results[b] = (res.caches, res.states), res
         row = 0
         for i, q in enumerate(q_lens if compare else []):
             for li, c in enumerate(cfgs):
@@ -66,23 +89,46 @@ def _drive(schedule, *, qat, backend, kernel_options=None, seed=0, check_every=1
                 want, states[li, i] = dv4.attention_layer(
                     params[li], xs[i][None, done[i]:done[i] + q], start, states[li, i], c,
                     qat=qat)[:2]
-                if check:
+                for (name, _), res in zip(backends, results, strict=True):
                     got = vm.finish(params[li], res.out[li, row:row + q].astype(jnp.float32),
-                                    jnp.asarray(pos[row:row + q]), c, MAX_SEQ)
+                                    jnp.asarray(pos[row:row + q]), c, max_seq)
                     np.testing.assert_allclose(
                         np.asarray(got), np.asarray(want[0]), rtol=2e-4, atol=2e-4,
-                        err_msg=f"step {n_step} seq {i} layer {li} (ratio {c.compress_ratio})")
+                        err_msg=f"{name}: step {n_step} seq {i} layer {li} "
+                                f"(ratio {c.compress_ratio})")
             row += q
         done = done + q_lens
-    return pm, res
+    return pms[0], results[0]
 
 
 @pytest.mark.slow
 def test_step_equals_statement_long_decode():
     """Prefill (133 and 7 tokens) then 260 decodes: both sequences cross ratio-128 groups
     (entries 0 and 1 complete at positions 127 and 255), many ratio-4 groups and the 128-token
-    window; every layer type, each step against the statement (~2 min on 2 cores)."""
+    window; every layer type, each step against the statement (reference backend, qat off;
+    about 1 min of CPU)."""
     _drive(_schedule([133, 7], 260), qat=False, backend="reference")
+
+
+LOCKSTEP_WINDOW = 16  # the window of the lockstep runs (the interpreter's cost grows with it)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qat", [False, True])
+def test_both_backends_equal_statement_long_decode(qat):
+    """Issue 21's long run, both backends in lockstep against ONE statement run: a prefill of
+    20 and 3 tokens then 260 decodes (to 280 and 263 tokens), every step of both the
+    reference and the Pallas backend (the strict interpreter, prefill included) against the
+    statement, per sequence and layer: both sequences complete ratio-128 entries 0 and 1
+    (positions 127 and 255) and every ratio-4 group on the way, at different steps. The window
+    is 16 tokens (statement and layout; pages of 8), so it is crossed from the prefill on
+    (sequence 0's prefill is longer than it) and a window spans page boundaries: the
+    interpreter's cost grows with the window (128: about 5x per step), the 128-token window
+    is covered by ``test_step_equals_statement_long_decode`` and the Pallas decode after a
+    ratio-4 group by ``test_step_pallas_strict_interpreter_few_steps``."""
+    _drive(_schedule([20, 3], 260), qat=qat,
+           backends=[("reference", None), ("pallas", INTERPRET)], window_size=LOCKSTEP_WINDOW,
+           window_page_size=8, max_seq=288)
 
 
 def test_step_equals_statement_across_the_second_hca_group_with_qat():
@@ -97,7 +143,8 @@ def test_step_pallas_strict_interpreter_few_steps():
     decode step after a reference prefill of 131 and 6 tokens: it completes a ratio-4 group
     (entry 32) and its window drops token 3, every layer type; against the statement. (A
     Pallas prefill of 137 rows takes > 10 min in the interpreter on 2 cores.)"""
-    _drive(_schedule([131, 6], 1), qat=False, backend="pallas", pallas_from=1)
+    _drive(_schedule([131, 6], 1), qat=False, backend="pallas", kernel_options=INTERPRET,
+           pallas_from=1)
 
 
 def test_prefill_chunks_equal_one_prefill():
@@ -113,6 +160,127 @@ def test_prefill_chunks_equal_one_prefill():
     for name in ("csa_compressed", "csa_index", "hca_compressed"):
         np.testing.assert_array_equal(np.asarray(getattr(r1.caches, name)),
                                       np.asarray(getattr(r2.caches, name)), err_msg=name)
+
+
+CHUNK_LENGTHS = ((257, 300), (129, 300), (1, 300))  # per sequence: crosses 255, 127, any
+CHUNK_MAX_SEQ = 304
+CHUNK_ROWS = 64  # rows of every split step (the rest: padding rows outside every sequence)
+
+
+@st.composite
+def _split(draw):
+    """Sequence lengths and a split of their tokens into steps: each sequence cycles its own
+    drawn pattern of new-token counts (1: a decode, 2..48: a chunk) from its drawn first step
+    on; a step takes every due sequence whose piece still fits ``CHUNK_ROWS`` rows (the others
+    wait) and orders them decodes first, rotated by the step number, so batch positions, page
+    tables and phases mix."""
+    lengths = [draw(st.integers(lo, hi)) for lo, hi in CHUNK_LENGTHS]
+    pieces = []
+    for n in lengths:
+        pattern = draw(st.lists(st.one_of(st.just(1), st.integers(2, 48)), min_size=1,
+                                max_size=12))
+        cut, k = [], 0
+        while sum(cut) < n:
+            cut.append(min(pattern[k % len(pattern)], n - sum(cut)))
+            k += 1
+        pieces.append(cut)
+    first = [draw(st.integers(0, 12)) for _ in lengths]
+    skip = [draw(st.sampled_from([0, 2, 3, 5])) for _ in lengths]  # sit out every k-th (0: never)
+    steps, nxt, t = [], [0] * len(lengths), 0
+    while any(nxt[i] < len(pieces[i]) for i in range(len(lengths))):
+        rows, step = 0, []
+        for j in range(len(lengths)):
+            i = (j + t) % len(lengths)
+            if nxt[i] == len(pieces[i]) or t < first[i] or skip[i] and t % skip[i] == 0:
+                continue
+            q = pieces[i][nxt[i]]
+            if rows + q <= CHUNK_ROWS:
+                step.append((i, q))
+                rows += q
+                nxt[i] += 1
+        if step:
+            steps.append(sorted(step, key=lambda s: s[1] != 1))  # decodes first, stable
+        t += 1
+    return lengths, steps
+
+
+@functools.cache
+def _chunk_model():
+    cfgs, params = _model(False)
+    return cfgs, params, vm.step_params(cfgs, params, CHUNK_MAX_SEQ)
+
+
+def _run_split(lengths, steps, proj, rows):
+    """The reference step over ``steps`` (``[(seq, new tokens), ...]`` each) on fresh paged
+    caches; every step padded to ``rows`` rows. Returns ``(result, outputs per sequence
+    f32[L, n, H, 512])``."""
+    cfgs, params, sp = _chunk_model()
+    pm = vm.PagedModel(RATIOS, len(lengths), CHUNK_MAX_SEQ)
+    caches, states, res = pm.caches, pm.states, None
+    done = np.zeros(len(lengths), int)
+    outs = [[] for _ in lengths]
+    sink = jnp.stack([p["attn_sink"] for p in params])
+    for step in steps:
+        seqs = [i for i, _ in step]
+        q_lens = [q for _, q in step]
+        per_layer = []
+        for li in range(len(cfgs)):
+            d = {}
+            for key in proj[0][li]:
+                x = np.concatenate([proj[i][li][key][done[i]:done[i] + q] for i, q in step])
+                pad = np.zeros((rows - len(x),) + x.shape[1:], x.dtype)
+                d[key] = jnp.asarray(np.concatenate([x, pad]))
+            per_layer.append(d)
+        meta = pm.batch_meta(seqs, [done[i] + q for i, q in step], q_lens,
+                             sum(q == 1 for q in q_lens) if len(steps) > 1 else 0)
+        res = v4_step(vm.step_inputs(cfgs, per_layer, sink), sp, caches, states, meta,
+                      layout=pm.layout, backend="reference")
+        caches, states = res.caches, res.states
+        out, row = np.asarray(res.out), 0
+        for i, q in step:
+            outs[i].append(out[:, row:row + q])
+            row += q
+            done[i] += q
+    return res, [np.concatenate(o, axis=1) for o in outs]
+
+
+@pytest.mark.slow
+@settings(max_examples=6, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(_split())
+def test_step_is_chunk_invariant(split):
+    """Chunk invariance of the paged step as a property (reference backend): three sequences
+    (257-300, 129-300 and 1-300 tokens: ratio-128 entries 0 and 1, ratio-4 groups, the
+    128-token window) split into steps of mixed phases (one-token decodes first, then chunks
+    of 2-48 tokens, sequences joining late and sitting steps out, batch order rotating) leave
+    the same window, compressed (``csa_compressed``, ``csa_index``, ``hca_compressed``) caches
+    and compressor states, bit for bit, as one prefill of every token; every token's output
+    follows the one prefill's (the outputs themselves are checked against the statement by
+    the long tests). The step's inputs are projected once per sequence and sliced, so only
+    the step's own arithmetic is under test."""
+    lengths, steps = split
+    cfgs, params, _ = _chunk_model()
+    rng = np.random.default_rng(sum(lengths))
+    pos = jnp.arange(CHUNK_MAX_SEQ)
+    proj = []
+    for n in lengths:
+        x = np.zeros((CHUNK_MAX_SEQ, cfgs[0].dim), np.float32)
+        x[:n] = rng.standard_normal((n, cfgs[0].dim), dtype=np.float32)
+        proj.append([{k: np.asarray(v) for k, v in vm.project(
+            params[li], jnp.asarray(x), pos, c, CHUNK_MAX_SEQ, False).items()}
+            for li, c in enumerate(cfgs)])
+    one, want = _run_split(lengths, [[(i, n) for i, n in enumerate(lengths)]], proj,
+                           len(lengths) * CHUNK_MAX_SEQ)
+    got_res, got = _run_split(lengths, steps, proj, CHUNK_ROWS)
+    for name in V4Caches._fields:
+        np.testing.assert_array_equal(np.asarray(getattr(got_res.caches, name)),
+                                      np.asarray(getattr(one.caches, name)), err_msg=name)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got_res.states),
+                            jax.tree.leaves(one.states), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                      err_msg=jax.tree_util.keystr(path))
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=f"sequence {i}")
 
 
 # ----------------------------------------------------------------------------- refusals

@@ -115,11 +115,11 @@ class PagedModel:
     """The paged side of a test: layout, NaN-filled caches, state pools, page tables."""
 
     def __init__(self, ratios, num_seqs, max_seq_len, *, index_topk=8, num_slots=None,
-                 window_page_size=16, csa_page_size=8, hca_page_size=4):
+                 window_page_size=16, csa_page_size=8, hca_page_size=4, window_size=128):
         count = {r: sum(1 for x in ratios if x == r) for r in (0, 4, 128)}
         pps = lambda n, ps: -(-n // ps)  # noqa: E731
         self.layout = V4ModelLayout(
-            tuple(ratios), window_page_size, pps(max_seq_len, window_page_size),
+            tuple(ratios), window_page_size, pps(max_seq_len, window_page_size), window_size,
             csa_page_size=csa_page_size if count[4] else None,
             csa_pages_per_seq=pps(max_seq_len // 4, csa_page_size) if count[4] else None,
             hca_page_size=hca_page_size if count[128] else None,
@@ -140,6 +140,7 @@ class PagedModel:
             nan(count[4], self.csa[2], csa_page_size, 128) if count[4] else None,
             nan(count[128], wp, window_page_size),
             nan(count[128], self.hca[2], hca_page_size) if count[128] else None)
+        self.num_seqs = num_seqs
         self.num_slots = num_slots or num_seqs + 1
         self.states = init_v4_states(lay, self.num_slots)
         self.state_slots = jnp.asarray((np.arange(num_seqs) + 1) % self.num_slots, jnp.int32)
@@ -151,4 +152,28 @@ class PagedModel:
         fam = lambda t: (None, None) if t is None else t[:2]  # noqa: E731
         return V4BatchMeta(jnp.asarray(kv_lens, jnp.int32), jnp.asarray(cu_q, jnp.int32),
                            jnp.asarray(dist, jnp.int32), self.state_slots, *self.window[:2],
+                           *fam(self.csa), *fam(self.hca))
+
+    def batch_meta(self, seqs, kv_lens, q_lens, num_decode) -> V4BatchMeta:
+        """The metadata of a step over the sequences ``seqs`` (ids, in batch order: the
+        ``num_decode`` one-token decodes first, then the chunks), ``kv_lens`` / ``q_lens`` per
+        batch position. Shapes stay those of all ``num_seqs`` sequences (one compile): the
+        sequences not in the step follow as inactive padding (``distribution[2] =
+        len(seqs)``, ``kv_len`` and ``q_len`` 0), and every page table is re-packed in batch
+        order (each sequence keeps its pages and its state slot)."""
+        n = len(seqs)
+        order = list(seqs) + [i for i in range(self.num_seqs) if i not in seqs]
+        kv = np.zeros(self.num_seqs, np.int32)
+        q = np.zeros(self.num_seqs, np.int32)
+        kv[:n], q[:n] = kv_lens, q_lens
+        cu_q = np.concatenate([[0], np.cumsum(q)])
+
+        def fam(t):
+            if t is None:
+                return None, None
+            ids = np.asarray(t[0]).reshape(self.num_seqs, -1)
+            return jnp.asarray(ids[order].reshape(-1)), t[1]
+        return V4BatchMeta(jnp.asarray(kv), jnp.asarray(cu_q, jnp.int32),
+                           jnp.asarray([num_decode, n, n], jnp.int32),
+                           jnp.asarray(np.asarray(self.state_slots)[order]), *fam(self.window),
                            *fam(self.csa), *fam(self.hca))
