@@ -42,17 +42,28 @@ def _table(rng, num_seqs, pages_per_seq, page_size):
     return ids, cu, num_pages
 
 
-def build(rng, s: dict, q_lens, kv_lens, spec: bool = False):
+def build(rng, s: dict, q_lens, kv_lens, spec: bool = False, *, window_format: str = "plain",
+          compressed_format: str = "plain", index_format: str = "plain"):
     """``(layout, inputs, params, caches, states, meta)`` of one synthetic batch (host arrays:
     the step's donation never consumes them, so both backends run on the same values).
     ``spec=True``: the float arrays as ``jax.ShapeDtypeStruct`` (for AOT cost analysis at full
-    dims without allocating the caches); the page tables and metadata stay concrete."""
+    dims without allocating the caches); the page tables and metadata stay concrete.
+    ``window_format`` / ``compressed_format``: the layout's V4 cache formats (``"plain"`` f32,
+    ``"fp8"`` MODEL1 ``reference.v4_cache.Fp8V4Cache``); ``index_format``: the CSA index
+    cache, ``"plain"`` f32 or ``"fp8"`` (``reference.fp8_cache.Fp8IndexCache``)."""
     import jax
+    import jax.numpy as jnp
     import numpy as np
 
     v4s = importlib.import_module("dsa_jax.v4_step")  # the module: dsa_jax.v4_step is the fn
     from reference import deepseek_v4 as dv4
+    from reference import fp8_cache, v4_cache
     from reference import v4_compressor as vc
+
+    for name, fmt in (("window_format", window_format), ("compressed_format", compressed_format),
+                      ("index_format", index_format)):
+        if fmt not in ("plain", "fp8"):
+            raise ValueError(f"{name} must be 'plain' or 'fp8', got {fmt!r}")
 
     ratios = tuple(dv4.FLASH_COMPRESS_RATIOS[:V4_FLASH["layers"]][:s["layers"]])
     ps, ctx = s["page_size"], s["context"]
@@ -62,7 +73,8 @@ def build(rng, s: dict, q_lens, kv_lens, spec: bool = False):
         ratios, ps, pps[0], window_size=V4_FLASH["window"],
         csa_page_size=ps if cnt[4] else None, csa_pages_per_seq=pps[4] if cnt[4] else None,
         hca_page_size=ps if cnt[128] else None, hca_pages_per_seq=pps[128] if cnt[128] else None,
-        index_topk=s["k"])
+        index_topk=s["k"], window_cache_format=window_format,
+        compressed_cache_format=compressed_format)
     n, t = len(q_lens), sum(q_lens) + 2  # two padding rows
     def f32(*shape, scale=1.0):
         if spec:
@@ -83,10 +95,27 @@ def build(rng, s: dict, q_lens, kv_lens, spec: bool = False):
                               opt(lc, f32(lc, 4, 256)), opt(lc, ones(lc, 128)),
                               opt(lh, f32(lh, 128, 512)), opt(lh, ones(lh, 512)))
     wp = tables[0][2]
-    cache = lambda c, p, w=512: opt(c, f32(c, p, ps, w))  # noqa: E731
-    caches = v4s.V4Caches(cache(cnt[0], wp), cache(lc, wp), cache(lc, tables[4][2]) if lc else None,
-                          cache(lc, tables[4][2], 128) if lc else None, cache(lh, wp),
-                          cache(lh, tables[128][2]) if lh else None)
+
+    def cache(c, p, w=512, fmt="plain"):
+        if not c:
+            return None
+        if fmt == "plain":
+            return f32(c, p, ps, w)
+        if spec and w == 512:
+            u32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.uint32)  # noqa: E731
+            return v4_cache.Fp8V4Cache(u32(c, p, ps, 128), u32(c, p, v4_cache.rope_rows(ps), 128))
+        if spec:
+            return fp8_cache.Fp8IndexCache(
+                jax.ShapeDtypeStruct((c, p, ps, w), jnp.float8_e4m3fn),
+                jax.ShapeDtypeStruct((c, p, fp8_cache.scale_lanes(ps)), np.float32))
+        x = f32(c, p, ps, w)
+        return jax.tree.map(np.asarray, v4_cache.quantize_v4_cache(x) if w == 512
+                            else fp8_cache.quantize_index_cache(x))
+    wf, cf = window_format, compressed_format
+    caches = v4s.V4Caches(cache(cnt[0], wp, fmt=wf), cache(lc, wp, fmt=wf),
+                          cache(lc, tables[4][2], fmt=cf) if lc else None,
+                          cache(lc, tables[4][2], 128, fmt=index_format) if lc else None,
+                          cache(lh, wp, fmt=wf), cache(lh, tables[128][2], fmt=cf) if lh else None)
     num_slots = n + 1
     st = lambda c, r, d: opt(c, vc.CompressorState(  # noqa: E731
         f32(c * num_slots, vc.state_rows(r), vc.compressor_coff(r) * d),

@@ -401,9 +401,20 @@ def _write(cache, slots, rows, limit, base):
     page = jnp.where(ok, s // ps, nope.shape[0])  # one past the end: dropped
     offset = s % ps
     nope = nope.at[page, offset].set(words[:, :NOPE_WORDS], mode="drop")
-    lanes = (offset % ROPE_TOKENS_PER_ROW)[:, None] * ROPE_WORDS + jnp.arange(ROPE_WORDS)
-    rope = rope.at[page[:, None], (offset // ROPE_TOKENS_PER_ROW)[:, None], lanes].set(
-        words[:, NOPE_WORDS:], mode="drop")
+    # The rope quarters, as whole 128-lane rows (a row gather and a row scatter per index; a
+    # scatter of 32 single words per token is per element in XLA's TPU model, and one of a
+    # 32-lane window at a dynamic lane offset becomes a loop over the tokens): one read-modify-
+    # write pass per quarter q = offset % 4, so tokens sharing a rope row (consecutive offsets)
+    # are in different passes and each pass sees the earlier ones' words. Within a pass, two
+    # tokens on one row have one slot (the unspecified case above); the other lanes agree.
+    rope_row = offset // ROPE_TOKENS_PER_ROW
+    quarter = offset % ROPE_TOKENS_PER_ROW
+    mine = jnp.tile(words[:, NOPE_WORDS:], (1, ROPE_TOKENS_PER_ROW))  # [T, 128]
+    lane_quarter = jnp.arange(LANES) // ROPE_WORDS
+    for q in range(ROPE_TOKENS_PER_ROW):
+        pg = jnp.where(quarter == q, page, rope.shape[0])
+        old = rope.at[pg, rope_row].get(mode="fill", fill_value=0)
+        rope = rope.at[pg, rope_row].set(jnp.where(lane_quarter == q, mine, old), mode="drop")
     return Fp8V4Cache(nope.reshape(cache.nope.shape), rope.reshape(cache.rope.shape))
 
 

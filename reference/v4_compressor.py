@@ -234,6 +234,10 @@ def check_step_args(kv, score, ape, norm_weight, cos, sin, state, state_slots, k
     d = int(np.shape(norm_weight)[0])
     _checks.rank("kv", kv, 2)
     num_rows = int(np.shape(kv)[0])
+    if num_rows < 1:
+        raise ValueError(f"kv has T = {num_rows} rows (shape {tuple(np.shape(kv))}): a "
+                         f"compressor step needs at least one row (an empty step has nothing "
+                         f"to compress; skip the call)")
     width = (num_rows, coff * d)
     why = f"coff * d = {coff} * {d} for ratio {ratio}, d = norm_weight.shape[0]"
     _float_2d("kv", kv, width, f"this step's rows x {why}")

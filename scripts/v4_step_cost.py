@@ -17,7 +17,12 @@ Each chip is compiled twice (``--compressors``): with the Pallas compressor
 comparison, with the reference compressor (``reference.v4_compressor``, XLA) beside the same
 Pallas attention and indexer kernels.
 
-Usage: ``python scripts/v4_step_cost.py [--quick] [--chips v6e] [--compressors pallas,reference]``.
+Caches (``--window-format``, ``--compressed-format``, ``--index-format``): ``plain`` f32 (the
+default) or ``fp8`` (window and compressed: FlashMLA MODEL1, ``reference.v4_cache.Fp8V4Cache``;
+index: ``reference.fp8_cache.Fp8IndexCache``).
+
+Usage: ``python scripts/v4_step_cost.py [--quick] [--chips v6e] [--compressors pallas,reference]
+[--window-format fp8 --compressed-format fp8 --index-format fp8]``.
 """
 
 from __future__ import annotations
@@ -65,13 +70,14 @@ def compressor(name: str):
         _backend.OPS["v4_compressor"] = saved
 
 
-def program(layers: int, rows: int, context: int):
-    """``(fn, specs, donate, num_rows, layout)`` of the step at V4-Flash dims."""
+def program(layers: int, rows: int, context: int, formats: dict | None = None):
+    """``(fn, specs, donate, num_rows, layout)`` of the step at V4-Flash dims; ``formats``:
+    ``v4_cli.build``'s ``window_format`` / ``compressed_format`` / ``index_format``."""
     s = v4_cli.sizes(Namespace(quick=False, context=context, prefill=None, heads=None,
                                topk=None, layers=layers, page_size=None))
     rng = np.random.default_rng(0)
     q_lens, kv_lens = [1] * rows, [context] * rows
-    layout, *args = v4_cli.build(rng, s, q_lens, kv_lens, spec=True)
+    layout, *args = v4_cli.build(rng, s, q_lens, kv_lens, spec=True, **(formats or {}))
     args[4] = args[4]._replace(distribution=np.asarray([rows, rows, rows], np.int32))
     # decode only: no padding rows would be ideal, build adds 2 (kept: the CLI's batch)
     leaves, tree = jax.tree.flatten(args)
@@ -88,8 +94,9 @@ def program(layers: int, rows: int, context: int):
     return fn, specs, donate, rows, layout
 
 
-def row(chip: str, layers: int, rows: int, context: int, comp: str = "pallas") -> dict:
-    fn, specs, donate, n, layout = program(layers, rows, context)
+def row(chip: str, layers: int, rows: int, context: int, comp: str = "pallas",
+        formats: dict | None = None) -> dict:
+    fn, specs, donate, n, layout = program(layers, rows, context, formats)
     with compressor(comp):
         compiled = xla_cost.compile_program(fn, specs, chip, donate_argnums=donate,
                                             case="v4_step")
@@ -111,13 +118,23 @@ def main(argv=None) -> None:
     p.add_argument("--context", type=int, default=8192, help="tokens per sequence")
     p.add_argument("--compressors", default="pallas,reference",
                    help="the compressors to compile the step with (default both)")
+    for name, what in (("window", "window caches (MODEL1 fp8: reference.v4_cache)"),
+                       ("compressed", "CSA / HCA compressed caches (MODEL1 fp8)"),
+                       ("index", "CSA index cache (fp8: reference.fp8_cache.Fp8IndexCache)")):
+        p.add_argument(f"--{name}-format", choices=("plain", "fp8"), default="plain",
+                       help=f"the {what}; default plain (f32)")
     a = p.parse_args(argv)
     rows, context = (8, 2048) if a.quick else (a.rows, a.context)
+    formats = dict(window_format=a.window_format, compressed_format=a.compressed_format,
+                   index_format=a.index_format)
+    caches = ("" if set(formats.values()) == {"plain"} else
+              f", caches window {a.window_format} / compressed {a.compressed_format} / index "
+              f"{a.index_format}")
     for chip, comp in [(c, m) for c in a.chips.split(",") for m in a.compressors.split(",")]:
-        r = row(chip, a.layers, rows, context, comp)
+        r = row(chip, a.layers, rows, context, comp, formats)
         c, n = r["cost"], rows + 2  # build adds two padding rows
-        print(f"{chip} ({comp} compressor): {a.layers} layers, {rows} decode rows x {context} "
-              f"tokens: XLA bytes "
+        print(f"{chip} ({comp} compressor{caches}): {a.layers} layers, {rows} decode rows x "
+              f"{context} tokens: XLA bytes "
               f"{c.total_bytes / n / 1e6:.3f} MB/row, kernel bytes {c.kernel_bytes / n / 1e6:.3f}"
               f" MB/row, XLA glue {c.xla_bytes / n / 1e6:.3f} MB/row; gathers {r['gathers']}, "
               f"scatters {r['scatters']}, kernels {len(c.kernels)}, loop {c.has_loop}")

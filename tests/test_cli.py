@@ -74,3 +74,31 @@ def test_v4_flash_quick_runs_the_v4_step(capsys):
     text = capsys.readouterr().out
     assert "4 layers ['SWA', 'SWA', 'CSA', 'HCA']" in text
     assert "reference: one step" in text and "NaN in out: False" in text
+
+
+def test_v4_build_makes_fp8_caches():
+    """``v4_cli.build(..., window_format=, compressed_format=, index_format=)``: fp8 caches of
+    the layout's formats (concrete: the quantized history; ``spec=True``: their parts' specs);
+    the reference step runs on the concrete ones. The defaults stay f32 arrays."""
+    from argparse import Namespace
+
+    import numpy as np
+
+    from dsa_jax import v4_cli
+    from dsa_jax.v4_step import v4_step
+    from reference import fp8_cache, v4_cache
+
+    s = v4_cli.sizes(Namespace(quick=True, context=256, prefill=8, heads=2, topk=16, layers=4,
+                               page_size=32))
+    fmts = dict(window_format="fp8", compressed_format="fp8", index_format="fp8")
+    for spec in (True, False):
+        layout, inputs, params, caches, states, meta = v4_cli.build(
+            np.random.default_rng(0), s, [1, 8], [100, 8], spec=spec, **fmts)
+        assert (layout.window_cache_format, layout.compressed_cache_format) == ("fp8", "fp8")
+        for f in caches._fields:
+            want = fp8_cache.Fp8IndexCache if f == "csa_index" else v4_cache.Fp8V4Cache
+            assert isinstance(getattr(caches, f), want), f
+    out = v4_step(inputs, params, caches, states, meta, layout=layout, backend="reference").out
+    assert not np.isnan(np.asarray(out)).any()
+    plain = v4_cli.build(np.random.default_rng(0), s, [1, 8], [100, 8])[3]
+    assert all(isinstance(x, np.ndarray) for x in plain)

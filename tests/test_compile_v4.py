@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
 import pytest
 
 from pallas_kernels import aot, xla_cost
@@ -111,3 +112,65 @@ def test_compressor_compiles_in_place_without_per_element_glue(case, chip):
     assert t.vmem_bytes < aot.chip_info(chip).vmem_capacity_bytes
     assert t.bytes_min <= t.bytes_moved
     assert t.ratio <= COMPRESSOR_MAX_RATIO[case.shape], (case.shape, t)
+
+
+# ----------------------------------------------------------------------------- the step, fp8
+
+def _v4_step_cost_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "v4_step_cost.py"
+    spec = importlib.util.spec_from_file_location("v4_step_cost", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _hbm_copies(hlo_text: str, sizes: set[int]) -> list[str]:
+    """Entry ``copy`` / ``copy-start`` lines whose array has one of ``sizes`` elements, except
+    memory-space moves (XLA's prefetch of a small array into VMEM, ``S(1)``, and its eviction:
+    at this test's small shape a compressed cache part fits there; at real contexts it does
+    not): the copies of a cache part in HBM, a relayout or a copy around an update."""
+    out = []
+    for line in hlo_text[hlo_text.index("\nENTRY"):].splitlines():
+        for op in (" copy(", " copy-start("):
+            if op in line and " = " in line:
+                shape = line.split(" = ", 1)[1].split(op)[0]
+                if "S(1)" in shape:
+                    continue
+                first = xla_cost.strip_layout(shape).lstrip("(").split("]")[0] + "]"
+                if math.prod(xla_cost.dims(first)) in sizes:
+                    out.append(line.strip()[:160])
+    return out
+
+
+def test_fp8_v4_step_compiles_in_place_without_per_element_glue():
+    """The V4 step (``dsa_jax.v4_step``, Pallas backend; V4-Flash dims, 4 layers SWA, SWA, CSA,
+    HCA; decode 8 x 2048 + the CLI's 2 padding rows) with fp8 window and compressed (MODEL1)
+    caches and the fp8 index cache, caches and states donated, AOT for v6e: no loop, no
+    per-element gather / scatter (under a 128-lane row per index over more than the step's rows:
+    the MODEL1 writer once stored each rope quarter as 32 one-word indices per token, which
+    this check catches; at 64 x 8192 XLA also copied a rope array around them) and no copy in
+    HBM of a MODEL1 part or the index keys.
+    Not checked: the index cache's ``scales f32[Lc, P, 128]``, which XLA lays out ``{2,0,1}``
+    for a small ``Lc`` and the indexer kernel reads row-major (a relayout per step,
+    BENCHMARKS.md "The DeepSeek-V4 step")."""
+    mod = _v4_step_cost_script()
+    fmts = dict(window_format="fp8", compressed_format="fp8", index_format="fp8")
+    fn, specs, donate, rows, _ = mod.program(4, 8, 2048, fmts)
+    compiled = xla_cost.compile_program(fn, specs, "v6e", donate_argnums=donate,
+                                        case="v4_step_fp8")
+    cost = xla_cost.analyze(compiled)
+    assert cost.kernels and not cost.has_loop, cost.loops
+    t = rows + 2
+    # the indexer's row -> block-slot map (indexer.work_list): one scalar per block row of its
+    # work list, per-row metadata of every step, the plain-cache one too (48 indices at T = 10)
+    work_list = xla_cost.Allowed("indexer work list", "row -> block-slot map, metadata",
+                                 "scatter", "work_list", max_indices=8 * t)
+    assert not [op.describe() for op in cost.indexed_ops
+                if not xla_cost.classify(op, row_limit=t, allowed=[work_list]).ok]
+    caches = [specs[i] for i in donate if specs[i].dtype != np.float32]  # u32 parts, e4m3 keys
+    assert len(caches) == 2 * 5 + 1  # 3 window + 2 compressed MODEL1 caches, the index keys
+    copies = _hbm_copies(compiled.as_text(), {math.prod(x.shape) for x in caches})
+    assert not copies, copies

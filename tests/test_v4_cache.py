@@ -263,6 +263,23 @@ def test_write_rows_unstacked_drops_out_of_range_slots():
     check_cache_equals(got, np_row_words(codes, sbytes, rope))
 
 
+def test_write_rows_sharing_a_rope_row_all_land():
+    """Tokens of one call on one rope row (consecutive offsets, any order, a partial last row)
+    each land in their own quarter; the other tokens of the page keep their words."""
+    rng = np.random.default_rng(22)
+    pages, ps = 2, 6  # rope rows per page: offsets 0-3 and 4-5
+    base = varied(rng, (pages, ps, 512), 64)
+    cache = vc.quantize_v4_cache(base)
+    rows = varied(rng, (8, 512), 64)
+    slots = np.array([5, 1, 0, 3, 2, 4, -1, 10], np.int32)  # page 0 whole, then 10 on page 1
+    got = vc.write_v4_rows(cache, slots, rows)
+    want = base.reshape(pages * ps, 512).copy()
+    keep = slots >= 0
+    want[slots[keep]] = rows[keep]
+    codes, _, sbytes, rope = oracle(want.reshape(pages, ps, 512))
+    check_cache_equals(got, np_row_words(codes, sbytes, rope))
+
+
 def test_write_rows_stacked_by_layer_and_flat():
     rng = np.random.default_rng(21)
     layers, pages, ps = 2, 2, 4

@@ -368,6 +368,8 @@ BAD = {
     "cos vs sin": (dict(sin=jnp.zeros((8, 4))), {}, r"cos and sin must have one shape"),
     "cu_q_lens": (dict(cu_q_lens=jnp.zeros(2, jnp.int32)), {}, r"cu_q_lens.shape\[0\].* 3"),
     "state_slots": (dict(state_slots=jnp.zeros(3, jnp.int32)), {}, r"state_slots.shape\[0\]"),
+    "empty step": (dict(kv=jnp.zeros((0, 32)), score=jnp.zeros((0, 32))), {},
+                   r"kv has T = 0 rows \(shape \(0, 32\)\).*at least one row"),
 }
 
 

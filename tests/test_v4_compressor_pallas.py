@@ -177,3 +177,6 @@ def test_bad_input_is_refused_naming_the_numbers():
         pvc.compress_step(jnp.zeros((5, 16)), *args[1:], ratio=4, interpret=True)
     with pytest.raises(ValueError, match=r"vmem_limit_bytes=-1"):
         pvc.compress_step(*args, ratio=4, interpret=True, vmem_limit_bytes=-1)
+    with pytest.raises(ValueError, match=r"kv has T = 0 rows.*at least one row"):  # empty step
+        pvc.compress_step(jnp.zeros((0, 32)), jnp.zeros((0, 32)), *args[2:], ratio=4,
+                          interpret=True)
