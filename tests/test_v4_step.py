@@ -147,21 +147,6 @@ def test_step_pallas_strict_interpreter_few_steps():
            pallas_from=1)
 
 
-def test_prefill_chunks_equal_one_prefill():
-    """Chunk invariance of the paged step: a prefill in two chunks leaves the same compressed
-    caches and compressor states, bit for bit, as one prefill (the outputs of both splits
-    are checked against the statement by the other tests)."""
-    cfgs, params = _model(False)
-    kw = dict(qat=False, backend="reference", model=(cfgs, params), compare=False)
-    one, r1 = _drive([[133, 9]], **kw)
-    two, r2 = _drive([[70, 4], [63, 5]], **kw)
-    for a, b in zip(jax.tree.leaves(r1.states), jax.tree.leaves(r2.states), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    for name in ("csa_compressed", "csa_index", "hca_compressed"):
-        np.testing.assert_array_equal(np.asarray(getattr(r1.caches, name)),
-                                      np.asarray(getattr(r2.caches, name)), err_msg=name)
-
-
 CHUNK_LENGTHS = ((257, 300), (129, 300), (1, 300))  # per sequence: crosses 255, 127, any
 CHUNK_MAX_SEQ = 304
 CHUNK_ROWS = 64  # rows of every split step (the rest: padding rows outside every sequence)
