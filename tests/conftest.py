@@ -10,9 +10,3 @@ _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
-
-def pytest_collection_modifyitems(config, items):
-    """Run the long tests (marked ``slow``) first, in their collected order: under pytest-xdist
-    they then overlap the many short tests instead of finishing alone at the end (measured: the
-    suite's last minutes ran on one core). A stable sort: every worker collects the same order."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
