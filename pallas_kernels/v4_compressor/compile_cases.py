@@ -32,7 +32,7 @@ def specs(*, d: int, ratio: int, rows: int, seqs: int) -> list:
     sd = jax.ShapeDtypeStruct
     coff = vc.compressor_coff(ratio)
     width = coff * d
-    pool = sd((SLOTS, coff * ratio, width), jnp.float32)
+    pool = sd((SLOTS, vc.state_rows(ratio), width), jnp.float32)
     return [sd((rows, width), jnp.float32), sd((rows, width), jnp.float32),
             sd((ratio, width), jnp.float32), sd((d,), jnp.float32),
             sd((TABLE, vc.ROPE_DIM // 2), jnp.float32), sd((TABLE, vc.ROPE_DIM // 2), jnp.float32),

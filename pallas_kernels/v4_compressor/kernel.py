@@ -79,7 +79,7 @@ def entry_facts(s: vc.SeqFacts, seq, entry, valid, ratio: int) -> jax.Array:
     ``k_c`` the first slot from this step's rows; the state ``slot``; ``off = q0 % R``, the ring
     row of slot 0. An unused slot has ``k_s = k_c = R`` (reads nothing)."""
     coff = vc.compressor_coff(ratio)
-    rows = coff * ratio
+    rows = vc.state_rows(ratio)
     q0 = ratio * entry - (coff - 1) * ratio
     kv_old = s.kv_old[seq]
     k_c = jnp.where(valid, jnp.clip(kv_old - q0, 0, rows), rows)
@@ -249,7 +249,7 @@ def pool_call(facts, kv, score, ape, state: vc.CompressorState, *, ratio: int,
     slots. ``facts`` from ``entry_facts``; ``kv``, ``score f32[T, W]``; ``ape f32[r, W]``."""
     num_rows, width = kv.shape
     coff = vc.compressor_coff(ratio)
-    rows, d = coff * ratio, width // coff
+    rows, d = vc.state_rows(ratio), width // coff
     slots = facts.shape[0] // ENTRY_WORDS
     c = traffic.worst_counts(num_rows, slots - num_rows // ratio, ratio)  # E = T // r + S
     window = traffic.uses_window(ratio, num_rows)
