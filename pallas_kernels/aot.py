@@ -24,12 +24,12 @@ import jax
 from jax.experimental import topologies
 from jax.experimental.pallas import tpu as pltpu
 
-# chip name -> (topology name for get_topology_desc, ChipVersion for get_tpu_info_for_chip)
+from pallas_kernels import chips
+
+# chip name -> (topology name for get_topology_desc, ChipVersion for get_tpu_info_for_chip),
+# derived from ``pallas_kernels.chips`` (where every chip is declared)
 CHIPS: dict[str, tuple[str, pltpu.ChipVersion]] = {
-    "v5e": ("v5e:2x2", pltpu.ChipVersion.TPU_V5E),
-    "v6e": ("v6e:2x2", pltpu.ChipVersion.TPU_V6E),
-    "tpu7x": ("tpu7x:2x2x1", pltpu.ChipVersion.TPU_7X),
-}
+    c.name: (c.topology, c.chip_version) for c in chips.CHIPS.values()}
 
 
 class CompileError(RuntimeError):
@@ -41,9 +41,8 @@ class CompileError(RuntimeError):
 
 
 def check_chip(chip: str) -> str:
-    if chip not in CHIPS:
-        raise ValueError(f"unknown chip {chip!r}; expected one of {sorted(CHIPS)}")
-    return chip
+    """``chip`` when known (``pallas_kernels.chips``), else ``ValueError`` listing the names."""
+    return chips.check(chip)
 
 
 @functools.cache
@@ -87,10 +86,9 @@ def _quiet_native_stderr():
             os.close(saved)
 
 
-@functools.cache
 def chip_info(chip: str):
     """``pltpu.get_tpu_info_for_chip`` for ``chip`` (VMEM bytes, HBM B/s, peak ops/s)."""
-    return pltpu.get_tpu_info_for_chip(CHIPS[check_chip(chip)][1], 1)
+    return chips.chip_info(chip)
 
 
 def aot_compile(fn: Callable, specs: list[jax.ShapeDtypeStruct], chip: str, case: str = ""):

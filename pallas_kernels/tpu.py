@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import aot
+from pallas_kernels import aot, chips
 
 
 def smem_page_table(page_indices: jax.Array) -> jax.Array:
@@ -93,16 +93,15 @@ def tile_bytes(rows: int, cols: int, itemsize: int) -> int:
 
 # ----------------------------------------------------------------------------- chip detection
 
-# ``device_kind`` substring -> our chip name (the names ``pallas_kernels.aot.CHIPS`` compiles for)
-_KIND_TAGS = (("v5e", "v5 lite"), ("v6e", "v6 lite"), ("tpu7x", "7x"))
+# ``device_kind`` substring -> our chip name: ``pallas_kernels.chips`` (``Chip.kind_tag``)
+_KIND_TAGS = tuple((c.name, c.kind_tag) for c in chips.CHIPS.values())
 
 
 def chip_of(device) -> str | None:
     """Our name of ``device``'s chip when it is a TPU we know, else None."""
     if device is None or getattr(device, "platform", "") != "tpu":
         return None
-    kind = device.device_kind.lower()
-    return next((chip for chip, tag in _KIND_TAGS if tag in kind), None)
+    return chips.of_kind(device.device_kind)
 
 
 def device_chip() -> str | None:

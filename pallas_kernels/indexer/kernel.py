@@ -86,7 +86,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import tpu
+from pallas_kernels import chips, tpu
 from pallas_kernels.indexer import fp4
 from pallas_kernels.indexer import work_list as wl
 from pallas_kernels.indexer.blocks import IndexerBlocks, vmem_estimate
@@ -179,7 +179,8 @@ def compute_dtypes(q, cache_kv, chip: str | None,
     two, exact in bf16: the products are exact and accumulate in f32)."""
     if isinstance(cache_kv, fp8_cache.Fp8IndexCache):
         if q.dtype == fp8.FP8_DTYPE:
-            compute = fp8.FP8_DTYPE if chip == "tpu7x" else jnp.dtype(jnp.bfloat16)
+            fp8_mxu = chip is not None and chips.get(chip).fp8_mxu
+            compute = fp8.FP8_DTYPE if fp8_mxu else jnp.dtype(jnp.bfloat16)
         else:
             compute = jnp.dtype(jnp.promote_types(q.dtype, jnp.bfloat16))
         return jnp.dtype(compute), fp8.FP8_DTYPE, fp8_cache.scale_lanes(cache_kv.page_size)
