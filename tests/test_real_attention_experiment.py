@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import jax
@@ -16,14 +15,11 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT))
 
-import real_attention_experiment as rae  # noqa: E402
-
-from experiments import measure as X  # noqa: E402
-from experiments import model as M  # noqa: E402
 from reference.witnesses import scatter_topology_witnesses, segment_coverage  # noqa: E402
+from scripts.experiments import real_attention_experiment as rae  # noqa: E402
+from scripts.experiments.byte_lm import measure as X  # noqa: E402
+from scripts.experiments.byte_lm import model as M  # noqa: E402
 
 CFG = rae.quick_config()
 

@@ -4,18 +4,15 @@ metric ranges, what the merge guarantees by construction), and the notebook exec
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import witness_experiment as wx  # noqa: E402
 
 from reference.witnesses import segment_coverage  # noqa: E402
+from scripts.experiments import witness_experiment as wx  # noqa: E402
 
 CFG = wx.tiny_config()
 

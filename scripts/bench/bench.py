@@ -22,12 +22,10 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from seed_baseline import seed_page_topk, seed_sparse_mla, seed_topk  # noqa: E402
 
 from reference import (  # noqa: E402
     page_sparse_mla_ref,
@@ -36,6 +34,7 @@ from reference import (  # noqa: E402
     streamindex_topk_ref,
 )
 from reference.synthetic import make_ragged_batch  # noqa: E402
+from scripts.bench.seed_baseline import seed_page_topk, seed_sparse_mla, seed_topk  # noqa: E402
 
 SM_SCALE = 192**-0.5 * (0.1 * np.log(40) + 1.0) ** 2  # DeepSeek-V3.2 (about 0.1352)
 

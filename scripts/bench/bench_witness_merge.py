@@ -15,15 +15,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels import tpu  # noqa: E402
 from reference.witnesses import scatter_topology_witnesses  # noqa: E402

@@ -28,12 +28,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels import aot, xla_cost  # noqa: E402
 from pallas_kernels.v4 import compile_cases as v4cases  # noqa: E402

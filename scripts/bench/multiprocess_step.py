@@ -25,7 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+MODULE = "scripts.bench.multiprocess_step"  # the workers run this module from ROOT
 NUM_PROCESSES, LOCAL_DEVICES = 2, 4
 MESH_SHAPE, AXES = (2, 2, 2), ("ctx", "data", "model")
 
@@ -41,8 +42,8 @@ def launch(timeout: float) -> int:
     port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={LOCAL_DEVICES}"}
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(i), "--port", str(port)],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, "-m", MODULE, "--worker", str(i),
+                               "--port", str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
              for i in range(NUM_PROCESSES)]
     deadline = time.monotonic() + timeout
@@ -160,7 +161,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.worker is None:
         return launch(args.timeout)
-    sys.path.insert(0, str(ROOT))
     return worker(args.worker, args.port)
 
 

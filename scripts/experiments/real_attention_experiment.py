@@ -30,25 +30,22 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from notebooks import setup_cell, write_notebook  # noqa: E402
 
-from experiments import data as D  # noqa: E402
-from experiments import measure as X  # noqa: E402
-from experiments import model as M  # noqa: E402
-from experiments import train as TR  # noqa: E402
+from scripts.experiments.byte_lm import data as D  # noqa: E402
+from scripts.experiments.byte_lm import measure as X  # noqa: E402
+from scripts.experiments.byte_lm import model as M  # noqa: E402
+from scripts.experiments.byte_lm import train as TR  # noqa: E402
+from scripts.experiments.notebooks import setup_cell, write_notebook  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,13 +29,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from argparse import Namespace
-from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import contextlib  # noqa: E402
 

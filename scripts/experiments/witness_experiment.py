@@ -47,7 +47,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from notebooks import setup_cell, write_notebook  # noqa: E402
 
 from reference import streamindex_topk_ref  # noqa: E402
 from reference.index_scores import index_scores  # noqa: E402
@@ -60,8 +59,9 @@ from reference.witnesses import (  # noqa: E402
     segment_coverage,
     topology_witness_indices,
 )
+from scripts.experiments.notebooks import setup_cell, write_notebook  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SELECTIONS = ("learned", "learned+witnesses", "random_null", "locality_null")
 SOURCES = ("synthetic", "indexer")
 SOURCE_LABELS = {
