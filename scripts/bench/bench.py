@@ -6,7 +6,7 @@ What each number is:
 - TPU temp memory: ``compiled.memory_analysis().temp_size_in_bytes`` of an AOT compile for a real
   TPU generation through libtpu on CPU (a compile result, not a run).
 
-Usage: ``python scripts/bench.py [--quick] [--reps N] [--out DIR] [--skip-aot]``
+Usage: ``python -m scripts.bench.bench [--quick] [--reps N] [--out DIR] [--skip-aot]``
 Writes ``DIR/bench.md`` and ``DIR/bench.json``.
 """
 

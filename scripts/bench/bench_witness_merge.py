@@ -7,8 +7,8 @@ whole row and written into the last ``S`` slots), the same with ``fill="lowest"`
 by ``block_until_ready``. Upstream (vllm#47942, fused Triton kernel, RTX 4060 Laptop) reports
 1.12x to 1.62x a copy at 512..32 rows x topk 2048, S = 64.
 
-    python scripts/bench_witness_merge.py            # 512 x 2048, S = 64, N = 50
-    python scripts/bench_witness_merge.py --quick    # N = 10
+    python -m scripts.bench.bench_witness_merge            # 512 x 2048, S = 64, N = 50
+    python -m scripts.bench.bench_witness_merge --quick    # N = 10
 """
 
 from __future__ import annotations

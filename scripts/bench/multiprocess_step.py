@@ -2,8 +2,9 @@
 devices, a localhost coordinator on a free port), each process one half of the mesh, and the
 result equal to the single-device step.
 
-``python scripts/multiprocess_step.py`` launches the workers (``--worker N``), waits for them
-(``--timeout`` seconds, then kills both), and exits 0 only if both report agreement.
+``python -m scripts.bench.multiprocess_step`` (from the repository root) launches the workers
+(``--worker N``, the same module), waits for them (``--timeout`` seconds, then kills both), and
+exits 0 only if both report agreement.
 
 Each worker: 4 CPU devices (``--xla_force_host_platform_device_count``), gloo CPU collectives,
 ``jax.distributed.initialize`` -> 8 global devices; a mesh ``("ctx", "data", "model") = (2, 2,

@@ -31,7 +31,7 @@ random sample of ``--sample N`` combinations per kernel is compiled. ``--where A
 ``--sample 0`` keeps every remaining combination), so a structured sub-grid can be measured,
 e.g. every page size x batch x key dtype at default blocks.
 
-Usage: ``python scripts/compile_grid.py [--kernels K1,K2] [--chips v5e,v6e,tpu7x]
+Usage: ``python -m scripts.cost.compile_grid [--kernels K1,K2] [--chips v5e,v6e,tpu7x]
 [--full | --sample N] [--seed S] [--where AXIS=V,...]... [--markdown PATH] [--json PATH]
 [--list]``. Run one process at a time (each compile uses the whole libtpu compiler).
 """

@@ -6,7 +6,7 @@ roofline ``max(bytes / HBM bandwidth, flops / peak bf16)`` from ``pltpu.get_tpu_
 No TPU is used. The cases come from each kernel module's ``compile_cases(quick)``, the same list
 the compile-gate tests use.
 
-Usage: ``python scripts/tpu_compile_report.py [--quick] [--chips v5e,v6e,tpu7x] [--out DIR]``
+Usage: ``python -m scripts.cost.tpu_compile_report [--quick] [--chips v5e,v6e,tpu7x] [--out DIR]``
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ program over the all-complete minimum, ``per-element ops`` gathers / scatters mo
 128-lane row per index over more than ``E = max_entries(64, 64, r)`` indices (one scalar per
 output slot is metadata), ``pool copies`` XLA copies of a pool.
 
-Run: ``python scripts/v4_compressor_cost.py [--chips v6e,tpu7x]``.
+Run: ``python -m scripts.cost.v4_compressor_cost [--chips v6e,tpu7x]``.
 """
 
 from __future__ import annotations

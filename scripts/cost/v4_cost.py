@@ -20,7 +20,7 @@ Columns, per decode row (a call's bytes / 64):
 - ``XLA``: XLA's ``bytes accessed`` of the whole program (the kernels' declared estimates plus
   the XLA glue: row facts, index building, the milestone-1 merge), and ``XLA / min``.
 
-Usage: ``python scripts/v4_cost.py [--quick] [--chips v5e,v6e,tpu7x] [--markdown PATH]``
+Usage: ``python -m scripts.cost.v4_cost [--quick] [--chips v5e,v6e,tpu7x] [--markdown PATH]``
 (``--quick``: Flash CSA on one chip).
 """
 

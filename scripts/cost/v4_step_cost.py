@@ -21,8 +21,8 @@ Caches (``--window-format``, ``--compressed-format``, ``--index-format``): ``pla
 default) or ``fp8`` (window and compressed: FlashMLA MODEL1, ``reference.v4_cache.Fp8V4Cache``;
 index: ``reference.fp8_cache.Fp8IndexCache``).
 
-Usage: ``python scripts/v4_step_cost.py [--quick] [--chips v6e] [--compressors pallas,reference]
-[--window-format fp8 --compressed-format fp8 --index-format fp8]``.
+Usage: ``python -m scripts.cost.v4_step_cost [--quick] [--chips v6e] [--compressors
+pallas,reference] [--window-format fp8 --compressed-format fp8 --index-format fp8]``.
 """
 
 from __future__ import annotations

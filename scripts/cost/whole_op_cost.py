@@ -40,7 +40,7 @@ without ``pl.CostEstimate`` counts 0 in XLA's total, so its bytes then appear in
 The report opens with the issue-13 acceptance table per chip (ratio, ``ok`` only within the
 bound with no per-element gather/scatter and negligible loops).
 
-Usage: ``python scripts/whole_op_cost.py [--quick | --step | --real-size] [--chips
+Usage: ``python -m scripts.cost.whole_op_cost [--quick | --step | --real-size] [--chips
 v5e,v6e,tpu7x] [--markdown PATH] [--json PATH]`` (``--step`` / ``--real-size``: only those
 rows; together: both).
 """

@@ -1,10 +1,13 @@
-"""What the experiment notebooks (``scripts/*.ipynb``) share: the setup cell and the writer.
+"""What the experiment notebooks (``scripts/experiments/*.ipynb``) share: the setup cell and
+the writer.
 
-Setup cell: in a checkout where dsa-jax is installed it installs nothing; it finds ``scripts/``
-next to the notebook and puts the repository root (for ``experiments/``) and ``scripts/`` on
-``sys.path``. On a fresh Colab runtime, with ``REPO_URL`` set, it clones the repository and
-pip-installs the package (jax, numpy and matplotlib are preinstalled on Colab; nothing else is
-downloaded).
+Setup cell (no ``sys.path`` edits): the notebook imports its script as a module of the
+``scripts`` package, so the cell finds the repository root (the working directory or a folder
+above it, e.g. ``scripts/experiments/`` where Jupyter starts the kernel) and makes it the
+working directory, which a notebook kernel imports from. In a checkout where dsa-jax is
+installed (``pip install -e '.[experiments]'``) it installs nothing. On a fresh Colab runtime,
+with ``REPO_URL`` set, it clones the repository and runs ``pip install -e`` on the clone (jax,
+numpy and matplotlib are preinstalled on Colab; nothing else is downloaded).
 """
 
 from __future__ import annotations
@@ -12,37 +15,36 @@ from __future__ import annotations
 from pathlib import Path
 
 _TEMPLATE = '''\
-# Setup. In a checkout where dsa-jax is installed (`pip install -e '.[experiments]'`) this cell
-# installs nothing: it only puts the repository root (for experiments/) and scripts/ on
-# sys.path. On a fresh Colab runtime, set REPO_URL to this repository's git URL: the cell clones
-# it and pip-installs the package (jax, numpy and matplotlib are preinstalled on Colab; nothing
-# else is downloaded).
+# Setup. The notebook imports its script from the `scripts` package of the repository, so this
+# cell makes the repository root the working directory (a notebook kernel imports from there;
+# no sys.path edits). In a checkout where dsa-jax is installed (`pip install -e
+# '.[experiments]'` in the root) it installs nothing. On a fresh Colab runtime, set REPO_URL to
+# this repository's git URL: the cell clones it and runs `pip install -e` on the clone (jax,
+# numpy and matplotlib are preinstalled on Colab; nothing else is downloaded).
 import importlib
 import importlib.util
-import sys
+import os
 from pathlib import Path
 
 REPO_URL = ""  # e.g. "https://github.com/<owner>/dsa-jax.git" (Colab only)
+SCRIPT = "scripts/experiments/{script}"
 _here = Path.cwd().resolve()
-_candidates = [_here, _here / "scripts", _here.parent / "scripts", _here / "dsa-jax" / "scripts"]
-SCRIPTS = next((p for p in _candidates if (p / "{script}").exists()), None)
-if SCRIPTS is None:
+ROOT = next((p for p in (_here, *_here.parents, _here / "dsa-jax") if (p / SCRIPT).exists()),
+            None)
+if ROOT is None:
     if not REPO_URL:
-        raise RuntimeError("scripts/{script} not found: set REPO_URL (Colab)")
+        raise RuntimeError(f"{{SCRIPT}} not found: set REPO_URL (Colab)")
     !git clone -q --depth 1 {{REPO_URL}} dsa-jax
-    SCRIPTS = _here / "dsa-jax" / "scripts"
-ROOT = SCRIPTS.parent
+    ROOT = _here / "dsa-jax"
 if importlib.util.find_spec("dsa_jax") is None:  # not installed: Colab
-    %pip install -q {{ROOT}}
+    %pip install -q -e {{ROOT}}
     importlib.invalidate_caches()
-for _p in (ROOT, SCRIPTS):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+os.chdir(ROOT)  # `from scripts.experiments import ...` resolves from the repository root
 '''
 
 
 def setup_cell(script: str) -> str:
-    """The setup cell's source for the notebook of ``scripts/<script>``."""
+    """The setup cell's source for the notebook of ``scripts/experiments/<script>``."""
     return _TEMPLATE.format(script=script)
 
 
