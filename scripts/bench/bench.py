@@ -27,6 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from pallas_kernels import chips as chip_specs  # noqa: E402
 from reference import (  # noqa: E402
     page_sparse_mla_ref,
     sparse_mla_ref,
@@ -166,7 +167,7 @@ def aot_cases(quick: bool):
 def aot_rows(quick: bool) -> list[dict]:
     from pallas_kernels.aot import aot_compile
 
-    chips = ["v6e"] if quick else ["v5e", "v6e", "tpu7x"]
+    chips = [chip_specs.DEFAULT] if quick else list(chip_specs.NAMES)
     rows = []
     for chip in chips:
         for label, name, fn, specs in aot_cases(quick):
@@ -213,7 +214,8 @@ def markdown(cpu: list[dict], aot: list[dict]) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="smaller prefill, v6e-only AOT")
+    p.add_argument("--quick", action="store_true",
+                   help=f"smaller prefill, {chip_specs.DEFAULT}-only AOT")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (median)")
     p.add_argument("--out", default="out/bench", help="output folder for bench.md/bench.json")
     p.add_argument("--skip-aot", action="store_true", help="skip the TPU AOT memory rows")

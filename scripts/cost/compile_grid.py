@@ -60,6 +60,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import pallas_kernels  # noqa: E402
 from pallas_kernels import aot  # noqa: E402
+from pallas_kernels import chips as chip_specs  # noqa: E402
 from reference import packed_cache  # noqa: E402
 
 INDEXER_KERNELS = ("streamindex_topk", "streamindex_page_topk")
@@ -361,7 +362,7 @@ def markdown(results: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kernels", default=",".join(KERNELS))
-    p.add_argument("--chips", default=",".join(aot.CHIPS))
+    p.add_argument("--chips", default=",".join(chip_specs.NAMES))
     p.add_argument("--full", action="store_true", help="every combination (long)")
     p.add_argument("--sample", type=int, default=20,
                    help="random combinations per kernel (default 20; 0 = all after --where)")

@@ -42,12 +42,15 @@ def kib(b: float) -> str:
 def markdown(d: dict) -> str:
     cfg = d["config"]
     shards = cfg["shards"]
+    multi = [(c["name"], c["devices_per_chip"]) for c in d["chips"] if c["devices_per_chip"] > 1]
+    per_chip = "".join(f"; {name}: a chip is {n} devices" for name, n in multi)
+    groups = "".join(f" ({name}: chips, {n} devices each)" for name, n in multi)
     lines = [f"Every number: {d['label']}. Per decode row, per layer, per device (busiest "
              "context shard); MiB = 2^20 B, K tokens = 1024. Settings: LSE merge out "
              f"{cfg['lse_out_bytes']} B per element (merge_lse: 4, f32), score row "
              f"{cfg['score_row']} ('full' = as implemented), ICI fraction "
              f"{cfg['ici_fraction']:g}, alpha {cfg['alpha_us']:g} us per ring step.", "",
-             "Chips (per device; tpu7x: a chip is 2 devices):", "",
+             f"Chips (per device{per_chip}):", "",
              "| chip | HBM BW / device (chip_info) | HBM / device (chip_info) | bf16 peak / device "
              "| cited per chip: HBM, HBM BW, bidir. ICI | ICI egress / device used | source |",
              "|---|---:|---:|---:|---|---:|---|"]
@@ -125,7 +128,7 @@ def markdown(d: dict) -> str:
                         f"{cfg['weight_chips']} chips)")):
         lines += ["", f"(3) Longest context per sequence whose cache fits, {title}: "
                   f"{cfg['layers']} layers x (latent + keys) per token; N chips in the context "
-                  "group (tpu7x: chips, 2 devices each); a model.", "",
+                  f"group{groups}; a model.", "",
                   "| chip | format | B / token (61 layers) | HBM / chip | "
                   + " | ".join(f"N={n}" for n in shards) + " |",
                   "|---|---|---:|---:|" + "---:|" * len(shards)]

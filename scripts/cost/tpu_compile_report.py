@@ -21,6 +21,8 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from pallas_kernels import chips as chip_specs  # noqa: E402
+
 KERNEL_MODULES = ("pallas_kernels.indexer.compile_cases", "pallas_kernels.mla.compile_cases")
 # Published number to put beside our model (a measurement on a real TPU, not ours).
 ANCHORS = {("streamindex_topk", "64x4096"):
@@ -91,10 +93,10 @@ def markdown(rows: list[dict], missing: list[str]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="the quick subset of shapes")
-    p.add_argument("--chips", default="v5e,v6e,tpu7x", help="comma-separated chips")
+    p.add_argument("--chips", default=",".join(chip_specs.NAMES), help="comma-separated chips")
     p.add_argument("--out", default="out/tpu_compile_report", help="folder for .md and .json")
     a = p.parse_args(argv)
-    chips = [c.strip() for c in a.chips.split(",") if c.strip()]
+    chips = chip_specs.parse(a.chips)
     rows, missing = run(a.quick, chips)
     md = markdown(rows, missing)
     out = Path(a.out)

@@ -42,6 +42,7 @@ import numpy as np  # noqa: E402
 from dsa_jax import backend as _backend  # noqa: E402
 from dsa_jax import v4_cli  # noqa: E402
 from dsa_jax.v4_step import v4_step_body  # noqa: E402
+from pallas_kernels import chips as chip_specs  # noqa: E402
 from pallas_kernels import xla_cost  # noqa: E402
 from reference import v4_compressor as vc  # noqa: E402
 
@@ -109,7 +110,8 @@ def row(chip: str, layers: int, rows: int, context: int, comp: str = "pallas",
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="4 layers, 8 rows, context 2048")
-    p.add_argument("--chips", default="v6e", help="comma-separated chips (default v6e)")
+    p.add_argument("--chips", default=chip_specs.DEFAULT,
+                   help=f"comma-separated chips (default {chip_specs.DEFAULT})")
     p.add_argument("--layers", type=int, default=4, help="first N layers of the Flash pattern")
     p.add_argument("--rows", type=int, default=64, help="decode sequences (default 64)")
     p.add_argument("--context", type=int, default=8192, help="tokens per sequence")

@@ -78,7 +78,8 @@ from dsa_jax.measure.whole_op import (  # noqa: E402
     step_types,
     step_xla_allowance,
 )
-from pallas_kernels import aot, xla_cost  # noqa: E402
+from pallas_kernels import chips as chip_specs  # noqa: E402
+from pallas_kernels import xla_cost  # noqa: E402
 
 CAVEATS = """Caveats (XLA's model, not a measurement):
 - A while loop's body is counted ONCE whatever its trip count: a program flagged `loop` reports
@@ -345,7 +346,7 @@ def real_size_table(all_rows: dict[str, list[Row]]) -> str:
              "", "Kernels' modelled / minimum: `pallas_kernels.mla.traffic` per layer and "
              "`pallas_kernels.indexer.traffic` per full layer (the compile cases' models, "
              "`step_kernel_traffic`); minimum = each input read once, each output written once. "
-             f"Temp gate (v6e): < {REAL_TEMP_BOUND >> 20} MiB.", "",
+             f"Temp gate ({chip_specs.DEFAULT}): < {REAL_TEMP_BOUND >> 20} MiB.", "",
              "| chip | total MB | kernel MB (est.) | XLA MB | kernels' modelled MB | "
              "kernels' minimum MB | total / minimum | temp MiB | compile s |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -403,11 +404,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--real-size", action="store_true",
                    help=f"only the {REAL_LAYERS}-layer fp8 Pallas step (with --step: both); "
                         "several minutes per chip")
-    p.add_argument("--chips", default=",".join(aot.CHIPS), help="comma-separated chips")
+    p.add_argument("--chips", default=",".join(chip_specs.NAMES), help="comma-separated chips")
     p.add_argument("--markdown", default=None, help="write the tables as Markdown here")
     p.add_argument("--json", default=None, help="write every row as JSON here")
     a = p.parse_args(argv)
-    chips = [aot.check_chip(c.strip()) for c in a.chips.split(",") if c.strip()]
+    chips = chip_specs.parse(a.chips)
     progs = programs(a.quick, step=a.step, real_size=a.real_size)
     t0 = time.perf_counter()
     all_rows = {chip: run_chip(chip, progs) for chip in chips}
