@@ -6,17 +6,12 @@ rotate with the seed so every chip is covered across the parametrization."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+
+from scripts.cost import compile_grid as grid_mod
 
 pytestmark = pytest.mark.kernel_gate  # also run on the newest jax (README)
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("compile_grid", ROOT / "scripts/compile_grid.py")
-grid_mod = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(grid_mod)
 
 CHIPS = ("v5e", "v6e", "tpu7x")
 SAMPLE = 3  # combinations per kernel and chip in CI (the seed picks them; compiles ~1-2 s each)

@@ -117,13 +117,8 @@ def test_compressor_compiles_in_place_without_per_element_glue(case, chip):
 # ----------------------------------------------------------------------------- the step, fp8
 
 def _v4_step_cost_script():
-    import importlib.util
-    from pathlib import Path
+    from scripts.cost import v4_step_cost as mod
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "v4_step_cost.py"
-    spec = importlib.util.spec_from_file_location("v4_step_cost", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     return mod
 
 

@@ -7,21 +7,20 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
 
-import context_cost as cc  # noqa: E402
+from pallas_kernels.measure import context_cost as cc  # noqa: E402
+from scripts.cost import context_cost as context_cost_script  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("context_cost")
-    return cc.main(["--quick", "--out", str(out)]), out
+    return context_cost_script.main(["--quick", "--out", str(out)]), out
 
 
 def test_outputs_written(run):

@@ -14,8 +14,6 @@ compile-gate cases and the traffic model's bytes (those of plain keys)."""
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -276,8 +274,7 @@ def test_the_fp4_path_moves_the_bytes_of_plain_keys(chip, page_mode):
 def test_counted_fp4_bytes_are_the_models_which_are_the_plain_keys():
     # the interpreter's count of the fp4 path at scripts/hbm_traffic.py's decode shape equals
     # the model's kernel side, and that model's bytes are the plain path's (rotation in VMEM)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import hbm_traffic as ht
+    from pallas_kernels.measure import hbm_traffic as ht
 
     knobs = dict(page_mode=False, block_rows=1, block_pages=2)
     case = ht.indexer_case(ht.DECODE, **knobs, index_quant="fp4_sim")

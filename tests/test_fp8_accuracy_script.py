@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
 
-import fp8_accuracy as fa  # noqa: E402
+from scripts.experiments import fp8_accuracy as fa  # noqa: E402
 
 FRACTIONS = ("forgiven_vs_f64_mean", "forgiven_vs_f64_min", "plain_vs_f64_mean",
              "plain_vs_f64_min", "plain_vs_bf16_mean", "plain_vs_bf16_min")

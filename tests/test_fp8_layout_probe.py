@@ -5,17 +5,14 @@ changes one, this fails and the layout (and its docstring) should be revisited."
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
 from pallas_kernels import aot
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-import fp8_layout_probe  # noqa: E402
+from pallas_kernels.measure import fp8_layout_probe  # noqa: E402
 
 
 @pytest.mark.parametrize("chip", sorted(aot.CHIPS))

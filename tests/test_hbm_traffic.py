@@ -10,18 +10,16 @@ failure when a hooked JAX internal is missing."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import jax
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import hbm_traffic as ht  # noqa: E402
 
 from pallas_kernels import _interpret_counter as counter  # noqa: E402
+from pallas_kernels.measure import hbm_traffic as ht  # noqa: E402
+from scripts.cost import hbm_traffic as hbm_traffic_script  # noqa: E402
 
 pytestmark = pytest.mark.kernel_gate  # also run on the newest jax (README)
 
@@ -175,7 +173,7 @@ def test_indexer_with_an_empty_tail_work_item_moves_only_modelled_bytes():
 
 
 def test_script_quick_writes_labelled_tables(tmp_path):
-    assert ht.main(["--quick", "--out", str(tmp_path)]) == 0
+    assert hbm_traffic_script.main(["--quick", "--out", str(tmp_path)]) == 0
     md = (tmp_path / "hbm_traffic.md").read_text()
     assert ht.LABEL in md
     data = (tmp_path / "hbm_traffic.json").read_text()

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_two_processes_run_the_context_sharded_step_and_match_one_device():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # workers set their own
-    out = subprocess.run([sys.executable, "scripts/multiprocess_step.py", "--timeout", "240"],
+    out = subprocess.run([sys.executable, "-m", "scripts.bench.multiprocess_step",
+                          "--timeout", "240"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
@@ -33,6 +34,6 @@ def _workers() -> list[str]:
             args = cmdline.read_bytes().split(b"\0")
         except OSError:
             continue
-        if any(a.endswith(b"multiprocess_step.py") for a in args) and b"--worker" in args:
+        if b"scripts.bench.multiprocess_step" in args and b"--worker" in args:
             found.append(b" ".join(args).decode(errors="replace"))
     return found

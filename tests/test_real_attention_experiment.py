@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import jax
@@ -16,14 +15,11 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT))
 
-import real_attention_experiment as rae  # noqa: E402
-
-from experiments import measure as X  # noqa: E402
-from experiments import model as M  # noqa: E402
 from reference.witnesses import scatter_topology_witnesses, segment_coverage  # noqa: E402
+from scripts.experiments import real_attention_experiment as rae  # noqa: E402
+from scripts.experiments.byte_lm import measure as X  # noqa: E402
+from scripts.experiments.byte_lm import model as M  # noqa: E402
 
 CFG = rae.quick_config()
 
@@ -41,8 +37,8 @@ def run(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAE_SIZE", "quick")
         mp.setenv("RAE_OUT", str(out))
-        NotebookClient(nb, timeout=600, kernel_name="python3",
-                       resources={"metadata": {"path": str(ROOT / "scripts")}}).execute()
+        NotebookClient(nb, timeout=600, kernel_name="python3", resources={
+            "metadata": {"path": str(ROOT / "scripts/experiments")}}).execute()
     return json.loads((out / "real_attention.json").read_text()), out, nb
 
 
@@ -119,8 +115,8 @@ def test_bits_per_byte_are_finite(run):
 def test_notebook_matches_its_builder(tmp_path):
     built = rae.build_notebook(tmp_path / "nb.ipynb")
     assert built.read_text() == rae.NOTEBOOK.read_text(), (
-        "scripts/real_attention_experiment.ipynb is stale: python "
-        "scripts/real_attention_experiment.py --write-notebook")
+        "scripts/experiments/real_attention_experiment.ipynb is stale: python -m "
+        "scripts.experiments.real_attention_experiment --write-notebook")
 
 
 def test_fill_lowest_writes_the_row_end_and_keeps_the_prefix():

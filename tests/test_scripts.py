@@ -26,7 +26,7 @@ def _run(args, tmp_path, timeout=600):
 
 @pytest.mark.slow
 def test_bench_quick(tmp_path):
-    stdout = _run(["scripts/bench.py", "--quick", "--reps", "2", "--out", str(tmp_path)],
+    stdout = _run(["-m", "scripts.bench.bench", "--quick", "--reps", "2", "--out", str(tmp_path)],
                   tmp_path)
     assert (tmp_path / "bench.json").exists() and "seed sparse_mla / ours" in stdout
 
@@ -35,34 +35,34 @@ def test_bench_quick(tmp_path):
 def test_tpu_compile_report_quick(tmp_path):
     # one chip: every quick case compiles on all three in tests/test_compile_{indexer,mla}.py;
     # this checks the report itself
-    _run(["scripts/tpu_compile_report.py", "--quick", "--chips", "v6e", "--out", str(tmp_path)],
-         tmp_path)
+    _run(["-m", "scripts.cost.tpu_compile_report", "--quick", "--chips", "v6e",
+          "--out", str(tmp_path)], tmp_path)
     text = (tmp_path / "tpu_compile_report.md").read_text()
     assert "FAILED" not in text and "Not reported" not in text
 
 
 @pytest.mark.slow
 def test_witness_experiment_quick(tmp_path):
-    _run(["scripts/witness_experiment.py", "--quick", "--no-docs", "--out", str(tmp_path)],
-         tmp_path)
+    _run(["-m", "scripts.experiments.witness_experiment", "--quick", "--no-docs",
+          "--out", str(tmp_path)], tmp_path)
     assert (tmp_path / "witness.json").exists()
 
 
 def test_bench_witness_merge_quick(tmp_path):
-    stdout = _run(["scripts/bench_witness_merge.py", "--quick"], tmp_path)
+    stdout = _run(["-m", "scripts.bench.bench_witness_merge", "--quick"], tmp_path)
     assert "ratio (median merge / median copy)" in stdout
     assert "ratio (median lowest-fill merge / median copy)" in stdout
 
 
 def test_hbm_traffic_quick(tmp_path):
-    _run(["scripts/hbm_traffic.py", "--quick", "--out", str(tmp_path)], tmp_path)
+    _run(["-m", "scripts.cost.hbm_traffic", "--quick", "--out", str(tmp_path)], tmp_path)
     assert any(tmp_path.iterdir())
 
 
 @pytest.mark.slow
 def test_v4_cost_quick(tmp_path):
     out = tmp_path / "v4_cost.md"
-    stdout = _run(["scripts/v4_cost.py", "--quick", "--markdown", str(out)], tmp_path)
+    stdout = _run(["-m", "scripts.cost.v4_cost", "--quick", "--markdown", str(out)], tmp_path)
     text = out.read_text()
     assert text in stdout.replace("\r", "") or text.strip() in stdout
     assert "fp8 MODEL1" in text and "milestone 1" in text and "Flash CSA" in text

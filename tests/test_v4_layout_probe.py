@@ -5,18 +5,15 @@ changes one, this fails and the layout (and its docstring) should be revisited."
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
 from pallas_kernels import aot
 from reference import v4_cache
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-import v4_layout_probe  # noqa: E402
+from pallas_kernels.measure import v4_layout_probe  # noqa: E402
 
 pytestmark = pytest.mark.kernel_gate
 

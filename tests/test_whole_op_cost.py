@@ -48,8 +48,7 @@ from reference.witnesses import scatter_topology_witnesses
 
 CHIP = "v6e"
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import whole_op_cost as report  # noqa: E402  (the report's step programs: one definition)
+from dsa_jax.measure import whole_op as report  # noqa: E402  (the report's step programs: one definition)
 
 I32, F32 = jnp.int32, jnp.float32
 K, K_PAGES, SEGMENTS = 2048, 32, 64
@@ -405,9 +404,9 @@ def test_cache_write_has_no_per_element_scatter():
 def test_whole_op_cost_quick_report(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
     md = tmp_path / "whole_op_cost.md"
-    out = subprocess.run([sys.executable, "scripts/whole_op_cost.py", "--quick", "--chips", CHIP,
-                          "--markdown", str(md)], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-m", "scripts.cost.whole_op_cost", "--quick",
+                          "--chips", CHIP, "--markdown", str(md)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     text = md.read_text()
     assert f"### {CHIP}" in text and "FAILED" not in text

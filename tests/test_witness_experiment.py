@@ -4,18 +4,15 @@ metric ranges, what the merge guarantees by construction), and the notebook exec
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import witness_experiment as wx  # noqa: E402
 
 from reference.witnesses import segment_coverage  # noqa: E402
+from scripts.experiments import witness_experiment as wx  # noqa: E402
 
 CFG = wx.tiny_config()
 
@@ -116,8 +113,8 @@ def test_notebook_matches_its_builder(tmp_path):
     pytest.importorskip("nbformat", reason="nbformat is in the experiments extra")
     built = wx.build_notebook(tmp_path / "nb.ipynb")
     assert built.read_text() == wx.NOTEBOOK.read_text(), (
-        "scripts/witness_experiment.ipynb is stale: python scripts/witness_experiment.py "
-        "--write-notebook")
+        "scripts/experiments/witness_experiment.ipynb is stale: python -m "
+        "scripts.experiments.witness_experiment --write-notebook")
 
 
 @pytest.mark.slow
@@ -132,7 +129,7 @@ def test_notebook_executes(tmp_path, monkeypatch):
     monkeypatch.setenv("WITNESS_OUT", str(tmp_path))
     nb = nbformat.read(wx.NOTEBOOK, as_version=4)
     NotebookClient(nb, timeout=240, kernel_name="python3",
-                   resources={"metadata": {"path": str(ROOT / "scripts")}}).execute()
+                   resources={"metadata": {"path": str(ROOT / "scripts/experiments")}}).execute()
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
               if "image/png" in o.get("data", {})]
     assert len(images) == 2

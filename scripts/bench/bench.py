@@ -6,7 +6,7 @@ What each number is:
 - TPU temp memory: ``compiled.memory_analysis().temp_size_in_bytes`` of an AOT compile for a real
   TPU generation through libtpu on CPU (a compile result, not a run).
 
-Usage: ``python scripts/bench.py [--quick] [--reps N] [--out DIR] [--skip-aot]``
+Usage: ``python -m scripts.bench.bench [--quick] [--reps N] [--out DIR] [--skip-aot]``
 Writes ``DIR/bench.md`` and ``DIR/bench.json``.
 """
 
@@ -22,13 +22,12 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from seed_baseline import seed_page_topk, seed_sparse_mla, seed_topk  # noqa: E402
 
+from pallas_kernels import chips as chip_specs  # noqa: E402
 from reference import (  # noqa: E402
     page_sparse_mla_ref,
     sparse_mla_ref,
@@ -36,6 +35,7 @@ from reference import (  # noqa: E402
     streamindex_topk_ref,
 )
 from reference.synthetic import make_ragged_batch  # noqa: E402
+from scripts.bench.seed_baseline import seed_page_topk, seed_sparse_mla, seed_topk  # noqa: E402
 
 SM_SCALE = 192**-0.5 * (0.1 * np.log(40) + 1.0) ** 2  # DeepSeek-V3.2 (about 0.1352)
 
@@ -167,7 +167,7 @@ def aot_cases(quick: bool):
 def aot_rows(quick: bool) -> list[dict]:
     from pallas_kernels.aot import aot_compile
 
-    chips = ["v6e"] if quick else ["v5e", "v6e", "tpu7x"]
+    chips = [chip_specs.DEFAULT] if quick else list(chip_specs.NAMES)
     rows = []
     for chip in chips:
         for label, name, fn, specs in aot_cases(quick):
@@ -214,7 +214,8 @@ def markdown(cpu: list[dict], aot: list[dict]) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="smaller prefill, v6e-only AOT")
+    p.add_argument("--quick", action="store_true",
+                   help=f"smaller prefill, {chip_specs.DEFAULT}-only AOT")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (median)")
     p.add_argument("--out", default="out/bench", help="output folder for bench.md/bench.json")
     p.add_argument("--skip-aot", action="store_true", help="skip the TPU AOT memory rows")

@@ -79,32 +79,27 @@ What-ifs (not what the code does; off by default): ``--lse-out-bytes 2`` sends o
 in the LSE merge; ``--score-row local`` gives each shard a score row over its own pages only.
 Sensitivity: ``--ici-fraction``, ``--alpha-us``, ``--batch-rows``.
 
-Usage: ``python scripts/context_cost.py [--quick] [--out DIR]`` (prints the tables; ``--out``
-writes ``context_cost.md`` and ``context_cost.json``; ``main(argv)`` returns the data).
+The report: ``python -m scripts.cost.context_cost [--quick] [--out DIR]``
+(``scripts/cost/context_cost.py``; ``build(...)`` here returns its data).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from pallas_kernels import aot  # noqa: E402
-from pallas_kernels.mla.compile_cases import (  # noqa: E402
+from pallas_kernels import aot
+from pallas_kernels.chips import CHIPS as CHIP_SPECS
+from pallas_kernels.chips import NAMES as CHIP_NAMES
+from pallas_kernels.mla.compile_cases import (
     FP8_DIM,
     MLA_DIM,
     MLA_PAGE,
     MLA_V_DIM,
 )
-from reference import fp8, fp8_cache, packed_cache  # noqa: E402
-from reference.cache_format import CacheFormat  # noqa: E402
+from reference import fp8, fp8_cache, packed_cache
+from reference.cache_format import CacheFormat
 
 LABEL = "a model (arithmetic from the repo's byte constants and cited chip specs; not measured)"
 
@@ -144,13 +139,8 @@ class ChipDoc:
     url: str
 
 
-CHIP_DOCS = {
-    "v5e": ChipDoc("16 GB (GiB: chip_info 17.2e9 B)", 819, 400, 1,
-                   "https://docs.cloud.google.com/tpu/docs/v5e"),
-    "v6e": ChipDoc("32 GB (GiB: chip_info 34.4e9 B)", 1638, 800, 1,
-                   "https://docs.cloud.google.com/tpu/docs/v6e"),
-    "tpu7x": ChipDoc("192 GiB", 7380, 1200, 2, "https://docs.cloud.google.com/tpu/docs/tpu7x"),
-}
+CHIP_DOCS = {c.name: ChipDoc(c.hbm_doc, c.hbm_bw_gbps, c.ici_bidir_gbps, c.devices_per_chip,
+                             c.url) for c in CHIP_SPECS.values()}
 
 
 @dataclass(frozen=True)
@@ -215,6 +205,15 @@ class Scenario:
 
 
 # ----------------------------------------------------------------------------- bytes
+
+
+def tokens(n: float) -> str:
+    """1024-based K / M token counts."""
+    if n >= 2**20:
+        return f"{n / 2**20:.2f}M"
+    if n >= 2**10:
+        return f"{n / 2**10:.1f}K" if n % 2**10 else f"{n // 2**10}K"
+    return str(int(n))
 
 
 def ceil_div(a, b):
@@ -302,26 +301,6 @@ def fits(chip_name: str, fmt: Fmt, weight_chips: int) -> dict:
     return out
 
 
-# ----------------------------------------------------------------------------- report
-
-
-def tokens(n: float) -> str:
-    """1024-based K / M token counts."""
-    if n >= 2**20:
-        return f"{n / 2**20:.2f}M"
-    if n >= 2**10:
-        return f"{n / 2**10:.1f}K" if n % 2**10 else f"{n // 2**10}K"
-    return str(int(n))
-
-
-def mib(b: float) -> str:
-    return f"{b / 2**20:.3f}"
-
-
-def kib(b: float) -> str:
-    return f"{b / 2**10:.1f}"
-
-
 def build(quick: bool, alpha_us: float, batch_rows: int, ici_fraction: float,
           weight_chips: int, max_context: int, out_bytes: int = F32,
           score_local: bool = False) -> dict:
@@ -330,7 +309,7 @@ def build(quick: bool, alpha_us: float, batch_rows: int, ici_fraction: float,
     speed_at = (2**15, 2**17) if quick else SPEEDUP_AT
     max_context = min(max_context, 2**22) if quick else max_context
     timed = [f for f in FORMATS if f.timed]
-    chips = [Chip.of(c, ici_fraction) for c in aot.CHIPS]
+    chips = [Chip.of(c, ici_fraction) for c in CHIP_NAMES]
     what_if = {"out_bytes": out_bytes, "score_local": score_local}
     scenarios = [Scenario("bandwidth", 0.0, 1, **what_if),
                  Scenario("latency, 1 row", alpha_us * 1e-6, 1, **what_if),
@@ -381,7 +360,7 @@ def build(quick: bool, alpha_us: float, batch_rows: int, ici_fraction: float,
                                      / row_time(chip, fmt, L, n, h, sc)) for L in speed_at}
                     pay_rows.append(r)
 
-    fit_rows = [fits(c, f, weight_chips) for c in aot.CHIPS for f in FORMATS]
+    fit_rows = [fits(c, f, weight_chips) for c in CHIP_NAMES for f in FORMATS]
     return {
         "label": LABEL,
         "config": {"quick": quick, "layers": LAYERS, "index_heads": INDEX_HEADS,
@@ -397,140 +376,3 @@ def build(quick: bool, alpha_us: float, batch_rows: int, ici_fraction: float,
         "scenarios": [asdict(s) for s in scenarios],
         "exchange": exchange_rows, "read": read_rows, "pays": pay_rows, "fits": fit_rows,
     }
-
-
-def markdown(d: dict) -> str:
-    cfg = d["config"]
-    shards = cfg["shards"]
-    lines = [f"Every number: {d['label']}. Per decode row, per layer, per device (busiest "
-             "context shard); MiB = 2^20 B, K tokens = 1024. Settings: LSE merge out "
-             f"{cfg['lse_out_bytes']} B per element (merge_lse: 4, f32), score row "
-             f"{cfg['score_row']} ('full' = as implemented), ICI fraction "
-             f"{cfg['ici_fraction']:g}, alpha {cfg['alpha_us']:g} us per ring step.", "",
-             "Chips (per device; tpu7x: a chip is 2 devices):", "",
-             "| chip | HBM BW / device (chip_info) | HBM / device (chip_info) | bf16 peak / device "
-             "| cited per chip: HBM, HBM BW, bidir. ICI | ICI egress / device used | source |",
-             "|---|---:|---:|---:|---|---:|---|"]
-    for c in d["chips"]:
-        doc = c["doc"]
-        lines.append(f"| {c['name']} | {c['hbm_bw'] / 1e9:.0f} GB/s | "
-                     f"{c['hbm_bytes'] / 1e9:.1f} GB | {c['peak'] / 1e12:.0f} TFLOP/s | "
-                     f"{doc['hbm']}, {doc['hbm_bw_gbps']:.0f} "
-                     f"GB/s, {doc['ici_bidir_gbps']:.0f} GB/s | {c['ici_egress'] / 1e9:.0f} GB/s "
-                     f"| {doc['url']} |")
-    lines += ["", "(1a) Exchanged per device (KiB), chip- and context-independent: candidates = "
-              "two ring all-gathers of k i32 + k f32 (own 16 KiB; received = sent); LSE = three "
-              "ring all-reduces, 2(N-1)/N x (H x v_dim x 4 + 2 x H x 4) B; 'bf16 out' = the "
-              "same with out sent in bf16 (not what merge_lse does).", "",
-              "| N | candidates received | LSE H=128 | LSE H=128, bf16 out | LSE H=16 | "
-              "total H=128 | total H=16 | collectives | ring steps |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in d["exchange"]:
-        a, b = r["H128"], r["H16"]
-        lines.append(f"| {r['N']} | {kib(a['candidates_received'])} | {kib(a['lse_ring'])} | "
-                     f"{kib(r['H128_lse_bf16_out'])} | {kib(b['lse_ring'])} | "
-                     f"{kib(r['H128_total'])} | {kib(r['H16_total'])} | {a['collectives']} | "
-                     f"{a['ring_steps']} |")
-    lines += ["", "(1b) KV bytes read per device (MiB): indexer keys + MLA gathered (selected "
-              "share k/N); not divided by N and not in these columns: q/weights/out (H=128) and "
-              "the f32 score row (8 B per token of L, on every shard, as implemented). "
-              "'x/read' = exchanged (H=128) / (KV read + fixed + score row) at that N.", "",
-              "| format | L | keys N=1 | MLA N=1 | fixed H=128 | score row | "
-              + " | ".join(f"KV N={n} (x/read)" for n in shards) + " |",
-              "|---|---:|---:|---:|---:|---:|" + "---:|" * len(shards)]
-    rows = {}
-    for r in d["read"]:
-        rows.setdefault((r["format"], r["L"]), {})[r["N"]] = r
-    for (fmt, L), by_n in rows.items():
-        one = by_n[1]
-        cells = []
-        for n in shards:
-            r = by_n[n]
-            ratio = r["exchanged_H128"] / (r["kv_read"] + r["fixed_H128"] + r["score_row"])
-            cells.append(f"{mib(r['kv_read'])} ({ratio:.3f})")
-        lines.append(f"| {fmt} | {tokens(L)} | {mib(one['index_keys'])} | "
-                     f"{mib(one['mla_gathered'])} | {mib(one['fixed_H128'])} | "
-                     f"{mib(one['score_row'])} | " + " | ".join(cells) + " |")
-    lines += ["", f"(2a) Break-even context: smallest L (multiple of 64, up to "
-              f"{tokens(cfg['max_context'])}) with t(N) < t(1) in the roofline time model. "
-              f"Scenarios: bandwidth = exchange bytes / ICI only; latency = plus "
-              f"alpha = {cfg['alpha_us']:g} us per ring step (an assumption), 8(N-1) steps "
-              f"per layer, shared by 1 or {cfg['batch_rows']} rows. ICI fraction "
-              f"{cfg['ici_fraction']:g} of the chip's total egress. In brackets: the context "
-              "each device holds at the break-even, L / N. '*' = stops paying at some larger L "
-              "(not seen in this model).", "",
-              "| chip | format | MLA H | scenario | " + " | ".join(f"N={n}" for n in shards[1:])
-              + " |", "|---|---|---:|---|" + "---:|" * (len(shards) - 1)]
-    for r in d["pays"]:
-        cells = [be["label"] + ("" if be["context"] is None else
-                                f" ({tokens(be['context'] / n)})")
-                 + ("" if be["stays_paying"] else "*") for n, be in r["break_even"].items()]
-        lines.append(f"| {r['chip']} | {r['format']} | {r['heads']} | {r['scenario']} | "
-                     + " | ".join(cells) + " |")
-    at = " / ".join(tokens(L) for L in cfg["speedup_at"])
-    lines += ["", f"(2b) Modelled speed-up t(1) / t(N) at L = {at}, and t(1) per row per layer "
-              "(us, roofline model):", "",
-              f"| chip | format | MLA H | scenario | t(1) us at {at} | "
-              + " | ".join(f"N={n}" for n in shards[1:]) + " |",
-              "|---|---|---:|---|---:|" + "---:|" * (len(shards) - 1)]
-    for r in d["pays"]:
-        t1 = " / ".join(f"{v:.1f}" for v in r["t1_us"].values())
-        cells = [" / ".join(f"{v:.2f}" for v in sp.values()) for sp in r["speedup"].values()]
-        lines.append(f"| {r['chip']} | {r['format']} | {r['heads']} | {r['scenario']} | {t1} | "
-                     + " | ".join(cells) + " |")
-    w = d["fits"][0]["weights_per_chip"]
-    for tag, title in (("cache_only", "cache only, before any weights"),
-                       ("with_weights", f"after a weight share of {w / 1e9:.1f} GB per chip "
-                        f"({cfg['weight_params'] / 1e9:.0f}B params at 1 B over "
-                        f"{cfg['weight_chips']} chips)")):
-        lines += ["", f"(3) Longest context per sequence whose cache fits, {title}: "
-                  f"{cfg['layers']} layers x (latent + keys) per token; N chips in the context "
-                  "group (tpu7x: chips, 2 devices each); a model.", "",
-                  "| chip | format | B / token (61 layers) | HBM / chip | "
-                  + " | ".join(f"N={n}" for n in shards) + " |",
-                  "|---|---|---:|---:|" + "---:|" * len(shards)]
-        for r in d["fits"]:
-            seq = r[f"sequence_context_{tag}"]
-            lines.append(f"| {r['chip']} | {r['format']} | {r['bytes_per_token_61_layers']:,.0f} "
-                         f"| {r['hbm_per_chip'] / 1e9:.1f} GB | "
-                         + " | ".join(tokens(seq[n]) for n in shards) + " |")
-    lines += ["", f"Weights: {cfg['model_doc']}. Latency: {cfg['latency_note']}."]
-    return "\n".join(lines) + "\n"
-
-
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true",
-                   help="N in {1, 2, 4}, two contexts, a 4M search bound (CI smoke run)")
-    p.add_argument("--out", default=None, help="folder for context_cost.md and .json")
-    p.add_argument("--alpha-us", type=float, default=ALPHA_US,
-                   help="assumed latency per ring step, us (default %(default)s)")
-    p.add_argument("--batch-rows", type=int, default=BATCH_ROWS,
-                   help="decode rows sharing one collective in the batched scenario")
-    p.add_argument("--ici-fraction", type=float, default=1.0,
-                   help="share of the chip's total ICI egress the exchange gets (default 1)")
-    p.add_argument("--weight-chips", type=int, default=WEIGHT_CHIPS,
-                   help="chips the weights are spread over in the fits table's weight share")
-    p.add_argument("--max-context", type=int, default=MAX_CONTEXT,
-                   help="break-even search bound in tokens")
-    p.add_argument("--lse-out-bytes", type=int, choices=(2, 4), default=F32,
-                   help="what-if: bytes per out element in the LSE merge (merge_lse: 4, f32)")
-    p.add_argument("--score-row", choices=("full", "local"), default="full",
-                   help="what-if: the indexer score row over the full width (as implemented) "
-                        "or over the shard's own pages")
-    a = p.parse_args(argv)
-    data = build(a.quick, a.alpha_us, a.batch_rows, a.ici_fraction, a.weight_chips,
-                 a.max_context, a.lse_out_bytes, a.score_row == "local")
-    md = markdown(data)
-    print(md)
-    if a.out:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "context_cost.md").write_text(md)
-        (out / "context_cost.json").write_text(json.dumps(data, indent=1))
-    return data
-
-
-if __name__ == "__main__":
-    main()
-    sys.exit(0)

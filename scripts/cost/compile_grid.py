@@ -31,7 +31,7 @@ random sample of ``--sample N`` combinations per kernel is compiled. ``--where A
 ``--sample 0`` keeps every remaining combination), so a structured sub-grid can be measured,
 e.g. every page size x batch x key dtype at default blocks.
 
-Usage: ``python scripts/compile_grid.py [--kernels K1,K2] [--chips v5e,v6e,tpu7x]
+Usage: ``python -m scripts.cost.compile_grid [--kernels K1,K2] [--chips v5e,v6e,tpu7x]
 [--full | --sample N] [--seed S] [--where AXIS=V,...]... [--markdown PATH] [--json PATH]
 [--list]``. Run one process at a time (each compile uses the whole libtpu compiler).
 """
@@ -54,13 +54,13 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import pallas_kernels  # noqa: E402
 from pallas_kernels import aot  # noqa: E402
+from pallas_kernels import chips as chip_specs  # noqa: E402
 from reference import packed_cache  # noqa: E402
 
 INDEXER_KERNELS = ("streamindex_topk", "streamindex_page_topk")
@@ -362,7 +362,7 @@ def markdown(results: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kernels", default=",".join(KERNELS))
-    p.add_argument("--chips", default=",".join(aot.CHIPS))
+    p.add_argument("--chips", default=",".join(chip_specs.NAMES))
     p.add_argument("--full", action="store_true", help="every combination (long)")
     p.add_argument("--sample", type=int, default=20,
                    help="random combinations per kernel (default 20; 0 = all after --where)")

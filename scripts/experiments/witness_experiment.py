@@ -25,10 +25,10 @@ averaged over rows, on a grid of ``k`` and ``S`` (``S <= k``), for two sources:
 Nothing here measures model quality: the attention rows are synthetic or a proxy, and the
 numbers only say how the selections cover segments and mass on these rows.
 
-Usage: ``python scripts/witness_experiment.py [--quick] [--out DIR] [--write-notebook]``
+Usage: ``python -m scripts.experiments.witness_experiment [--quick] [--out DIR] [--write-notebook]``
 Writes ``DIR/witness.md``, ``DIR/witness.json`` and ``DIR/witness_<source>.png``;
 ``DIR/witness_synthetic.png`` is also copied to ``docs/witness_coverage.png`` (unless
-``--no-docs``). ``--write-notebook`` regenerates ``scripts/witness_experiment.ipynb``.
+``--no-docs``). ``--write-notebook`` regenerates ``scripts/experiments/witness_experiment.ipynb``.
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from notebooks import setup_cell, write_notebook  # noqa: E402
 
 from reference import streamindex_topk_ref  # noqa: E402
 from reference.index_scores import index_scores  # noqa: E402
@@ -60,8 +59,9 @@ from reference.witnesses import (  # noqa: E402
     segment_coverage,
     topology_witness_indices,
 )
+from scripts.experiments.notebooks import setup_cell, write_notebook  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SELECTIONS = ("learned", "learned+witnesses", "random_null", "locality_null")
 SOURCES = ("synthetic", "indexer")
 SOURCE_LABELS = {
@@ -393,7 +393,7 @@ _NB_RUN = '''\
 import os
 import tempfile
 
-import witness_experiment as wx
+from scripts.experiments import witness_experiment as wx
 
 # WITNESS_GRID=tiny is the test suite's smoke run; the default is the --quick grid.
 cfg = wx.tiny_config() if os.environ.get("WITNESS_GRID") == "tiny" else wx.quick_config()
@@ -419,9 +419,10 @@ for name in ("synthetic", "indexer"):
 _NB_INTRO = """\
 # Segment witnesses at equal budget: coverage and attention-mass recall
 
-Runs `scripts/witness_experiment.py` (its `--quick` grid) and shows its table and plots. It
-compares, at the same number `k` of valid slots per row, the learned top-k, the learned top-k
-with segment witnesses (`scatter_topology_witnesses`), `random_null` and `locality_null`.
+Runs `scripts/experiments/witness_experiment.py` (its `--quick` grid) and shows its table and
+plots. It compares, at the same number `k` of valid slots per row, the learned top-k, the
+learned top-k with segment witnesses (`scatter_topology_witnesses`), `random_null` and
+`locality_null`.
 
 **What these numbers are:** (a) SYNTHETIC attention rows (sink, local window, retrieval spikes)
 with a noisy top-k standing in for the learned indexer; (b) the jnp indexer's own top-k on

@@ -45,9 +45,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import dsa_jax
-from experiments import model as M
 from reference.selection import select_topk
 from reference.witnesses import attention_mass_recall, segment_coverage
+from scripts.experiments.byte_lm import model as M
 
 PAGE_SIZE = 64
 BASE = ("indexer", "random", "local", "oracle")

@@ -20,7 +20,7 @@ Columns, per decode row (a call's bytes / 64):
 - ``XLA``: XLA's ``bytes accessed`` of the whole program (the kernels' declared estimates plus
   the XLA glue: row facts, index building, the milestone-1 merge), and ``XLA / min``.
 
-Usage: ``python scripts/v4_cost.py [--quick] [--chips v5e,v6e,tpu7x] [--markdown PATH]``
+Usage: ``python -m scripts.cost.v4_cost [--quick] [--chips v5e,v6e,tpu7x] [--markdown PATH]``
 (``--quick``: Flash CSA on one chip).
 """
 
@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pallas_kernels import aot, xla_cost  # noqa: E402
+from pallas_kernels import chips as chip_specs  # noqa: E402
+from pallas_kernels import xla_cost  # noqa: E402
 from pallas_kernels.v4 import compile_cases as v4cases  # noqa: E402
 from pallas_kernels.v4.fused import FP8_STORED_BYTES  # noqa: E402
 from reference.v4_attention import HEAD_DIM  # noqa: E402
@@ -85,11 +84,12 @@ def markdown(rows: list[dict]) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--chips", default=None, help="comma-separated, default v5e,v6e,tpu7x")
+    ap.add_argument("--chips", default=None,
+                    help=f"comma-separated, default {','.join(chip_specs.NAMES)} "
+                         f"(--quick: {chip_specs.DEFAULT})")
     ap.add_argument("--markdown", default=None, help="also write the table here")
     args = ap.parse_args(argv)
-    chips = (args.chips.split(",") if args.chips else
-             (["v6e"] if args.quick else list(aot.CHIPS)))
+    chips = chip_specs.parse(args.chips, (chip_specs.DEFAULT,) if args.quick else chip_specs.NAMES)
     table = markdown(rows_for(chips, args.quick))
     print(table)
     if args.markdown:

@@ -21,21 +21,18 @@ Caches (``--window-format``, ``--compressed-format``, ``--index-format``): ``pla
 default) or ``fp8`` (window and compressed: FlashMLA MODEL1, ``reference.v4_cache.Fp8V4Cache``;
 index: ``reference.fp8_cache.Fp8IndexCache``).
 
-Usage: ``python scripts/v4_step_cost.py [--quick] [--chips v6e] [--compressors pallas,reference]
-[--window-format fp8 --compressed-format fp8 --index-format fp8]``.
+Usage: ``python -m scripts.cost.v4_step_cost [--quick] [--chips v6e] [--compressors
+pallas,reference] [--window-format fp8 --compressed-format fp8 --index-format fp8]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 from argparse import Namespace
-from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import contextlib  # noqa: E402
 
@@ -45,6 +42,7 @@ import numpy as np  # noqa: E402
 from dsa_jax import backend as _backend  # noqa: E402
 from dsa_jax import v4_cli  # noqa: E402
 from dsa_jax.v4_step import v4_step_body  # noqa: E402
+from pallas_kernels import chips as chip_specs  # noqa: E402
 from pallas_kernels import xla_cost  # noqa: E402
 from reference import v4_compressor as vc  # noqa: E402
 
@@ -112,7 +110,8 @@ def row(chip: str, layers: int, rows: int, context: int, comp: str = "pallas",
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="4 layers, 8 rows, context 2048")
-    p.add_argument("--chips", default="v6e", help="comma-separated chips (default v6e)")
+    p.add_argument("--chips", default=chip_specs.DEFAULT,
+                   help=f"comma-separated chips (default {chip_specs.DEFAULT})")
     p.add_argument("--layers", type=int, default=4, help="first N layers of the Flash pattern")
     p.add_argument("--rows", type=int, default=64, help="decode sequences (default 64)")
     p.add_argument("--context", type=int, default=8192, help="tokens per sequence")

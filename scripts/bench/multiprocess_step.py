@@ -2,8 +2,9 @@
 devices, a localhost coordinator on a free port), each process one half of the mesh, and the
 result equal to the single-device step.
 
-``python scripts/multiprocess_step.py`` launches the workers (``--worker N``), waits for them
-(``--timeout`` seconds, then kills both), and exits 0 only if both report agreement.
+``python -m scripts.bench.multiprocess_step`` (from the repository root) launches the workers
+(``--worker N``, the same module), waits for them (``--timeout`` seconds, then kills both), and
+exits 0 only if both report agreement.
 
 Each worker: 4 CPU devices (``--xla_force_host_platform_device_count``), gloo CPU collectives,
 ``jax.distributed.initialize`` -> 8 global devices; a mesh ``("ctx", "data", "model") = (2, 2,
@@ -25,7 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+MODULE = "scripts.bench.multiprocess_step"  # the workers run this module from ROOT
 NUM_PROCESSES, LOCAL_DEVICES = 2, 4
 MESH_SHAPE, AXES = (2, 2, 2), ("ctx", "data", "model")
 
@@ -41,8 +43,8 @@ def launch(timeout: float) -> int:
     port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={LOCAL_DEVICES}"}
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(i), "--port", str(port)],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, "-m", MODULE, "--worker", str(i),
+                               "--port", str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
              for i in range(NUM_PROCESSES)]
     deadline = time.monotonic() + timeout
@@ -160,7 +162,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.worker is None:
         return launch(args.timeout)
-    sys.path.insert(0, str(ROOT))
     return worker(args.worker, args.port)
 
 

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import data as data_mod
-from experiments import model as M
+from scripts.experiments.byte_lm import data as data_mod
+from scripts.experiments.byte_lm import model as M
 
 LN2 = math.log(2.0)
 

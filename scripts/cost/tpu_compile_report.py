@@ -6,7 +6,7 @@ roofline ``max(bytes / HBM bandwidth, flops / peak bf16)`` from ``pltpu.get_tpu_
 No TPU is used. The cases come from each kernel module's ``compile_cases(quick)``, the same list
 the compile-gate tests use.
 
-Usage: ``python scripts/tpu_compile_report.py [--quick] [--chips v5e,v6e,tpu7x] [--out DIR]``
+Usage: ``python -m scripts.cost.tpu_compile_report [--quick] [--chips v5e,v6e,tpu7x] [--out DIR]``
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from pallas_kernels import chips as chip_specs  # noqa: E402
 
 KERNEL_MODULES = ("pallas_kernels.indexer.compile_cases", "pallas_kernels.mla.compile_cases")
 # Published number to put beside our model (a measurement on a real TPU, not ours).
@@ -91,10 +93,10 @@ def markdown(rows: list[dict], missing: list[str]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="the quick subset of shapes")
-    p.add_argument("--chips", default="v5e,v6e,tpu7x", help="comma-separated chips")
+    p.add_argument("--chips", default=",".join(chip_specs.NAMES), help="comma-separated chips")
     p.add_argument("--out", default="out/tpu_compile_report", help="folder for .md and .json")
     a = p.parse_args(argv)
-    chips = [c.strip() for c in a.chips.split(",") if c.strip()]
+    chips = chip_specs.parse(a.chips)
     rows, missing = run(a.quick, chips)
     md = markdown(rows, missing)
     out = Path(a.out)

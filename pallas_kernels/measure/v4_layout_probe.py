@@ -19,28 +19,21 @@ the kernel (it does when the argument's default layout is not row-major).
 ``physical_bytes`` is XLA's own size of an argument: ``memory_analysis().argument_size_in_bytes``
 of a program taking only that array, with the layout XLA assigns to it (``layout``).
 
-Usage: ``python scripts/v4_layout_probe.py [--chips v5e,v6e,tpu7x]``; ``probe(chip)`` returns
-the facts as a dict (used by ``tests/test_v4_layout_probe.py``).
+``probe(chip)`` returns the facts as a dict (``tests/test_v4_layout_probe.py``); the command
+line ``python -m scripts.probes.v4_layout_probe [--chips v5e,v6e,tpu7x]`` prints them.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import os
 import re
-import sys
-from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.experimental import pallas as pl  # noqa: E402
-from jax.experimental.pallas import tpu as pltpu  # noqa: E402
-
-from pallas_kernels import aot  # noqa: E402
+from pallas_kernels import aot
 
 PAGES = 256
 PAGE_SIZE = 64
@@ -225,18 +218,3 @@ def probe(chip: str, quick: bool = False) -> dict:
                                                               dynamic=False)
         got["quarter dynamic, same lanes"] = quarter_gather(chip, same_lanes=True, dynamic=True)
     return got
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--chips", default=",".join(aot.CHIPS),
-                    help="comma-separated chips (default: all of pallas_kernels.aot.CHIPS)")
-    args = ap.parse_args(argv)
-    for chip in args.chips.split(","):
-        for what, got in probe(chip).items():
-            print(f"{chip:6s} {what}: {got}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,28 +12,21 @@ compile on CPU (no TPU): what XLA's TPU layout assignment and Mosaic accept.
 3. Mosaic compiles an e4m3 page upcast to bf16 and an e4m3 x e4m3 dot (f32 accumulation) on
    v5e, v6e and tpu7x.
 
-Usage: ``python scripts/fp8_layout_probe.py [--chips v5e,v6e,tpu7x]``. Prints one line per
-probe and chip; ``probe(chip)`` returns the same facts as a dict (used by the tests).
+``probe(chip)`` returns these facts as a dict (``tests/test_fp8_layout_probe.py``); the command
+line ``python -m scripts.probes.fp8_layout_probe [--chips v5e,v6e,tpu7x]`` prints them.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import os
 import re
-import sys
-from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.experimental import pallas as pl  # noqa: E402
-from jax.experimental.pallas import tpu as pltpu  # noqa: E402
-
-from pallas_kernels import aot  # noqa: E402
+from pallas_kernels import aot
 
 PAGES = 8192
 
@@ -124,18 +117,3 @@ def probe(chip: str) -> dict:
         "e4m3 page upcast to bf16 + bf16 dot": _fp8_compiles(chip, False),
         "e4m3 x e4m3 dot": _fp8_compiles(chip, True),
     }
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--chips", default=",".join(aot.CHIPS),
-                    help="comma-separated chips (default: all of pallas_kernels.aot.CHIPS)")
-    args = ap.parse_args(argv)
-    for chip in args.chips.split(","):
-        for what, got in probe(chip).items():
-            print(f"{chip:6s} {what}: {got}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,23 +7,19 @@ whole row and written into the last ``S`` slots), the same with ``fill="lowest"`
 by ``block_until_ready``. Upstream (vllm#47942, fused Triton kernel, RTX 4060 Laptop) reports
 1.12x to 1.62x a copy at 512..32 rows x topk 2048, S = 64.
 
-    python scripts/bench_witness_merge.py            # 512 x 2048, S = 64, N = 50
-    python scripts/bench_witness_merge.py --quick    # N = 10
+    python -m scripts.bench.bench_witness_merge            # 512 x 2048, S = 64, N = 50
+    python -m scripts.bench.bench_witness_merge --quick    # N = 10
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels import tpu  # noqa: E402
 from reference.witnesses import scatter_topology_witnesses  # noqa: E402

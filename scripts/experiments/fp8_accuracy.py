@@ -51,7 +51,7 @@ model quality.
 Full run: contexts 4096, 16384, 65536 x 8 decode rows x 3 draws (about 2.5 minutes and 5 GB
 on a 2-core CPU); ``--quick``: 2 rows x 2048 tokens, k=256, 8 MLA heads (seconds).
 
-Usage: ``python scripts/fp8_accuracy.py [--quick] [--out DIR] [--seed N] [--seqs N]
+Usage: ``python -m scripts.experiments.fp8_accuracy [--quick] [--out DIR] [--seed N] [--seqs N]
 [--contexts L ...] [--dists NAME ...]``. Prints markdown tables; with ``--out`` also writes
 ``DIR/fp8_accuracy.md`` and ``DIR/fp8_accuracy.json``. ``main(argv)`` returns the result dict.
 """

@@ -17,44 +17,37 @@ kernel's own copies; the MLA kernels' scalar prefetch (row info and page table i
 set aside with it, as the interpreter does not count scalar prefetch either. Counted must equal
 the model's kernel side exactly.
 
-Usage: ``python scripts/hbm_traffic.py [--quick] [--out DIR]``
+The report: ``python -m scripts.cost.hbm_traffic [--quick] [--out DIR]``
+(``tests/test_hbm_traffic.py`` checks the quick cases).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import tpu as pltpu
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.experimental.pallas import tpu as pltpu  # noqa: E402
-
-import pallas_kernels  # noqa: E402
-from pallas_kernels import _interpret_counter as counter  # noqa: E402
-from pallas_kernels import (  # noqa: E402
-    aot,  # noqa: E402
+import pallas_kernels
+from pallas_kernels import _interpret_counter as counter
+from pallas_kernels import (
+    aot,
     page_sparse_mla,
     streamindex_page_topk,
     streamindex_topk,
 )
-from pallas_kernels.indexer import blocks as iblocks  # noqa: E402
-from pallas_kernels.indexer import scoring  # noqa: E402
-from pallas_kernels.indexer import traffic as itraffic  # noqa: E402
-from pallas_kernels.mla import blocks as mblocks  # noqa: E402
-from pallas_kernels.mla import kernel as mkernel  # noqa: E402
-from pallas_kernels.mla import traffic as mtraffic  # noqa: E402
-from pallas_kernels.mla.traffic import PREP_BYTES_PER_PAGE  # noqa: E402
-from reference import fp8, fp8_cache, packed_cache  # noqa: E402
-from reference.synthetic import make_ragged_batch  # noqa: E402
+from pallas_kernels.indexer import blocks as iblocks
+from pallas_kernels.indexer import scoring
+from pallas_kernels.indexer import traffic as itraffic
+from pallas_kernels.mla import blocks as mblocks
+from pallas_kernels.mla import kernel as mkernel
+from pallas_kernels.mla import traffic as mtraffic
+from pallas_kernels.mla.traffic import PREP_BYTES_PER_PAGE
+from reference import fp8, fp8_cache, packed_cache
+from reference.synthetic import make_ragged_batch
 
 LABEL = "counted in the Pallas TPU interpreter (simulation)"
 # Plain interpreter: no race detection (the kernels' own tests run the strict one); the counts
@@ -334,64 +327,3 @@ def row(case: Case, counted: counter.TrafficCount, seconds: float) -> dict:
             "counted_over_model_kernel": total / max(case.model_kernel_bytes, 1),
             "counted_over_min": total / max(m.bytes_min, 1),
             "copies": counted.table(), "seconds": round(seconds, 2)}
-
-
-def markdown(rows: list[dict]) -> str:
-    lines = [f"All \"counted\" bytes: {LABEL}; HBM<->VMEM copies with the minor dim padded "
-             "to 128 lanes as TPU tiles are (logical bytes in the JSON), HBM->SMEM logical. "
-             "\"model\": the kernel module's traffic function at the same shapes and blocks (a "
-             "model); its XLA side (work outside the pallas_call) is not a kernel copy and is "
-             "subtracted before comparing. \"min\": the model's minimum (each input once, "
-             "output once).",
-             "",
-             "| kernel | shape | blocks | HBM->VMEM | VMEM->HBM | HBM->SMEM | counted total | "
-             "model total | model XLA side | model kernel side | counted - model kernel | min | "
-             "counted / model kernel | counted / min |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(
-            f"| {r['kernel']} | {r['shape']} | {r['blocks']} | {r['counted_hbm_to_vmem']} | "
-            f"{r['counted_vmem_to_hbm']} | {r['counted_hbm_to_smem']} | {r['counted_total']} | "
-            f"{r['model_bytes_moved']} | {r['model_xla_side']} | {r['model_kernel_side']} | "
-            f"{r['counted_total'] - r['model_kernel_side']} | "
-            f"{r['bytes_min']} | {r['counted_over_model_kernel']:.3f} | "
-            f"{r['counted_over_min']:.3f} |")
-    lines += ["", f"Copies by kind ({LABEL}):", "",
-              "| kernel | shape | kind | src -> dst | copy shape | dtype | copies | bytes | "
-              "lane-padded bytes |", "|---|---|---|---|---|---|---:|---:|---:|"]
-    for r in rows:
-        for c in r["copies"]:
-            lines.append(f"| {r['kernel']} | {r['shape']} | {c['kind']} | {c['src']} -> "
-                         f"{c['dst']} | {tuple(c['shape'])} | {c['dtype']} | {c['copies']} | "
-                         f"{c['bytes']} | {c['lane_padded_bytes']} |")
-    return "\n".join(lines) + "\n"
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="decode shapes only (CI)")
-    p.add_argument("--out", default="out/hbm_traffic", help="folder for .md and .json")
-    a = p.parse_args(argv)
-    counter.self_test()
-    rows = []
-    for case in all_cases(a.quick):
-        t0 = time.perf_counter()
-        counted = count(case)
-        rows.append(row(case, counted, time.perf_counter() - t0))
-        print(f"  {case.kernel:24s} {case.shape:48s} {rows[-1]['seconds']:6.1f} s", flush=True)
-    md = markdown(rows)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "hbm_traffic.md").write_text(md)
-    (out / "hbm_traffic.json").write_text(json.dumps(
-        {"label": LABEL, "jax": jax.__version__, "rows": rows}, indent=1))
-    print(md)
-    mismatched = [r for r in rows if r["counted_total"] != r["model_kernel_side"]]
-    for r in mismatched:
-        print(f"MISMATCH {r['kernel']} {r['shape']}: counted {r['counted_total']} != model "
-              f"kernel side {r['model_kernel_side']}", file=sys.stderr)
-    return 1 if mismatched else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -20,7 +20,7 @@ program over the all-complete minimum, ``per-element ops`` gathers / scatters mo
 128-lane row per index over more than ``E = max_entries(64, 64, r)`` indices (one scalar per
 output slot is metadata), ``pool copies`` XLA copies of a pool.
 
-Run: ``python scripts/v4_compressor_cost.py [--chips v6e,tpu7x]``.
+Run: ``python -m scripts.cost.v4_compressor_cost [--chips v6e,tpu7x]``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import chips as chip_specs
 from pallas_kernels import xla_cost
 from pallas_kernels.v4_compressor import compress_step as pallas_compress_step
 from reference import v4_cache
@@ -104,8 +105,9 @@ def _pool_copies(compiled, d: int, ratio: int) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--chips", default="v6e", help="comma-separated chips (default v6e)")
-    chips = ap.parse_args().chips.split(",")
+    ap.add_argument("--chips", default=chip_specs.DEFAULT,
+                    help=f"comma-separated chips (default {chip_specs.DEFAULT})")
+    chips = chip_specs.parse(ap.parse_args().chips)
     print("| chip | d | r | cache | impl | XLA MiB | kernel MiB | min MiB (none / all complete) |"
           " total / all-complete | per-element ops | pool copies |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|")

@@ -17,11 +17,12 @@ Pipeline (helpers in ``experiments/``, see their docstrings for every definition
    ``k - S``), +witnesses over the lowest-scored slots, random and locality nulls, and the
    oracle top-k of the true attention.
 
-Usage: ``python scripts/real_attention_experiment.py [--quick] --out DIR [--seed N]``;
-``--write-notebook`` regenerates ``scripts/real_attention_experiment.ipynb`` (which runs this
-script with the quick or the full settings and shows its tables and plots) and exits.
-Writes ``DIR/real_attention.json``, ``DIR/real_attention.md``, ``DIR/recall_coverage_L<l>.png``,
-``DIR/bits_per_byte_L<l>.png``, ``DIR/lm.npz`` and ``DIR/indexer.npz``.
+Usage: ``python -m scripts.experiments.real_attention_experiment [--quick] --out DIR [--seed
+N]``; ``--write-notebook`` regenerates ``scripts/experiments/real_attention_experiment.ipynb``
+(which runs this script with the quick or the full settings and shows its tables and plots) and
+exits. Writes ``DIR/real_attention.json``, ``DIR/real_attention.md``,
+``DIR/recall_coverage_L<l>.png``, ``DIR/bits_per_byte_L<l>.png``, ``DIR/lm.npz`` and
+``DIR/indexer.npz``.
 """
 
 from __future__ import annotations
@@ -30,25 +31,22 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from notebooks import setup_cell, write_notebook  # noqa: E402
 
-from experiments import data as D  # noqa: E402
-from experiments import measure as X  # noqa: E402
-from experiments import model as M  # noqa: E402
-from experiments import train as TR  # noqa: E402
+from scripts.experiments.byte_lm import data as D  # noqa: E402
+from scripts.experiments.byte_lm import measure as X  # noqa: E402
+from scripts.experiments.byte_lm import model as M  # noqa: E402
+from scripts.experiments.byte_lm import train as TR  # noqa: E402
+from scripts.experiments.notebooks import setup_cell, write_notebook  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,10 +411,10 @@ NOTEBOOK = Path(__file__).with_suffix(".ipynb")
 _NB_INTRO = """\
 # Segment witnesses on real attention: recall, coverage and bits per byte
 
-Runs `scripts/real_attention_experiment.py` top to bottom and shows its table and plots: a
-byte-level causal LM trained here on the Python standard library's own sources, one lightning
-indexer per chosen layer distilled from that layer's attention (LM frozen), and, on held-out
-files, every selection policy at the same budget of `k` tokens per query row.
+Runs `scripts/experiments/real_attention_experiment.py` top to bottom and shows its table and
+plots: a byte-level causal LM trained here on the Python standard library's own sources, one
+lightning indexer per chosen layer distilled from that layer's attention (LM frozen), and, on
+held-out files, every selection policy at the same budget of `k` tokens per query row.
 
 **Size.** `RAE_SIZE=quick` (the default) uses the script's `--quick` settings (2-layer LM,
 context 256, k in {32, 64}): about a minute on a CPU. `RAE_SIZE=full` uses the full settings
@@ -443,7 +441,7 @@ OUT = Path(os.environ.get("RAE_OUT") or tempfile.mkdtemp(prefix="real_attention_
 if SIZE == "full":
     os.environ.setdefault("JAX_PLATFORMS", "")
 
-import real_attention_experiment as rae  # noqa: E402
+from scripts.experiments import real_attention_experiment as rae  # noqa: E402
 
 result = rae.main((["--quick"] if SIZE == "quick" else []) + ["--out", str(OUT)])
 LAYERS = result["config"]["layers"]

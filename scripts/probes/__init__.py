@@ -1,0 +1,1 @@
+"""Layout probes: what the TPU compiler accepts for the cache layouts (AOT via libtpu)."""
