@@ -2,8 +2,10 @@
 writer, the multi-layer DSA step (IndexShare), opt-in checkify validation, mesh sharding.
 
 - ``PagedLayout`` / ``aligned_page_size`` / ``LayoutError``: the paged layout, declared once.
-- ``indexer_topk``, ``page_topk``, ``sparse_mla``, ``page_sparse_mla``: the references'
-  arguments plus ``backend=`` (``"reference"``, ``"pallas"``, ``None``; env ``DSA_USE_PALLAS``).
+- ``indexer_topk``, ``page_topk`` (``dsa_jax.indexer``), ``sparse_mla``, ``page_sparse_mla``
+  (``dsa_jax.mla``): the references' arguments plus ``backend=`` (``"reference"``,
+  ``"pallas"``, ``None``; env ``DSA_USE_PALLAS``) and the common ``validate`` /
+  ``kernel_options`` / ``layer`` (``dsa_jax.dispatch``).
 - ``update_kv_cache``: write this step's rows into the paged caches (jitted, donated).
 - ``dsa_step``: cache update, top-k on full layers, sparse MLA on every layer.
 - ``check_batch`` / ``run_checked``: the runtime rules behind ``validate=True``.
@@ -41,8 +43,9 @@ writer, the multi-layer DSA step (IndexShare), opt-in checkify validation, mesh 
 
 from dsa_jax.backend import BACKENDS, resolve_backend
 from dsa_jax.cache import update_kv_cache, write_slots
+from dsa_jax.indexer import indexer_topk, page_topk
 from dsa_jax.layout import LayoutError, PagedLayout, aligned_page_size
-from dsa_jax.ops import indexer_topk, page_sparse_mla, page_topk, sparse_mla
+from dsa_jax.mla import page_sparse_mla, sparse_mla
 from dsa_jax.sharding import sharded_dsa_step, sharded_v4_step
 from dsa_jax.step import BatchMeta, StepInputs, StepResult, dsa_step
 from dsa_jax.v4 import V4Layout, V4LayoutWarning, v4_attention

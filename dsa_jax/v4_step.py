@@ -57,7 +57,7 @@ import numpy as np
 
 from dsa_jax import backend as _backend
 from dsa_jax import cache as _cache
-from dsa_jax import ops
+from dsa_jax.indexer import indexer_topk
 from dsa_jax.v4 import V4Layout, layout_batch, v4_attention
 from reference import deepseek_v4 as _dv4
 from reference import fp8_cache, packed_cache, v4_cache
@@ -477,7 +477,7 @@ def v4_step_body(inputs: V4StepInputs, params: V4StepParams, caches: V4Caches,
     # Every write above, every read below.
     topks, dep = [], None
     for s in range(layout.count(4)):
-        topks.append(ops.indexer_topk(
+        topks.append(indexer_topk(
             _after(inputs.index_q[s], dep), inputs.index_weights[s], caches.csa_index,
             meta.kv_lens, meta.csa_page_indices, meta.cu_q_lens, meta.csa_cu_lens,
             meta.distribution, k=layout.index_topk, pages_per_seq=layout.csa_pages_per_seq,
