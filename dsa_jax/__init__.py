@@ -48,7 +48,7 @@ from dsa_jax.layout import LayoutError, PagedLayout, aligned_page_size
 from dsa_jax.mla import page_sparse_mla, sparse_mla
 from dsa_jax.sharding import sharded_dsa_step, sharded_v4_step
 from dsa_jax.step import BatchMeta, StepInputs, StepResult, dsa_step
-from dsa_jax.v4 import V4Layout, V4LayoutWarning, v4_attention
+from dsa_jax.v4_attention import V4Layout, V4LayoutWarning, v4_attention
 from dsa_jax.v4_step import (
     V4BatchMeta,
     V4Caches,

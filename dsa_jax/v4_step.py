@@ -58,7 +58,7 @@ import numpy as np
 from dsa_jax import backend as _backend
 from dsa_jax import cache as _cache
 from dsa_jax.indexer import indexer_topk
-from dsa_jax.v4 import V4Layout, layout_batch, v4_attention
+from dsa_jax.v4_attention import V4Layout, layout_batch, v4_attention
 from reference import deepseek_v4 as _dv4
 from reference import fp8_cache, packed_cache, v4_cache
 from reference import v4_compressor as vc
