@@ -26,9 +26,16 @@ writer, the multi-layer DSA step (IndexShare), opt-in checkify validation, mesh 
   ``quantize_latent_cache`` / ``dequantize_latent_cache``, and the GPU byte layouts
   ``latent_cache_to_flashmla`` / ``latent_cache_from_flashmla`` (FlashMLA V32, 656 B per
   token) and ``index_cache_to_paged_fp8`` / ``index_cache_from_paged_fp8`` (vLLM / DeepGEMM).
-- DeepSeek-V4 attention (``dsa_jax.v4``): ``V4Layout`` (window + compressed caches, declared
-  once), ``PagedKV`` (a cache with its page table), ``v4_attention`` (window union compressed
-  entries, one softmax, attention sink; ``backend=`` as the other ops).
+- DeepSeek-V4 attention (``dsa_jax/v4_attention.py``; ``dsa_jax.v4_attention`` is the
+  function, import the module's names with ``from dsa_jax.v4_attention import ...``):
+  ``V4Layout`` (window + compressed caches, declared once), ``PagedKV`` (a cache with its page
+  table), ``v4_attention`` (window union compressed entries, one softmax, attention sink;
+  ``backend=`` as the other ops).
+- The DeepSeek-V4 compressor (``dsa_jax.v4_compressor``): ``v4_compress_step``, one step of
+  the gated pooling into compressed entries with the state ring carried across steps
+  (``reference.v4_compressor.compress_step``'s arguments plus ``backend=`` and the Pallas
+  knobs ``interpret=`` / ``vmem_limit_bytes=``; returns ``(CompressedEntries,
+  CompressorState)``).
 - The DeepSeek-V4 step (``dsa_jax.v4_step``): ``v4_step`` (window writes, compressors, CSA
   indexer top-k, ``v4_attention`` per layer over stacked caches read in place), its
   ``V4ModelLayout`` and NamedTuples (``V4StepInputs``, ``V4StepParams``, ``V4Caches``,
@@ -49,6 +56,7 @@ from dsa_jax.mla import page_sparse_mla, sparse_mla
 from dsa_jax.sharding import sharded_dsa_step, sharded_v4_step
 from dsa_jax.step import BatchMeta, StepInputs, StepResult, dsa_step
 from dsa_jax.v4_attention import V4Layout, V4LayoutWarning, v4_attention
+from dsa_jax.v4_compressor import compress_step as v4_compress_step
 from dsa_jax.v4_step import (
     V4BatchMeta,
     V4Caches,
@@ -181,6 +189,7 @@ __all__ = [
     "v4_attention",
     "v4_cache_from_flashmla",
     "v4_cache_to_flashmla",
+    "v4_compress_step",
     "v4_step",
     "write_slots",
     "write_v4_rows",
