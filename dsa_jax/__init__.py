@@ -36,11 +36,13 @@ writer, the multi-layer DSA step (IndexShare), opt-in checkify validation, mesh 
   (``reference.v4_compressor.compress_step``'s arguments plus ``backend=`` and the Pallas
   knobs ``interpret=`` / ``vmem_limit_bytes=``; returns ``(CompressedEntries,
   CompressorState)``).
-- The DeepSeek-V4 step (``dsa_jax.v4_step``): ``v4_step`` (window writes, compressors, CSA
-  indexer top-k, ``v4_attention`` per layer over stacked caches read in place), its
-  ``V4ModelLayout`` and NamedTuples (``V4StepInputs``, ``V4StepParams``, ``V4Caches``,
-  ``V4States``, ``V4BatchMeta``, ``V4StepResult``), ``init_v4_states``, and
-  ``sharded_v4_step`` (data x model mesh).
+- The DeepSeek-V4 step (``dsa_jax/v4_step.py``; ``dsa_jax.v4_step`` is the function, import
+  the module's names with ``from dsa_jax.v4_step import ...``): ``v4_step`` (window writes,
+  compressors, CSA indexer top-k, ``v4_attention`` per layer over stacked caches read in
+  place), its declarations in ``dsa_jax.v4_model`` (``V4ModelLayout``, the NamedTuples
+  ``V4StepInputs``, ``V4StepParams``, ``V4Caches``, ``V4States``, ``V4BatchMeta``,
+  ``V4StepResult``, and ``init_v4_states``), its argument checks (``dsa_jax.v4_step_checks``)
+  and cache writes (``dsa_jax.v4_step_writes``), and ``sharded_v4_step`` (data x model mesh).
 - The DeepSeek-V4 fp8 cache (``reference.v4_cache``: FlashMLA's MODEL1 rule, 448 e4m3 in 7
   ue8m0-scaled tiles of 64 + 64 bf16 rope; 640 B per token on TPU): ``Fp8V4Cache``,
   ``quantize_v4_cache`` / ``dequantize_v4_cache``, the row writer ``write_v4_rows``, and
@@ -57,7 +59,7 @@ from dsa_jax.sharding import sharded_dsa_step, sharded_v4_step
 from dsa_jax.step import BatchMeta, StepInputs, StepResult, dsa_step
 from dsa_jax.v4_attention import V4Layout, V4LayoutWarning, v4_attention
 from dsa_jax.v4_compressor import compress_step as v4_compress_step
-from dsa_jax.v4_step import (
+from dsa_jax.v4_model import (
     V4BatchMeta,
     V4Caches,
     V4ModelLayout,
@@ -66,8 +68,8 @@ from dsa_jax.v4_step import (
     V4StepParams,
     V4StepResult,
     init_v4_states,
-    v4_step,
 )
+from dsa_jax.v4_step import v4_step
 from dsa_jax.validate import check_batch, run_checked
 from pallas_kernels import IndexerBlocks, MlaBlocks, PerformanceWarning
 from reference import build_index_share_map, glm_index_share_pattern
