@@ -2,8 +2,10 @@
 writer, the multi-layer DSA step (IndexShare), opt-in checkify validation, mesh sharding.
 
 - ``PagedLayout`` / ``aligned_page_size`` / ``LayoutError``: the paged layout, declared once.
-- ``indexer_topk``, ``page_topk``, ``sparse_mla``, ``page_sparse_mla``: the references'
-  arguments plus ``backend=`` (``"reference"``, ``"pallas"``, ``None``; env ``DSA_USE_PALLAS``).
+- ``indexer_topk``, ``page_topk`` (``dsa_jax.indexer``), ``sparse_mla``, ``page_sparse_mla``
+  (``dsa_jax.mla``): the references' arguments plus ``backend=`` (``"reference"``,
+  ``"pallas"``, ``None``; env ``DSA_USE_PALLAS``) and the common ``validate`` /
+  ``kernel_options`` / ``layer`` (``dsa_jax.dispatch``).
 - ``update_kv_cache``: write this step's rows into the paged caches (jitted, donated).
 - ``dsa_step``: cache update, top-k on full layers, sparse MLA on every layer.
 - ``check_batch`` / ``run_checked``: the runtime rules behind ``validate=True``.
@@ -24,14 +26,23 @@ writer, the multi-layer DSA step (IndexShare), opt-in checkify validation, mesh 
   ``quantize_latent_cache`` / ``dequantize_latent_cache``, and the GPU byte layouts
   ``latent_cache_to_flashmla`` / ``latent_cache_from_flashmla`` (FlashMLA V32, 656 B per
   token) and ``index_cache_to_paged_fp8`` / ``index_cache_from_paged_fp8`` (vLLM / DeepGEMM).
-- DeepSeek-V4 attention (``dsa_jax.v4``): ``V4Layout`` (window + compressed caches, declared
-  once), ``PagedKV`` (a cache with its page table), ``v4_attention`` (window union compressed
-  entries, one softmax, attention sink; ``backend=`` as the other ops).
-- The DeepSeek-V4 step (``dsa_jax.v4_step``): ``v4_step`` (window writes, compressors, CSA
-  indexer top-k, ``v4_attention`` per layer over stacked caches read in place), its
-  ``V4ModelLayout`` and NamedTuples (``V4StepInputs``, ``V4StepParams``, ``V4Caches``,
-  ``V4States``, ``V4BatchMeta``, ``V4StepResult``), ``init_v4_states``, and
-  ``sharded_v4_step`` (data x model mesh).
+- DeepSeek-V4 attention (``dsa_jax/v4_attention.py``; ``dsa_jax.v4_attention`` is the
+  function, import the module's names with ``from dsa_jax.v4_attention import ...``):
+  ``V4Layout`` (window + compressed caches, declared once), ``PagedKV`` (a cache with its page
+  table), ``v4_attention`` (window union compressed entries, one softmax, attention sink;
+  ``backend=`` as the other ops).
+- The DeepSeek-V4 compressor (``dsa_jax.v4_compressor``): ``v4_compress_step``, one step of
+  the gated pooling into compressed entries with the state ring carried across steps
+  (``reference.v4_compressor.compress_step``'s arguments plus ``backend=`` and the Pallas
+  knobs ``interpret=`` / ``vmem_limit_bytes=``; returns ``(CompressedEntries,
+  CompressorState)``).
+- The DeepSeek-V4 step (``dsa_jax/v4_step.py``; ``dsa_jax.v4_step`` is the function, import
+  the module's names with ``from dsa_jax.v4_step import ...``): ``v4_step`` (window writes,
+  compressors, CSA indexer top-k, ``v4_attention`` per layer over stacked caches read in
+  place), its declarations in ``dsa_jax.v4_model`` (``V4ModelLayout``, the NamedTuples
+  ``V4StepInputs``, ``V4StepParams``, ``V4Caches``, ``V4States``, ``V4BatchMeta``,
+  ``V4StepResult``, and ``init_v4_states``), its argument checks (``dsa_jax.v4_step_checks``)
+  and cache writes (``dsa_jax.v4_step_writes``), and ``sharded_v4_step`` (data x model mesh).
 - The DeepSeek-V4 fp8 cache (``reference.v4_cache``: FlashMLA's MODEL1 rule, 448 e4m3 in 7
   ue8m0-scaled tiles of 64 + 64 bf16 rope; 640 B per token on TPU): ``Fp8V4Cache``,
   ``quantize_v4_cache`` / ``dequantize_v4_cache``, the row writer ``write_v4_rows``, and
@@ -41,12 +52,14 @@ writer, the multi-layer DSA step (IndexShare), opt-in checkify validation, mesh 
 
 from dsa_jax.backend import BACKENDS, resolve_backend
 from dsa_jax.cache import update_kv_cache, write_slots
+from dsa_jax.indexer import indexer_topk, page_topk
 from dsa_jax.layout import LayoutError, PagedLayout, aligned_page_size
-from dsa_jax.ops import indexer_topk, page_sparse_mla, page_topk, sparse_mla
+from dsa_jax.mla import page_sparse_mla, sparse_mla
 from dsa_jax.sharding import sharded_dsa_step, sharded_v4_step
 from dsa_jax.step import BatchMeta, StepInputs, StepResult, dsa_step
-from dsa_jax.v4 import V4Layout, V4LayoutWarning, v4_attention
-from dsa_jax.v4_step import (
+from dsa_jax.v4_attention import V4Layout, V4LayoutWarning, v4_attention
+from dsa_jax.v4_compressor import compress_step as v4_compress_step
+from dsa_jax.v4_model import (
     V4BatchMeta,
     V4Caches,
     V4ModelLayout,
@@ -55,8 +68,8 @@ from dsa_jax.v4_step import (
     V4StepParams,
     V4StepResult,
     init_v4_states,
-    v4_step,
 )
+from dsa_jax.v4_step import v4_step
 from dsa_jax.validate import check_batch, run_checked
 from pallas_kernels import IndexerBlocks, MlaBlocks, PerformanceWarning
 from reference import build_index_share_map, glm_index_share_pattern
@@ -178,6 +191,7 @@ __all__ = [
     "v4_attention",
     "v4_cache_from_flashmla",
     "v4_cache_to_flashmla",
+    "v4_compress_step",
     "v4_step",
     "write_slots",
     "write_v4_rows",

@@ -34,15 +34,15 @@ from jax.sharding import PartitionSpec as P
 from dsa_jax import backend as _backend
 from dsa_jax import step as _step_mod
 from dsa_jax.step import BatchMeta, StepInputs, StepResult
-from dsa_jax.v4_step import (
+from dsa_jax.v4_model import (
     V4BatchMeta,
     V4Caches,
     V4States,
     V4StepInputs,
     V4StepParams,
     V4StepResult,
-    v4_step_body,
 )
+from dsa_jax.v4_step import v4_step_body
 from pallas_kernels import IndexerBlocks, MlaBlocks
 from reference.selection import DEFAULT_RECALL_TARGET
 

@@ -40,9 +40,10 @@ import numpy as np
 from dsa_jax import backend as _backend
 from dsa_jax import cache as _cache
 from dsa_jax import context as _context
-from dsa_jax import ops
 from dsa_jax import validate as _validate
+from dsa_jax.indexer import indexer_topk, page_topk
 from dsa_jax.layout import PagedLayout
+from dsa_jax.mla import page_sparse_mla, sparse_mla
 from pallas_kernels import IndexerBlocks, MlaBlocks
 from pallas_kernels.mla import layers as mla_layers
 from reference import build_index_share_map, fp8_cache, sinks
@@ -168,7 +169,7 @@ def step_body(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, 
                                              granularity=granularity)
     b = layout.batch(latent_caches.shape[-3], *meta)  # the one batch every op below reads
     page_id, offset = _cache.batch_write_slots(b, inputs.q_mla.shape[1])
-    topk_op = ops.indexer_topk if granularity == "token" else ops.page_topk
+    topk_op = indexer_topk if granularity == "token" else page_topk
     k_name = "k" if granularity == "token" else "k_pages"
     names = (("indexer_topk", "sparse_mla") if granularity == "token"
              else ("page_topk", "page_sparse_mla"))
@@ -233,7 +234,7 @@ def _attend_layers(q_mla, latent_caches, per_layer, b, *, layout, mode, sm_scale
         return mla_layers.sparse_mla_layers(q_mla, latent_caches, b.kv_lens,
                                             jnp.stack(per_layer), *b.arrays[1:], mode=mode,
                                             **kw, **mla_opts, attn_sink=attn_sink)
-    mla_op = ops.sparse_mla if mode == "token" else ops.page_sparse_mla
+    mla_op = sparse_mla if mode == "token" else page_sparse_mla
     outs = []
     for layer, sel in enumerate(per_layer):
         q = _after(q_mla if ctx_axis is None else q_mla[layer], outs[-1] if outs else None)

@@ -13,7 +13,6 @@ history and compressor states are random (a shape and agreement check, not a mod
 
 from __future__ import annotations
 
-import importlib
 import sys
 import time
 
@@ -55,7 +54,7 @@ def build(rng, s: dict, q_lens, kv_lens, spec: bool = False, *, window_format: s
     import jax.numpy as jnp
     import numpy as np
 
-    v4s = importlib.import_module("dsa_jax.v4_step")  # the module: dsa_jax.v4_step is the fn
+    from dsa_jax import v4_model as v4m
     from reference import deepseek_v4 as dv4
     from reference import fp8_cache, v4_cache
     from reference import v4_compressor as vc
@@ -69,7 +68,7 @@ def build(rng, s: dict, q_lens, kv_lens, spec: bool = False, *, window_format: s
     ps, ctx = s["page_size"], s["context"]
     cnt = {r: ratios.count(r) for r in (0, 4, 128)}
     pps = {0: -(-ctx // ps), 4: -(-(ctx // 4) // ps), 128: max(-(-(ctx // 128) // ps), 1)}
-    layout = v4s.V4ModelLayout(
+    layout = v4m.V4ModelLayout(
         ratios, ps, pps[0], window_size=V4_FLASH["window"],
         csa_page_size=ps if cnt[4] else None, csa_pages_per_seq=pps[4] if cnt[4] else None,
         hca_page_size=ps if cnt[128] else None, hca_pages_per_seq=pps[128] if cnt[128] else None,
@@ -83,7 +82,7 @@ def build(rng, s: dict, q_lens, kv_lens, spec: bool = False, *, window_format: s
     tables = {r: _table(rng, n, pps[r], ps) for r in (0, 4, 128) if cnt[r] or r == 0}
     lc, lh, hi = cnt[4], cnt[128], s["index_heads"]
     opt = lambda c, x: x if c else None  # noqa: E731
-    inputs = v4s.V4StepInputs(
+    inputs = v4m.V4StepInputs(
         f32(len(ratios), t, s["heads"], 512, scale=1 / 8), f32(len(ratios), t, 512),
         opt(lc, f32(lc, t, 1024)), opt(lc, f32(lc, t, 1024)),
         opt(lc, f32(lc, t, hi, 128, scale=1 / 4)),
@@ -91,7 +90,7 @@ def build(rng, s: dict, q_lens, kv_lens, spec: bool = False, *, window_format: s
         opt(lh, f32(lh, t, 512)), opt(lh, f32(lh, t, 512)), f32(len(ratios), s["heads"]))
     cos, sin = (np.asarray(x) for x in vc.rope_tables(ctx))
     ones = lambda *shape: np.ones(shape, np.float32)  # noqa: E731
-    params = v4s.V4StepParams(cos, sin, opt(lc, f32(lc, 4, 1024)), opt(lc, ones(lc, 512)),
+    params = v4m.V4StepParams(cos, sin, opt(lc, f32(lc, 4, 1024)), opt(lc, ones(lc, 512)),
                               opt(lc, f32(lc, 4, 256)), opt(lc, ones(lc, 128)),
                               opt(lh, f32(lh, 128, 512)), opt(lh, ones(lh, 512)))
     wp = tables[0][2]
@@ -112,7 +111,7 @@ def build(rng, s: dict, q_lens, kv_lens, spec: bool = False, *, window_format: s
         return jax.tree.map(np.asarray, v4_cache.quantize_v4_cache(x) if w == 512
                             else fp8_cache.quantize_index_cache(x))
     wf, cf = window_format, compressed_format
-    caches = v4s.V4Caches(cache(cnt[0], wp, fmt=wf), cache(lc, wp, fmt=wf),
+    caches = v4m.V4Caches(cache(cnt[0], wp, fmt=wf), cache(lc, wp, fmt=wf),
                           cache(lc, tables[4][2], fmt=cf) if lc else None,
                           cache(lc, tables[4][2], 128, fmt=index_format) if lc else None,
                           cache(lh, wp, fmt=wf), cache(lh, tables[128][2], fmt=cf) if lh else None)
@@ -120,11 +119,11 @@ def build(rng, s: dict, q_lens, kv_lens, spec: bool = False, *, window_format: s
     st = lambda c, r, d: opt(c, vc.CompressorState(  # noqa: E731
         f32(c * num_slots, vc.state_rows(r), vc.compressor_coff(r) * d),
         f32(c * num_slots, vc.state_rows(r), vc.compressor_coff(r) * d)))
-    states = v4s.V4States(st(lc, 4, 512), st(lc, 4, 128), st(lh, 128, 512))
+    states = v4m.V4States(st(lc, 4, 512), st(lc, 4, 128), st(lh, 128, 512))
     cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     dist = np.asarray([sum(q == 1 for q in q_lens), n, n], np.int32)
     fam = lambda r: tables[r][:2] if cnt[r] else (None, None)  # noqa: E731
-    meta = v4s.V4BatchMeta(np.asarray(kv_lens, np.int32), cu_q, dist,
+    meta = v4m.V4BatchMeta(np.asarray(kv_lens, np.int32), cu_q, dist,
                            np.arange(n, dtype=np.int32), *tables[0][:2], *fam(4), *fam(128))
     return layout, inputs, params, caches, states, meta
 
@@ -152,7 +151,8 @@ def run_v4(args, progress) -> int:
     import jax
     import numpy as np
 
-    v4s = importlib.import_module("dsa_jax.v4_step")  # the module: dsa_jax.v4_step is the fn
+    from dsa_jax.v4_model import V4StepResult
+    from dsa_jax.v4_step import v4_step  # the module's function (dsa_jax.v4_step is the same)
 
     if args.devices > 1:
         print("--model v4-flash runs on one device (dsa_jax.sharded_v4_step is the mesh form)",
@@ -177,8 +177,8 @@ def run_v4(args, progress) -> int:
     for backend in ["reference"] + (["pallas"] if args.dsa_use_pallas else []):
         with progress(f"{backend}: compile + first step"):
             t0 = time.perf_counter()
-            res = jax.block_until_ready(v4s.v4_step(inputs, params, caches, states, meta,
-                                                    layout=layout, backend=backend))
+            res = jax.block_until_ready(v4_step(inputs, params, caches, states, meta,
+                                                layout=layout, backend=backend))
             t1 = time.perf_counter()
         results[backend] = jax.tree.map(np.asarray, (res.out, res.topk))
         out = results[backend][0]
@@ -187,6 +187,6 @@ def run_v4(args, progress) -> int:
         print(f"{backend}: one step {t1 - t0:.2f} s (incl. compile{note}); out {out.shape}, "
               f"NaN in out: {bool(np.isnan(out).any())}")
     if "pallas" in results:
-        print(agreement(*(v4s.V4StepResult(o, k, None, None) for o, k in
+        print(agreement(*(V4StepResult(o, k, None, None) for o, k in
                           (results["reference"], results["pallas"]))))
     return 0

@@ -1,0 +1,129 @@
+"""The writes of one DeepSeek-V4 step (``dsa_jax.v4_step``), every one before any read:
+
+1. ``write_windows``: each layer's window rows into its type's window stack (the window
+   ``V4Layout``'s slot rule, ``dsa_jax.cache.batch_write_slots``);
+2. ``compress_all``: each compressed layer's compressor (``dsa_jax.v4_compressor``'s
+   ``compress_step``, on the step's backend): the entries that complete in this step go into
+   the compressed stack (CSA: also the indexer compressor's entries into the index-key stack),
+   the state ring advances; layer ``slot`` of a family uses pool slots
+   ``slot * num_slots + i``, so no layer's pool is sliced out (no copy).
+
+``qat=True`` applies the official simulations to the entries the compressors emit (fp8 block 64
+on the nope dims of attention entries; Hadamard + fp4 block 32 on index entries) before they
+are stored. Caches are stacked per layer type and written in their format (plain, packed bf16,
+fp8).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from dsa_jax import cache as _cache
+from dsa_jax.v4_attention import layout_batch
+from dsa_jax.v4_model import TYPE_NAMES, TYPES, V4BatchMeta, V4Caches, V4ModelLayout, V4StepInputs
+from reference import deepseek_v4 as _dv4
+from reference import fp8_cache, packed_cache, v4_cache
+from reference import v4_compressor as vc
+from reference.v4_attention import PagedKV
+
+
+def _store(cache, page_id, offset, rows, fmt: str, layer: int):
+    """Rows ``f[T, 512]`` into layer ``layer`` of a stacked cache at ``(page_id, offset)``
+    (``page_id >= num_pages`` drops the row), in the cache's format."""
+    num_pages, ps = cache.shape[-3], cache.shape[-2]
+    if fmt == "fp8":
+        flat = jnp.where(page_id < num_pages, page_id * ps + offset, -1)
+        return v4_cache.write_v4_rows(cache, flat, rows, layer=layer)
+    if fmt == "packed":
+        rows = packed_cache.pack_cache(rows)
+    return cache.at[layer, page_id, offset].set(rows.astype(cache.dtype), mode="drop")
+
+
+def write_windows(caches: V4Caches, inputs: V4StepInputs, meta: V4BatchMeta,
+                  layout: V4ModelLayout) -> V4Caches:
+    """Every layer's window rows into its type's window stack (the window ``V4Layout``'s
+    ``RaggedBatch`` slot rule, ``dsa_jax.cache.batch_write_slots``)."""
+    num_rows = inputs.q.shape[1]
+    for r in TYPES:
+        if not layout.count(r):
+            continue
+        field = f"{TYPE_NAMES[r]}_window"
+        cache = getattr(caches, field)
+        lay = layout.layout_for(r)
+        b = layout_batch(lay, "window", cache.shape[-3], meta.kv_lens,
+                         PagedKV(cache, meta.window_page_indices, meta.window_cu_lens),
+                         meta.cu_q_lens, meta.distribution)
+        page_id, offset = _cache.batch_write_slots(b, num_rows)
+        for slot, layer in enumerate(layout.layers_of(r)):
+            cache = _store(cache, page_id, offset, inputs.window_kv[layer],
+                           lay.window_cache_format, slot)
+        caches = caches._replace(**{field: cache})
+    return caches
+
+
+def _nope_fp8(rows):
+    """The official QAT of an attention entry: fp8 block 64 on the 448 nope dims."""
+    return jnp.concatenate([_dv4.act_quant_sim(rows[:, :448]), rows[:, 448:]], axis=-1)
+
+
+def _index_fp4(rows):
+    """The official QAT of an index entry: Hadamard rotation, then fp4 block 32."""
+    return _dv4.fp4_act_quant_sim(_dv4.hadamard_rotate(rows))
+
+
+def _compress_family(cache, state, kv, score, ape, norm, cos, sin, meta: V4BatchMeta, *,
+                     ratio: int, num_slots: int, table, pages_per_seq: int, fmt: str, finish,
+                     compress):
+    """Run the compressor ``compress`` (a ``compress_step``) of every layer of one family
+    (stacked inputs ``[Lx, ...]``) and store the completed entries in layer ``s`` of ``cache``;
+    the state pool is updated in place (layer ``s`` owns slots ``s * num_slots + i``). Returns
+    ``(cache, state)``."""
+    ok = (meta.state_slots >= 0) & (meta.state_slots < num_slots)
+    page_indices, cu_lens = table
+    for s in range(kv.shape[0]):
+        slots = jnp.where(ok, meta.state_slots + s * num_slots, -1).astype(jnp.int32)
+        entries, state = compress(kv[s], score[s], ape[s], norm[s], cos, sin, state, slots,
+                                  meta.kv_lens, meta.cu_q_lens, meta.distribution, ratio=ratio)
+        entries = entries._replace(rows=finish(entries.rows))
+        if fmt == "packed":
+            page_id, offset = vc.entry_slots(entries, page_indices, cu_lens,
+                                             page_size=int(cache.shape[-2]),
+                                             pages_per_seq=pages_per_seq,
+                                             num_pages=int(cache.shape[-3]))
+            cache = _store(cache, page_id, offset, entries.rows, fmt, s)
+        else:
+            cache = vc.write_entries(cache, entries, page_indices, cu_lens,
+                                     pages_per_seq=pages_per_seq, layer=s)
+    return cache, state
+
+
+def compress_all(caches, states, inputs, params, meta, layout, num_slots, qat, compress):
+    """Every compressor of the step (CSA: attention + indexer; HCA), each by ``compress``."""
+    ident = lambda x: x  # noqa: E731
+    fmt = layout.compressed_cache_format
+    if layout.count(4):
+        table = (meta.csa_page_indices, meta.csa_cu_lens)
+        kw = dict(ratio=4, num_slots=num_slots, table=table, compress=compress,
+                  pages_per_seq=layout.csa_pages_per_seq)
+        comp, st = _compress_family(caches.csa_compressed, states.csa, inputs.csa_kv,
+                                    inputs.csa_score, params.csa_ape, params.csa_norm,
+                                    params.cos, params.sin, meta, fmt=fmt,
+                                    finish=_nope_fp8 if qat else ident, **kw)
+        idx, ist = _compress_family(caches.csa_index, states.index, inputs.index_kv,
+                                    inputs.index_score, params.index_ape, params.index_norm,
+                                    params.cos, params.sin, meta,
+                                    fmt="fp8" if isinstance(caches.csa_index,
+                                                            fp8_cache.Fp8IndexCache) else "plain",
+                                    finish=_index_fp4 if qat else ident, **kw)
+        caches = caches._replace(csa_compressed=comp, csa_index=idx)
+        states = states._replace(csa=st, index=ist)
+    if layout.count(128):
+        comp, st = _compress_family(
+            caches.hca_compressed, states.hca, inputs.hca_kv, inputs.hca_score, params.hca_ape,
+            params.hca_norm, params.cos, params.sin, meta, ratio=128, num_slots=num_slots,
+            table=(meta.hca_page_indices, meta.hca_cu_lens),
+            pages_per_seq=layout.hca_pages_per_seq, fmt=fmt,
+            finish=_nope_fp8 if qat else ident, compress=compress)
+        caches = caches._replace(hca_compressed=comp)
+        states = states._replace(hca=st)
+    return caches, states
