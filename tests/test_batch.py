@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import tpu
+from pallas_kernels import chips, tpu
 from reference import batch
 from reference.synthetic import make_ragged_batch
 
@@ -102,5 +102,5 @@ def test_one_chip_answer_follows_the_default_device():
     from pallas_kernels import aot
 
     assert tpu.device_chip() is None  # CPU host
-    with jax.default_device(aot.topology_device("v6e")):
-        assert tpu.device_chip() == "v6e"
+    with jax.default_device(aot.topology_device(chips.DEFAULT)):
+        assert tpu.device_chip() == chips.DEFAULT

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from dsa_jax.__main__ import _parser, main
+from pallas_kernels import chips
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["run", "--quick", "--no-progress", "--context", "64", "--prefill", "4", "--topk", "16",
@@ -33,7 +34,7 @@ def test_aot_topology_load_is_quiet_and_still_compiles():
     code = ("import jax, jax.numpy as jnp\n"
             "from pallas_kernels import aot\n"
             "aot.aot_compile(lambda x: x * 2, [jax.ShapeDtypeStruct((8, 128), jnp.float32)],"
-            " 'v6e', 'double')\n"
+            f" {chips.DEFAULT!r}, 'double')\n"
             "print('compiled')\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=180, env=dict(os.environ, JAX_PLATFORMS="cpu"))

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import pytest
 
+from pallas_kernels import chips
 from scripts.cost import compile_grid as grid_mod
 
 pytestmark = pytest.mark.kernel_gate  # also run on the newest jax (README)
 
 
-CHIPS = ("v5e", "v6e", "tpu7x")
+CHIPS = chips.NAMES
 SAMPLE = 3  # combinations per kernel and chip in CI (the seed picks them; compiles ~1-2 s each)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from pallas_kernels import aot, streamindex_topk
+from pallas_kernels import aot, chips, streamindex_topk
 from pallas_kernels.indexer import blocks as iblocks
 from pallas_kernels.indexer import compile_cases as icases
 
@@ -42,8 +42,8 @@ def test_the_gate_holds_v4_flash_and_pro_compressed_key_cases():
     assert {c.shape.split()[0] for c in v4} == {"V4-Flash", "V4-Pro"}
     assert {"decode", "mixed"} <= {t for c in v4 for t in c.tags}
     flash = next(c for c in v4 if c.shape.startswith("V4-Flash decode"))
-    assert flash.fn_for_chip("v6e").keywords["compression_ratio"] == icases.V4_RATIO == 4
-    assert flash.fn_for_chip("v6e").keywords["k"] == 512
+    assert flash.fn_for_chip(chips.DEFAULT).keywords["compression_ratio"] == icases.V4_RATIO == 4
+    assert flash.fn_for_chip(chips.DEFAULT).keywords["k"] == 512
     assert flash.specs[2].shape == (64 * 32, 64, 128)  # 8192 tokens = 2048 entries = 32 pages
 
 
@@ -69,8 +69,8 @@ def test_compile_error_names_chip_shape_and_mosaic_message():
                                   scratch_shapes=[pltpu.SemaphoreType.DMA((1,))]))(off, x)
 
     specs = [jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((16, 1024), jnp.float32)]
-    with pytest.raises(aot.CompileError, match=r"\[v5e\] toy 64x1024: .*aligned"):
-        aot.aot_compile(fn, specs, "v5e", "toy 64x1024")
+    with pytest.raises(aot.CompileError, match=rf"\[{chips.OLDEST}\] toy 64x1024: .*aligned"):
+        aot.aot_compile(fn, specs, chips.OLDEST, "toy 64x1024")
 
 
 # Small pages on a mixed batch (the CLI's `--quick --dsa-use-pallas` uses page 16): token-mode

@@ -29,7 +29,7 @@ import os
 import numpy as np
 import pytest
 
-from pallas_kernels import aot, xla_cost
+from pallas_kernels import aot, chips, xla_cost
 from pallas_kernels.v4 import compile_cases as v4cases
 from pallas_kernels.v4.fused import INFO_WORDS
 from pallas_kernels.v4_compressor import compile_cases as v4ccases
@@ -154,7 +154,7 @@ def test_fp8_v4_step_compiles_in_place_without_per_element_glue():
     mod = _v4_step_cost_script()
     fmts = dict(window_format="fp8", compressed_format="fp8", index_format="fp8")
     fn, specs, donate, rows, _ = mod.program(4, 8, 2048, fmts)
-    compiled = xla_cost.compile_program(fn, specs, "v6e", donate_argnums=donate,
+    compiled = xla_cost.compile_program(fn, specs, chips.DEFAULT, donate_argnums=donate,
                                         case="v4_step_fp8")
     cost = xla_cost.analyze(compiled)
     assert cost.kernels and not cost.has_loop, cost.loops

@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 
 import dsa_jax
 from dsa_jax import BatchMeta, PagedLayout, StepInputs, context
+from pallas_kernels import chips
 from reference.synthetic import make_ragged_batch
 
 LAYOUT = PagedLayout(page_size=8, pages_per_seq=8, index_dim=16, latent_dim=100, rope_dim=12)
@@ -161,7 +162,7 @@ def test_bad_context_arguments_are_refused_before_anything_runs():
                                                        "score_chunk_bytes": 0}})
 
 
-@pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
+@pytest.mark.parametrize("chip", chips.NAMES)
 def test_the_context_sharded_pallas_step_compiles_for_a_multi_chip_topology(chip):
     """AOT through libtpu on CPU: the step with the Pallas kernels inside ``shard_map`` over
     ``pallas_kernels.aot.topology_devices`` (v5e:2x2, v6e:2x2: 4 chips; tpu7x:2x2x1: 8

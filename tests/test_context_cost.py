@@ -13,6 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from pallas_kernels import chips  # noqa: E402
 from pallas_kernels.measure import context_cost as cc  # noqa: E402
 from scripts.cost import context_cost as context_cost_script  # noqa: E402
 
@@ -48,7 +49,7 @@ def test_no_exchange_without_sharding(run):
         ex = cc.exchange(1, h)
         assert ex["ring_steps"] == 0 and ex["collectives"] == 0
     # N = 1 has no latency term whatever alpha is
-    chip = cc.Chip.of("v6e", 1.0)
+    chip = cc.Chip.of(chips.DEFAULT, 1.0)
     fmt = cc.FORMATS[0]
     slow = cc.Scenario("x", 1.0, 1)
     assert cc.row_time(chip, fmt, 4096, 1, 128, slow) == cc.row_time(

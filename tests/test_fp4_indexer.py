@@ -26,7 +26,7 @@ from test_compressed_indexer import STRICT, compressed_batch
 from test_fp4_sim import _inputs, oracle_fp4
 
 import dsa_jax
-from pallas_kernels import aot, streamindex_page_topk, streamindex_scores, streamindex_topk
+from pallas_kernels import aot, chips, streamindex_page_topk, streamindex_scores, streamindex_topk
 from pallas_kernels.indexer import compile_cases as icases
 from pallas_kernels.indexer import fp4
 from pallas_kernels.indexer.blocks import resolve_blocks
@@ -236,7 +236,7 @@ def test_the_gate_compiles_the_fp4_path_at_v4_flash_and_pro_dims():
     assert {c.shape.split()[0] for c in cases} == {"V4-Flash", "V4-Pro"}
     assert {c.kernel for c in cases} == {"streamindex_topk r=4", "streamindex_page_topk r=4"}
     for case in cases:
-        kw = case.fn_for_chip("v6e").keywords
+        kw = case.fn_for_chip(chips.DEFAULT).keywords
         assert kw["index_quant"] == "fp4_sim" and kw["compression_ratio"] == 4
         budget = kw["k"] if "k" in kw else kw["k_pages"] * icases.GATE_PAGE
         assert budget == (512 if "Flash" in case.shape else 1024)

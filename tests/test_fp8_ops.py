@@ -22,6 +22,7 @@ import pytest
 from oracle import check_page_topk, check_token_topk, mla_oracle, token_candidates
 
 from pallas_kernels import (
+    chips,
     page_sparse_mla,
     sparse_mla,
     streamindex_page_topk,
@@ -175,14 +176,17 @@ def test_reference_scores_with_fp8_index_cache_equal_the_definition(kind):
 # ----------------------------------------------------------------------------- 2. Pallas
 
 
+# A chip whose MXU multiplies fp8 (``Chip.fp8_mxu``): an fp8 q stays e4m3 there.
+FP8_MXU_CHIP = next(c.name for c in chips.CHIPS.values() if c.fp8_mxu)
+
 # (scenario, page size, q kind, chip, page mode, block_rows, block_pages): one kernel compile
 # each (the strict interpreter's compile is most of a case's time). chip "tpu7x" with an fp8 q
 # keeps q in e4m3 (the fp8 x fp8 dot); elsewhere the kernel upcasts it to bf16.
 PALLAS_CASES = [
     ("mixed", 32, "f32", None, False, 4, 2),
-    ("decode", 64, "fp8", "tpu7x", False, None, None),
+    ("decode", 64, "fp8", FP8_MXU_CHIP, False, None, None),
     ("short", 32, "fp8", None, True, 1, 2),
-    ("mixed", 64, "fp8", "tpu7x", True, 4, 2),
+    ("mixed", 64, "fp8", FP8_MXU_CHIP, True, 4, 2),
 ]
 
 
@@ -229,7 +233,7 @@ def _check_scores(s, cands, *, page_size=None, width):
 @pytest.mark.kernel_gate
 @pytest.mark.parametrize("name,page_size,kind,chip,page_mode", [
     ("mixed", 128, "bf16", None, False),
-    ("decode", 32, "fp8", "tpu7x", True),
+    ("decode", 32, "fp8", FP8_MXU_CHIP, True),
     ("mixed", 64, "f32", None, True),
 ])
 def test_pallas_scores_with_fp8_index_cache_equal_the_definition(name, page_size, kind, chip,

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from pallas_kernels import chips
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -35,7 +37,7 @@ def test_bench_quick(tmp_path):
 def test_tpu_compile_report_quick(tmp_path):
     # one chip: every quick case compiles on all three in tests/test_compile_{indexer,mla}.py;
     # this checks the report itself
-    _run(["-m", "scripts.cost.tpu_compile_report", "--quick", "--chips", "v6e",
+    _run(["-m", "scripts.cost.tpu_compile_report", "--quick", "--chips", chips.DEFAULT,
           "--out", str(tmp_path)], tmp_path)
     text = (tmp_path / "tpu_compile_report.md").read_text()
     assert "FAILED" not in text and "Not reported" not in text

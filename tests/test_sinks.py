@@ -21,7 +21,7 @@ import pytest
 from jax.sharding import Mesh
 
 import dsa_jax
-from pallas_kernels import page_sparse_mla, sparse_mla
+from pallas_kernels import chips, page_sparse_mla, sparse_mla
 from pallas_kernels.mla import layers as mla_layers
 from reference import fp8_cache, packed_cache, page_sparse_mla_ref, sparse_mla_ref
 from reference.synthetic import make_ragged_batch
@@ -384,7 +384,7 @@ def test_context_sharded_step_with_sinks_equals_the_single_device_step(shape, ba
 
 
 @pytest.mark.kernel_gate
-@pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
+@pytest.mark.parametrize("chip", chips.NAMES)
 def test_sink_kernel_compiles_at_v32_decode_dims(chip):
     """The kernel with the sink operand, AOT through libtpu (no TPU), at ``compile_cases``'
     decode shape (64 rows x 8192 context, H=128, k=2048, D=640 packed bf16, v_dim 512): the

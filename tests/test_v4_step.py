@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh
 
 from dsa_jax.v4_step import V4Caches, V4ModelLayout, v4_step
+from pallas_kernels import chips
 from reference import deepseek_v4 as dv4
 from tests import v4_step_model as vm
 
@@ -381,5 +382,5 @@ def test_v4_step_cost_script_quick(capsys):
 
     mod.main(["--quick", "--compressors", "pallas"])
     text = capsys.readouterr().out
-    assert "v6e (pallas compressor): 4 layers, 8 decode rows x 2048 tokens" in text
+    assert f"{chips.DEFAULT} (pallas compressor): 4 layers, 8 decode rows x 2048 tokens" in text
     assert "narrow gathers/scatters (< 128 elements per index, > 1024 indices): []" in text

@@ -40,13 +40,13 @@ import pytest
 from jax.experimental import pallas as pl
 
 import dsa_jax
-from pallas_kernels import xla_cost
+from pallas_kernels import chips, xla_cost
 from pallas_kernels.indexer import compile_cases as icases
 from pallas_kernels.mla import compile_cases as mcases
 from reference import selection
 from reference.witnesses import scatter_topology_witnesses
 
-CHIP = "v6e"
+CHIP = chips.DEFAULT
 ROOT = Path(__file__).resolve().parents[1]
 from dsa_jax.measure import whole_op as report  # noqa: E402  (the report's step programs: one definition)
 
@@ -442,8 +442,8 @@ def _step_loop_problems(name: str, c: xla_cost.XlaCost) -> list[str]:
 # indexer's q into VMEM in a copy (mla.kernel.out_groups, indexer.kernel.score_call); v5e is
 # the chip with the least HBM.
 STEP_GATE_ROWS = ([(CHIP, 2, fmt, gran) for fmt in ("packed", "fp8") for gran in ("token", "page")]
-                  + [("tpu7x", 2, "fp8", "token"), ("tpu7x", 8, "fp8", "page"),
-                     ("v5e", 2, "fp8", "token")])
+                  + [(chips.NEWEST, 2, "fp8", "token"), (chips.NEWEST, 8, "fp8", "page"),
+                     (chips.OLDEST, 2, "fp8", "token")])
 
 
 @pytest.mark.parametrize("chip,layers,fmt,gran", STEP_GATE_ROWS)
@@ -487,7 +487,7 @@ def test_step_layer_scaling():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("chip", [CHIP, "tpu7x"])
+@pytest.mark.parametrize("chip", [CHIP, chips.NEWEST])
 def test_real_size_step_temp_memory(chip):
     """The 61-layer Pallas step (16 full layers), fp8 caches (16.4 GB of latent cache),
     decode 64 x 4096, H=128, on v6e and tpu7x: XLA's temp buffers < 64 MiB (v6e 23 MiB, tpu7x

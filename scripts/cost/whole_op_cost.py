@@ -86,7 +86,8 @@ CAVEATS = """Caveats (XLA's model, not a measurement):
   a lower bound. The bounds (acceptance table, tests/test_whole_op_cost.py) are asserted only
   on decode programs whose loops are negligible (none, or state <= 64 KiB).
 - optimal_seconds is shown only when non-negative: XLA reports it negative for some programs on
-  every chip (e.g. select_topk at 64x131072 on v6e: -0.9995), so it is never used as a time.
+  every chip (e.g. select_topk at 64x131072 on the default chip: -0.9995), so it is never used
+  as a time.
 - A Pallas call counts only its pl.CostEstimate (0 without one): "kernel" is the sum of the
   declared estimates; "XLA" = total - kernel. "net" subtracts the selection stage's XLA bytes.
 - Gathers/scatters: `per-element` = a slice under 128 elements and more indices than the

@@ -1,0 +1,103 @@
+"""The house rules that keep the tree maintainable, checked on every run:
+
+- every public name the packages exported before the one-name-per-family layout still imports,
+  with its parameters (``tests/public_api.json``: module -> name -> parameter names, recorded
+  from main ee9b7c1; new parameters may only be appended);
+- no chip name as a code literal outside ``pallas_kernels/chips.py`` and the block tables
+  (docstrings and comments may name chips);
+- no package module over 550 lines;
+- no test or script edits ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from pallas_kernels import chips
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("reference", "pallas_kernels", "dsa_jax")
+CODE_TREES = PACKAGES + ("scripts", "tests")
+MAX_MODULE_LINES = 550
+PUBLIC_API = json.loads((ROOT / "tests" / "public_api.json").read_text())
+
+
+def _py_files(trees):
+    for tree in trees:
+        yield from sorted((ROOT / tree).rglob("*.py"))
+
+
+@pytest.mark.parametrize("module", sorted(PUBLIC_API))
+def test_public_names_still_import_with_their_parameters(module):
+    mod = importlib.import_module(module)
+    bad = []
+    for name, params in PUBLIC_API[module].items():
+        if not hasattr(mod, name):
+            bad.append(f"{name}: missing")
+            continue
+        if params is None:
+            continue
+        try:
+            now = list(inspect.signature(getattr(mod, name)).parameters)
+        except (TypeError, ValueError):
+            continue
+        if now[:len(params)] != params:
+            bad.append(f"{name}: parameters {params} became {now}")
+    assert not bad, f"{module}: {bad}"
+
+
+def _docstring_nodes(tree: ast.AST) -> set[int]:
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                ids.add(id(body[0].value))
+    return ids
+
+
+def _chip_literal_allowed(path: Path) -> bool:
+    rel = path.relative_to(ROOT).as_posix()
+    return rel == "pallas_kernels/chips.py" or (rel.startswith("pallas_kernels/")
+                                               and path.name == "blocks.py")
+
+
+def test_no_chip_name_as_a_code_literal_outside_chips_and_block_tables():
+    """A chip is declared in ``pallas_kernels/chips.py`` (and has rows in the block tables);
+    everything else reads it. A string constant naming a chip anywhere else is a second
+    declaration (this test's own pattern is built from ``chips.NAMES``)."""
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, chips.NAMES)) + r")\b")
+    bad = []
+    for path in _py_files(CODE_TREES):
+        if _chip_literal_allowed(path):
+            continue
+        tree = ast.parse(path.read_text())
+        docs = _docstring_nodes(tree)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and id(node) not in docs and pattern.search(node.value)):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value[:60]!r}")
+    assert not bad, bad
+
+
+def test_no_package_module_over_the_size_limit():
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in _py_files(PACKAGES)
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert not long, long
+
+
+def test_no_test_or_script_edits_sys_path():
+    bad = []
+    for path in _py_files(("scripts", "tests")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr == "path"
+                    and isinstance(node.value, ast.Name) and node.value.id == "sys"):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not bad, bad
