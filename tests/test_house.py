@@ -101,3 +101,25 @@ def test_no_test_or_script_edits_sys_path():
                     and isinstance(node.value, ast.Name) and node.value.id == "sys"):
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not bad, bad
+
+
+def child_ok(path: str) -> None:
+    Path(path).write_text("ran")
+
+
+def child_crash() -> None:
+    import os
+
+    os.abort()
+
+
+def test_run_isolated_runs_the_body_in_its_own_process_and_reports_a_crash(tmp_path):
+    """The guard the strict interpreter's long runs use (``tests/isolated.py``): the body runs
+    in a child process; a child killed by a signal fails the calling test, naming the signal,
+    and leaves this process running."""
+    from tests.isolated import run_isolated
+
+    run_isolated(child_ok, str(tmp_path / "flag"))
+    assert (tmp_path / "flag").read_text() == "ran"
+    with pytest.raises(pytest.fail.Exception, match="killed by signal 6"):
+        run_isolated(child_crash)

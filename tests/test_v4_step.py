@@ -19,6 +19,7 @@ from dsa_jax.v4_step import V4Caches, V4ModelLayout, v4_step
 from pallas_kernels import chips
 from reference import deepseek_v4 as dv4
 from tests import v4_step_model as vm
+from tests.isolated import run_isolated
 
 RATIOS = (0, 4, 128)
 MAX_SEQ = 400
@@ -126,7 +127,14 @@ def test_both_backends_equal_statement_long_decode(qat):
     (sequence 0's prefill is longer than it) and a window spans page boundaries: the
     interpreter's cost grows with the window (128: about 5x per step), the 128-token window
     is covered by ``test_step_equals_statement_long_decode`` and the Pallas decode after a
-    ratio-4 group by ``test_step_pallas_strict_interpreter_few_steps``."""
+    ratio-4 group by ``test_step_pallas_strict_interpreter_few_steps``. Run in a process of
+    its own (``tests/isolated.py``)."""
+    run_isolated(lockstep_long_decode, qat)
+
+
+def lockstep_long_decode(qat: bool) -> None:
+    """The body of ``test_both_backends_equal_statement_long_decode`` (a child process runs
+    it)."""
     _drive(_schedule([20, 3], 260), qat=qat,
            backends=[("reference", None), ("pallas", INTERPRET)], window_size=LOCKSTEP_WINDOW,
            window_page_size=8, max_seq=288)

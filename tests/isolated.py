@@ -1,0 +1,42 @@
+"""Run a long test body in a fresh Python process (the strict Pallas interpreter's long runs).
+
+Why: those runs issue hundreds of thousands of interpreter callbacks; once a pytest-xdist worker
+that had run them segfaulted later inside XLA CPU's compile of an unrelated test (main
+4716d7b), taking that worker's remaining tests with it. In a process of its own a long run
+returns its memory when it ends, a crash fails that test alone (with its exit signal named),
+and the worker that started it stays clean.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TAIL = 6000  # characters of the child's output shown when it fails
+
+
+def run_isolated(fn, *args, timeout: float = 1800.0) -> None:
+    """Call ``fn(*args)`` (a module-level function of a ``tests/`` module, picklable-free
+    arguments: ``repr`` round-trips them) in a new interpreter with the test environment
+    (``tests/conftest.py``), from the repository root; fail the calling test with the child's
+    output tail if it raises, crashes or runs past ``timeout`` seconds."""
+    module = "tests." + Path(inspect.getfile(fn)).stem
+    code = (f"import tests.conftest\nfrom {module} import {fn.__name__}\n"
+            f"{fn.__name__}(*{args!r})\n")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                             text=True, timeout=timeout, env=dict(os.environ))
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{module}.{fn.__name__}{args!r} ran past {timeout} s in its own process:\n"
+                    f"{(e.stdout or '')[-TAIL:]}{(e.stderr or '')[-TAIL:]}")
+    if out.returncode != 0:
+        how = (f"was killed by signal {-out.returncode}" if out.returncode < 0
+               else f"exited {out.returncode}")
+        pytest.fail(f"{module}.{fn.__name__}{args!r} {how} in its own process:\n"
+                    f"{out.stdout[-TAIL:]}\n{out.stderr[-TAIL:]}", pytrace=False)
