@@ -6,10 +6,12 @@ device's ``device_kind`` (``pallas_kernels.tpu``), the kernels' dtype choices, t
 roofline denominators. Adding a chip is one ``Chip(...)`` entry below plus its rows in the
 block tables (a chip without rows takes each table's fallback).
 
-VMEM bytes, HBM bytes / bandwidth and peak rates come from libtpu
-(``pltpu.get_tpu_info_for_chip``, ``chip_info``): they are not restated here. What libtpu does
-not say is declared per chip: the AOT topology, the ``device_kind`` tag, SparseCore lanes, the
-dtypes the MXU takes natively, the public spec page (HBM and ICI figures for the cost scripts).
+VMEM bytes, HBM bytes / bandwidth, peak rates per dtype and the SparseCore shape come from
+jax's TPU table (``pltpu.get_tpu_info_for_chip``, ``chip_info``; no TPU or libtpu needed): they
+are not restated here, and ``Chip``'s properties (``vmem_bytes``, ``sparsecore_lanes``,
+``fp8_mxu``, ``mxu_dtypes``) read them. What that table does not say is declared per chip: the
+AOT topology, the ``device_kind`` tag, TensorCores per chip, the public spec page's HBM and ICI
+figures (what the context-parallel cost model quotes).
 """
 
 from __future__ import annotations
@@ -26,24 +28,17 @@ class Chip:
 
     - ``name``: our name (the key in ``CHIPS``; CLI ``--chips`` values, block-table keys).
     - ``topology``: the ``topologies.get_topology_desc`` name AOT compiles use (4 chips).
-    - ``version``: the ``pltpu.ChipVersion`` member name (``chip_info`` asks libtpu with it).
+    - ``version``: the ``pltpu.ChipVersion`` member name (``chip_info`` asks jax's table with it).
     - ``kind_tag``: the lower-case substring of ``jax.Device.device_kind`` that names it.
-    - ``sparsecore_lanes``: SparseCore vector lanes (0: no SparseCore the package can use).
-    - ``fp8_mxu``: the MXU multiplies fp8 at twice the bf16 rate (else fp8 is upcast in VMEM;
-      e4m3 is exact in bf16).
-    - ``mxu_dtypes``: the input dtypes its MXU takes natively.
     - ``devices_per_chip``: TensorCores JAX sees per chip.
     - ``hbm_doc`` / ``hbm_bw_gbps`` / ``ici_bidir_gbps`` / ``url``: the public spec page's
-      figures (what the context-parallel cost model quotes beside libtpu's numbers).
+      figures (what the context-parallel cost model quotes beside jax's table).
     """
 
     name: str
     topology: str
     version: str
     kind_tag: str
-    sparsecore_lanes: int
-    fp8_mxu: bool
-    mxu_dtypes: tuple[str, ...]
     devices_per_chip: int
     hbm_doc: str
     hbm_bw_gbps: float
@@ -54,18 +49,44 @@ class Chip:
     def chip_version(self) -> pltpu.ChipVersion:
         return getattr(pltpu.ChipVersion, self.version)
 
+    @property
+    def info(self):
+        """jax's TPU facts for this chip (``chip_info``)."""
+        return chip_info(self.name)
+
+    @property
+    def vmem_bytes(self) -> int:
+        return int(self.info.vmem_capacity_bytes)
+
+    @property
+    def sparsecore_lanes(self) -> int:
+        """SparseCore vector lanes (0: no SparseCore)."""
+        sc = self.info.sparse_core
+        return int(sc.num_lanes) if sc is not None else 0
+
+    @property
+    def fp8_mxu(self) -> bool:
+        """The MXU multiplies fp8 faster than bf16 (tpu7x: 2.3e15 vs 1.155e15 ops/s in jax's
+        table); elsewhere an fp8 operand is upcast in VMEM (e4m3 is exact in bf16; v6e's fp8
+        rate equals its bf16 rate, v5e has none)."""
+        return self.info.fp8_ops_per_second > self.info.bf16_ops_per_second
+
+    @property
+    def mxu_dtypes(self) -> tuple[str, ...]:
+        """The input dtypes the MXU takes natively (a nonzero peak rate in jax's table)."""
+        rates = (("bfloat16", "bf16"), ("float8_e4m3fn", "fp8"), ("int8", "int8"),
+                 ("int4", "int4"))
+        return tuple(d for d, key in rates if getattr(self.info, f"{key}_ops_per_second", 0))
+
 
 _ALL = (
-    Chip("v5e", "v5e:2x2", "TPU_V5E", "v5 lite", sparsecore_lanes=0, fp8_mxu=False,
-         mxu_dtypes=("bfloat16", "int8"), devices_per_chip=1,
+    Chip("v5e", "v5e:2x2", "TPU_V5E", "v5 lite", devices_per_chip=1,
          hbm_doc="16 GB (GiB: chip_info 17.2e9 B)", hbm_bw_gbps=819, ici_bidir_gbps=400,
          url="https://docs.cloud.google.com/tpu/docs/v5e"),
-    Chip("v6e", "v6e:2x2", "TPU_V6E", "v6 lite", sparsecore_lanes=8, fp8_mxu=False,
-         mxu_dtypes=("bfloat16", "float8_e4m3fn", "int8"), devices_per_chip=1,
+    Chip("v6e", "v6e:2x2", "TPU_V6E", "v6 lite", devices_per_chip=1,
          hbm_doc="32 GB (GiB: chip_info 34.4e9 B)", hbm_bw_gbps=1638, ici_bidir_gbps=800,
          url="https://docs.cloud.google.com/tpu/docs/v6e"),
-    Chip("tpu7x", "tpu7x:2x2x1", "TPU_7X", "7x", sparsecore_lanes=16, fp8_mxu=True,
-         mxu_dtypes=("bfloat16", "float8_e4m3fn"), devices_per_chip=2,
+    Chip("tpu7x", "tpu7x:2x2x1", "TPU_7X", "7x", devices_per_chip=2,
          hbm_doc="192 GiB", hbm_bw_gbps=7380, ici_bidir_gbps=1200,
          url="https://docs.cloud.google.com/tpu/docs/tpu7x"),
 )
