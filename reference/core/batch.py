@@ -136,7 +136,7 @@ class RaggedBatch:
     def of(cls, cache, kv_lens, page_indices, cu_q_lens, cu_kv_lens, distribution, *,
            pages_per_seq: int, compression_ratio: int = 1) -> RaggedBatch:
         """The batch of a cache ``[num_pages, page_size, W]`` (or a stacked ``[L, num_pages,
-        page_size, W]``, ``reference.stacked``) and the seed's metadata arrays."""
+        page_size, W]``, ``reference.formats.stacked``) and the seed's metadata arrays."""
         num_pages, page_size = cache.shape[-3], cache.shape[-2]
         return cls(kv_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,
                    page_size=int(page_size), pages_per_seq=int(pages_per_seq),

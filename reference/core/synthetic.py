@@ -1,10 +1,11 @@
 """Synthetic ragged paged batches for tests, benchmarks, the CLI and notebooks (NumPy, host).
 
-Layout rules it follows (``reference.batch``): sequence ``i`` uses ``ceil(kv_len_i / page_size)``
-pages, ``cu_kv_lens`` is the cumsum of page-aligned lengths (tokens), ``page_indices`` packs the
-used pages (shuffled physical ids by default) with ``tail_pages`` extra entries at the end
-(0 = no tail padding). Every cache slot that no sequence owns, and every slot of a page past a
-sequence's ``kv_len``, is filled with ``fill`` (NaN by default) so a stray read shows.
+Layout rules it follows (``reference.core.batch``): sequence ``i`` uses
+``ceil(kv_len_i / page_size)`` pages, ``cu_kv_lens`` is the cumsum of page-aligned lengths
+(tokens), ``page_indices`` packs the used pages (shuffled physical ids by default) with
+``tail_pages`` extra entries at the end (0 = no tail padding). Every cache slot that no sequence
+owns, and every slot of a page past a sequence's ``kv_len``, is filled with ``fill`` (NaN by
+default) so a stray read shows.
 """
 
 from __future__ import annotations

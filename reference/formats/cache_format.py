@@ -12,16 +12,16 @@ format          stored dtype  words per row (W)          value dtype     bytes p
 ``FP8``         uint32        256 (``LATENT_WORDS``)     bfloat16        1024
 ==============  ============  =========================  ==============  ================
 
-``PACKED_BF16`` is ``reference.packed_cache``: two bf16 features per 32-bit word, so a single
-token row can be DMA'd on TPU (a plain bf16 row cannot: two rows share a word). A format is
+``PACKED_BF16`` is ``reference.formats.packed_cache``: two bf16 features per 32-bit word, so a
+single token row can be DMA'd on TPU (a plain bf16 row cannot: two rows share a word). A format is
 detected from a cache's dtype (``CacheFormat.of``); any other dtype (f16, fp8, integers) is
 refused with a ``ValueError`` naming the dtype and the supported list.
 
-``FP8`` is the fp8 latent cache of ``reference.fp8_cache`` (``Fp8LatentCache``: 512 e4m3
+``FP8`` is the fp8 latent cache of ``reference.formats.fp8_cache`` (``Fp8LatentCache``: 512 e4m3
 features in 4 power-of-two-scaled tiles plus 64 bf16 rope values, D = 576 logical features, in
 256 u32 words per token). It is detected from the object's type, not a dtype. Its values are
 exact in bf16. The minimum a gather must move is FlashMLA's 656 bytes per token
-(``plain_row_bytes``), and the TPU layout moves 1024 (``reference.fp8_cache`` says why).
+(``plain_row_bytes``), and the TPU layout moves 1024 (``reference.formats.fp8_cache`` says why).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ import enum
 import jax.numpy as jnp
 import numpy as np
 
-from reference import fp8, fp8_cache, packed_cache
+from reference.formats import fp8_cache, packed_cache
+from reference.quant import fp8
 
 
 class CacheFormat(enum.Enum):

@@ -1,8 +1,8 @@
 """The fp8 paged caches as TPU stores them: two small pytrees, their whole-cache (de)quantizers,
 the rows a cache writer stores, and byte-exact interop with the GPU layouts.
 
-The values are ``reference.fp8``'s rules (rule 1: indexer keys, one f32 scale per token; rule 2:
-the latent cache, four power-of-two scales per token, rope kept in bf16). This module only says
+The values are ``reference.quant.fp8``'s rules (rule 1: indexer keys, one f32 scale per token; rule
+2: the latent cache, four power-of-two scales per token, rope kept in bf16). This module only says
 where the bytes live on TPU. Every op takes these objects where it takes a cache array today.
 
 ``Fp8IndexCache(keys, scales)``, the indexer's key cache:
@@ -28,15 +28,15 @@ per token:
 
 - words ``[0, 128)``: byte ``j`` (bits ``8j..8j+7``) of word ``w`` is the e4m3 code of nope
   feature ``128 j + w``. Byte plane ``j`` is therefore scale tile ``j``, on lanes.
-- words ``[128, 160)``: the rope, two bf16 values per word, paired as ``reference.packed_cache``
-  pairs them. The low half of word ``128 + i`` is rope ``i`` and the high half is rope
-  ``32 + i``.
+- words ``[128, 160)``: the rope, two bf16 values per word, paired as
+  ``reference.formats.packed_cache`` pairs them. The low half of word ``128 + i`` is rope ``i`` and
+  the high half is rope ``32 + i``.
 - words ``[160, 164)``: the f32 bits of the 4 tile scales.
 - words ``[164, 256)``: zero.
 - Why 32-bit words in whole 128-lane rows (all measured through libtpu's AOT compile on v5e,
   v6e and tpu7x; see ``scripts/fp8_layout_probe.py``):
   - The token-sparse kernel DMAs single token rows. A single row of an 8-bit or 16-bit array
-    is part of a tile, and Mosaic refuses such a DMA (``reference.packed_cache``).
+    is part of a tile, and Mosaic refuses such a DMA (``reference.formats.packed_cache``).
   - A DMA of part of a 32-bit row at a dynamic lane offset is refused as well ("dynamic offset
     times the element size is a multiple of the word size (4096 bits)" on v5e/tpu7x, "Source
     and target leading tiles have different trailing dimensions" on v6e). So the 164 words
@@ -63,7 +63,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from reference import _checks, fp8
+from reference.core import checks as _checks
+from reference.quant import fp8
 
 LANES = 128
 INDEX_PAGE_MULTIPLE = 32  # rows of one (32, 128) e4m3 tile: a page must be whole tiles
@@ -251,7 +252,7 @@ def write_index_rows(cache: Fp8IndexCache, page_id, offset, rows, *,
 
 def gather_index_pages(cache: Fp8IndexCache, page_ids) -> tuple[jax.Array, jax.Array]:
     """``(k8 float8_e4m3fn[n * ps, 128], scale f32[n * ps])`` of pages ``page_ids i32[n]``,
-    zeros (no read) for ids ``== num_pages`` (``reference.batch.gather_pages``' rule)."""
+    zeros (no read) for ids ``== num_pages`` (``reference.core.batch.gather_pages``' rule)."""
     ps = cache.page_size
     keys = jnp.take(cache.keys, page_ids, axis=0, mode="fill", fill_value=0)
     scales = jnp.take(cache.scales[:, :ps], page_ids, axis=0, mode="fill", fill_value=0)
@@ -259,7 +260,7 @@ def gather_index_pages(cache: Fp8IndexCache, page_ids) -> tuple[jax.Array, jax.A
 
 
 def index_cache_to_paged_fp8(cache: Fp8IndexCache) -> jax.Array:
-    """``u8[P, page_size * 132]``, the vLLM / DeepGEMM page layout (``reference.fp8``)."""
+    """``u8[P, page_size * 132]``, the vLLM / DeepGEMM page layout (``reference.quant.fp8``)."""
     check_index_cache("cache", cache)
     ps = cache.page_size
     return fp8.index_to_paged_fp8_bytes(cache.keys, cache.scales[:, :ps, None])
@@ -358,7 +359,7 @@ def take_layer(cache, layer):
 
 
 def latent_cache_to_flashmla(cache: Fp8LatentCache) -> jax.Array:
-    """``u8[P, page_size, 656]``, FlashMLA's V32_FP8Sparse token bytes (``reference.fp8``)."""
+    """``u8[P, page_size, 656]``, FlashMLA's V32_FP8Sparse token bytes (``reference.quant.fp8``)."""
     check_latent_cache("cache", cache)
     return fp8.latent_to_flashmla_bytes(*words_to_parts(cache.words))
 

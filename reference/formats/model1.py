@@ -10,7 +10,7 @@ nope features, in f32:
 - ``s_t = 2**ceil(log2(max(amax_t / 448, 1e-4)))`` (FlashMLA's ``_cast_scale_inv_to_ue8m0``:
   ``pow(2, clamp_min(amax / 448, 1e-4).log2().ceil())``; the floor is on the *scale*, so
   ``s_t >= 2**-13``, and an all-zero tile gets ``2**-13``). The ceiling is exact here, from the f32
-  bits (``reference.fp8._pow2_ceil``). FlashMLA takes an f32 ``log2`` first, which can round a
+  bits (``reference.quant.fp8._pow2_ceil``). FlashMLA takes an f32 ``log2`` first, which can round a
   quotient one ulp above a power of two down to the integer (NumPy's f32 ``log2`` does at
   ``2**-5 (1 + 2**-23)``, not at ``2**-3 (1 + 2**-23)``; torch was not run here): there it
   would pick half our scale, and its top code would round to 448 from ``448 (1 + 2**-23)``.
@@ -48,8 +48,8 @@ optional leading dims such as a layer stack ``L`` on both parts):
 - ``rope: u32[..., P, ceil(ps / 4), 128]``: four tokens per 128-lane row. Token ``r`` of a page
   owns words ``32 (r % 4) .. 32 (r % 4) + 31`` of row ``r // 4``; its word ``i`` holds rope
   value ``i`` (feature ``448 + i``) in the low 16 bits and rope value ``32 + i`` (feature
-  ``480 + i``) in the high 16 bits, as ``reference.fp8_cache``'s latent rope words do. Quarters
-  of a last partial row (``ps % 4 != 0``) are zero.
+  ``480 + i``) in the high 16 bits, as ``reference.formats.fp8_cache``'s latent rope words do.
+  Quarters of a last partial row (``ps % 4 != 0``) are zero.
 - A gathered token is the ``u32[160]`` "row" ``quantize_v4_rows`` writes and
   ``dequantize_v4_rows`` reads: its nope record (words 0-127) then its rope quarter (words
   128-159). In VMEM, with the two rows DMA'd: nope ``e4m3 = bitcast((w >> 8 j) & 0xFF)``,
@@ -106,7 +106,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from reference import _checks, fp8, fp8_cache
+from reference.core import checks as _checks
+from reference.formats import fp8_cache
+from reference.quant import fp8
 
 V4_DIM = 512
 V4_NOPE = 448

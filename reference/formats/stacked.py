@@ -1,11 +1,11 @@
 """Stacked caches read in place: every layer's cache in one buffer, one layer read per call.
 
 A serving step keeps all layers' caches stacked, ``[L, num_pages, page_size, W]`` (an array) or
-an fp8 cache pytree whose every part carries the same leading ``L`` (``reference.fp8_cache``).
-Every op that reads a cache takes ``layer=`` beside it: the op then reads only that layer's
-pages, straight from the stacked buffer (a ``(layer, page)`` row gather in jnp, a
-scalar-prefetched layer index in the Pallas kernels), so no layer is ever copied out and one
-compiled step serves every layer.
+an fp8 cache pytree whose every part carries the same leading ``L``
+(``reference.formats.fp8_cache``). Every op that reads a cache takes ``layer=`` beside it: the op
+then reads only that layer's pages, straight from the stacked buffer (a ``(layer, page)`` row gather
+in jnp, a scalar-prefetched layer index in the Pallas kernels), so no layer is ever copied out and
+one compiled step serves every layer.
 
 The layer rule (written once, here; the kernels run the same rule on the scalar core):
 
@@ -15,9 +15,9 @@ The layer rule (written once, here; the kernels run the same rule on the scalar 
 - ``layer`` a Python int: the cache must be stacked and ``0 <= layer < L``, else ``ValueError``
   naming both numbers.
 - ``layer`` traced (an i32 scalar): a layer outside ``[0, L)`` reads **nothing**: every page of
-  the call counts as missing (as a page id outside ``[0, num_pages)`` does, ``reference.batch``),
-  so top-k rows come back all ``-1`` and sparse MLA rows zeros (LSE ``-inf``).
-  ``dsa_jax``'s ``validate=True`` reports it.
+  the call counts as missing (as a page id outside ``[0, num_pages)`` does,
+  ``reference.core.batch``), so top-k rows come back all ``-1`` and sparse MLA rows zeros (LSE
+  ``-inf``). ``dsa_jax``'s ``validate=True`` reports it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from reference import fp8_cache
+from reference.formats import fp8_cache
 
 CACHE_RANK = 3  # one layer: [num_pages, page_size, W]
 
@@ -126,8 +126,8 @@ def is_fp8_latent(read: LayerRead) -> bool:
 
 
 def layer_query(q, read: LayerRead, *, layer):
-    """Static checks of sparse MLA's per-layer query (``reference.stacked``'s rule extended to
-    it): ``q`` is ``[T, H, D]``, or with ``layer=`` the stacked ``[L, T, H, D]`` read in place
+    """Static checks of sparse MLA's per-layer query (``reference.formats.stacked``'s rule extended
+    to it): ``q`` is ``[T, H, D]``, or with ``layer=`` the stacked ``[L, T, H, D]`` read in place
     at that layer. Returns ``q``, or shape-only structs of the one-layer query (what the
     single-layer checks read)."""
     if np.ndim(q) != 4:

@@ -73,7 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from reference import _checks
+from reference.core import checks as _checks
 
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = 448.0

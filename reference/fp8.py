@@ -1,0 +1,51 @@
+"""Moved to reference/quant/fp8.py; kept so old imports work."""
+
+from __future__ import annotations
+
+from reference.quant.fp8 import (
+    AMAX_FLOOR,
+    FP8_DTYPE,
+    FP8_MAX,
+    INDEX_HEAD_DIM,
+    INDEX_TOKEN_BYTES,
+    LATENT_BYTES,
+    LATENT_DIM,
+    LATENT_NOPE,
+    LATENT_ROPE,
+    LATENT_TILE,
+    LATENT_TILES,
+    SCALE_FLOOR,
+    SCALE_FMTS,
+    dequantize_fp8,
+    dequantize_latent_fp8,
+    index_from_paged_fp8_bytes,
+    index_to_paged_fp8_bytes,
+    latent_from_flashmla_bytes,
+    latent_to_flashmla_bytes,
+    quantize_fp8,
+    quantize_latent_fp8,
+)
+
+__all__ = [
+    "AMAX_FLOOR",
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "INDEX_HEAD_DIM",
+    "INDEX_TOKEN_BYTES",
+    "LATENT_BYTES",
+    "LATENT_DIM",
+    "LATENT_NOPE",
+    "LATENT_ROPE",
+    "LATENT_TILE",
+    "LATENT_TILES",
+    "SCALE_FLOOR",
+    "SCALE_FMTS",
+    "dequantize_fp8",
+    "dequantize_latent_fp8",
+    "index_from_paged_fp8_bytes",
+    "index_to_paged_fp8_bytes",
+    "latent_from_flashmla_bytes",
+    "latent_to_flashmla_bytes",
+    "quantize_fp8",
+    "quantize_latent_fp8",
+]
