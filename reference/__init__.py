@@ -1,12 +1,12 @@
 """Pure-jnp DeepSeek Sparse Attention: the oracles for the Pallas kernels and the flag-off
 serving path. Every op is jittable with static shapes."""
 
-from reference.index_share import build_index_share_map, glm_index_share_pattern
-from reference.indexer_topk import streamindex_topk_ref
-from reference.page_sparse_mla import page_sparse_mla_ref
-from reference.page_topk import streamindex_page_topk_ref
-from reference.selection import DEFAULT_RECALL_TARGET, finish_selection, select_topk
-from reference.sparse_mla import sparse_mla_ref
+from reference.indexer.index_share import build_index_share_map, glm_index_share_pattern
+from reference.indexer.page_topk import streamindex_page_topk_ref
+from reference.indexer.selection import DEFAULT_RECALL_TARGET, finish_selection, select_topk
+from reference.indexer.topk import streamindex_topk_ref
+from reference.mla.page_sparse import page_sparse_mla_ref
+from reference.mla.sparse import sparse_mla_ref
 from reference.v4_attention import PagedKV, v4_attention_ref
 
 __all__ = [

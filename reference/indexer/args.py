@@ -5,8 +5,10 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from reference import _checks, fp8, fp8_cache
-from reference.selection import check_selection_args
+from reference.core import checks as _checks
+from reference.formats import fp8_cache
+from reference.indexer.selection import check_selection_args
+from reference.quant import fp8
 
 
 def _check_query(q, cache_kv) -> None:
@@ -51,7 +53,7 @@ def check_compression_ratio(compression_ratio, *, page_size: int, pages_per_seq:
     ``ValueError``), or one whose token positions cannot be i32: the capacity of
     ``pages_per_seq * page_size`` entries spans ``* r`` tokens, which must stay below ``2**31``
     (the kernels compare ``(j + 1) * r <= p + 1`` in i32). Any page size is valid in entry
-    units (``reference.batch``: a page of entries spans whole groups). Returns ``r``."""
+    units (``reference.core.batch``: a page of entries spans whole groups). Returns ``r``."""
     r = _checks.positive_int("compression_ratio", compression_ratio)
     cap = pages_per_seq * page_size
     if r > 1 and cap * r >= 2**31:

@@ -7,8 +7,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from reference import index_scores, selection, stacked
-from reference._indexer_args import check_index_quant, check_topk_args
+from reference.formats import stacked
+from reference.indexer import scores as index_scores
+from reference.indexer import selection
+from reference.indexer.args import check_index_quant, check_topk_args
 
 _STATICS = ("k_pages", "pages_per_seq", "one_token_per_seq", "num_segments", "fill",
             "refuse_full_overwrite", "recall_target", "exact", "compression_ratio",
@@ -44,7 +46,7 @@ def streamindex_page_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Ar
 
     Shapes: ``q``: f32|bf16[T, H, D]; ``weights``: f32|bf16[T, H]; ``cache_kv``: f32|bf16[num_pages,
     page_size, D] or an ``Fp8IndexCache`` (``q`` then also fp8, as ``streamindex_topk_ref``);
-    the batch arrays as ``reference.batch``.
+    the batch arrays as ``reference.core.batch``.
 
     Token scores as in ``streamindex_topk_ref``, max-pooled over each page's causal, existing
     tokens; then the selection stage over the sequence's ``pages_per_seq`` pages. Witnesses

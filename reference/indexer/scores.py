@@ -23,7 +23,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from reference import batch, deepseek_v4, fp8_cache, stacked
+from reference.core import batch
+from reference.formats import fp8_cache, stacked
+from reference.quant import qat
 
 SCORE_BLOCK_BYTES = 64 * 1024 * 1024
 MAX_WINDOW_ROWS = 256
@@ -55,9 +57,9 @@ def index_scores(q: jax.Array, w: jax.Array, keys: jax.Array) -> jax.Array:
 
 def fp4_sim(x: jax.Array) -> jax.Array:
     """``f32[..., 128]``: the official indexer's view of q heads / keys, a normalized Hadamard
-    rotation then the FP4 simulation (``reference.deepseek_v4.hadamard_rotate`` /
+    rotation then the FP4 simulation (``reference.quant.qat.hadamard_rotate`` /
     ``fp4_act_quant_sim``, SPEC.md's ``fp4_act_quant`` rule: block 32, ue8m0, e2m1 RNE)."""
-    return deepseek_v4.fp4_act_quant_sim(deepseek_v4.hadamard_rotate(x.astype(jnp.float32)))
+    return qat.fp4_act_quant_sim(qat.hadamard_rotate(x.astype(jnp.float32)))
 
 
 # ``index_quant`` name -> the map applied to q heads ``f[T, H, D]`` and to the gathered keys
@@ -91,8 +93,8 @@ Finish = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 def gather_keys(cache, page_ids, layer=None) -> tuple[jax.Array, jax.Array | None]:
     """A sequence's keys ``[n * page_size, D]`` and, for an ``Fp8IndexCache``, their per-token
     scales ``f32[n * page_size]`` (the codes are upcast to f32 exactly); ``None`` otherwise.
-    ``layer``: of a stacked cache, read in place (``reference.stacked``); ids ``== num_pages``
-    (and every id of a layer outside the stack) read nothing."""
+    ``layer``: of a stacked cache, read in place (``reference.formats.stacked``); ids
+    ``== num_pages`` (and every id of a layer outside the stack) read nothing."""
     read = stacked.resolve("cache", cache, layer)
     st, lay = read.stacked, read.layer
     if isinstance(st, fp8_cache.Fp8IndexCache):
@@ -117,7 +119,7 @@ def _score_window(width_rows, q, w, keys, key_scale, pages, start, q_start, q_en
     """Score rows ``[start, start + width_rows)`` (clamped into ``[0, T)``) of one sequence and
     write the rows that lie in ``[start, q_end)`` into ``out``. ``kv_len``: the sequence's
     length in tokens (row positions are tokens; keys are entries when ``compression_ratio >
-    1``, ``reference.batch``)."""
+    1``, ``reference.core.batch``)."""
     num_rows = q.shape[0]
     s0 = jnp.clip(start, 0, num_rows - width_rows)
     rows = s0 + jnp.arange(width_rows, dtype=jnp.int32)
@@ -139,9 +141,9 @@ def score_and_select(q, weights, cache, kv_lens, page_indices, cu_q_lens, cu_kv_
                      one_token_per_seq: bool, finish: Finish, layer=None,
                      compression_ratio: int = 1, key_map=None) -> jax.Array:
     """Drive ``finish`` over every active sequence's rows; rows outside stay ``-1``.
-    ``layer``: which layer of a stacked ``cache`` to read (``reference.stacked``);
+    ``layer``: which layer of a stacked ``cache`` to read (``reference.formats.stacked``);
     ``compression_ratio``: the cache's keys are entries of that many tokens
-    (``reference.batch``; ``kv_lens`` stay tokens); ``key_map``: applied to each sequence's
+    (``reference.core.batch``; ``kv_lens`` stay tokens); ``key_map``: applied to each sequence's
     gathered keys ``f[N, D]`` before scoring (``INDEX_QUANT_MAPS``), or None.
 
     Returns i32[T, out_width].

@@ -30,8 +30,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from reference import _checks
-from reference.witnesses import check_witness_policy, scatter_topology_witnesses
+from reference.core import checks as _checks
+from reference.witnesses.policy import check_witness_policy, scatter_topology_witnesses
 
 NEG_INF = float("-inf")
 DEFAULT_RECALL_TARGET = 0.70
@@ -93,7 +93,7 @@ def select_topk_scored(scores: jax.Array, k: int, *,
 def causal_token_count(abs_pos: jax.Array, kv_len: jax.Array) -> jax.Array:
     """A row's causal candidate count in tokens: ``min(abs_pos + 1, kv_len)``, clipped at 0.
     In keys generally: ``abs_pos`` the row's last visible key and ``kv_len`` the keys that
-    exist (compressed entries: ``reference.batch.last_visible_key`` / ``kv_eff``).
+    exist (compressed entries: ``reference.core.batch.last_visible_key`` / ``kv_eff``).
 
     The witness context length of token top-k (and, in pages, of page top-k)."""
     return jnp.clip(jnp.minimum(abs_pos + 1, kv_len), 0, None)

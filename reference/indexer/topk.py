@@ -7,8 +7,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from reference import index_scores, selection, stacked
-from reference._indexer_args import check_index_quant, check_topk_args
+from reference.formats import stacked
+from reference.indexer import scores as index_scores
+from reference.indexer import selection
+from reference.indexer.args import check_index_quant, check_topk_args
 
 _STATICS = ("k", "pages_per_seq", "one_token_per_seq", "num_segments", "fill",
             "refuse_full_overwrite", "recall_target", "exact", "compression_ratio",
@@ -29,13 +31,13 @@ def streamindex_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, 
 
     Shapes: ``q``: f32|bf16[T, H, D] indexer query heads; ``weights``: f32|bf16[T, H] per-head
     mixing weights; ``cache_kv``: f32|bf16[num_pages, page_size, D] paged indexer keys, or an
-    ``Fp8IndexCache`` (``reference.fp8_cache``; then ``q`` may also be float8_e4m3fn with its
-    scale folded into ``weights``, and each score is ``scale[s] * sum_h w * relu(q . k8[s])``,
-    ``reference.index_scores.scaled_scores``); the batch
-    arrays as ``reference.batch``.
+    ``Fp8IndexCache`` (``reference.formats.fp8_cache``; then ``q`` may also be float8_e4m3fn with
+    its scale folded into ``weights``, and each score is ``scale[s] * sum_h w * relu(q . k8[s])``,
+    ``reference.indexer.scores.scaled_scores``); the batch
+    arrays as ``reference.core.batch``.
 
     ``score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s])`` for every causal, existing token ``s``
-    of row ``t``'s sequence, then the selection stage (``reference.selection``).
+    of row ``t``'s sequence, then the selection stage (``reference.indexer.selection``).
 
     Args:
       k: static budget; may exceed a row's candidates (the tail is ``-1``).
@@ -47,13 +49,13 @@ def streamindex_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, 
         (``reference.witnesses.scatter_topology_witnesses``).
       refuse_full_overwrite: opt-in guard, ValueError when ``num_segments >= k``
         (``reference.witnesses.check_witness_policy`` gives the reason).
-      recall_target, exact: selection mode (see ``reference.selection``).
+      recall_target, exact: selection mode (see ``reference.indexer.selection``).
       compression_ratio: static ``r >= 1``. ``1``: keys are tokens (DeepSeek-V3.2). ``r > 1``
         (DeepSeek-V4's indexer, ``r = 4``): keys are compressed entries, one per group of ``r``
         tokens; ``cache_kv``, ``page_indices``, ``cu_kv_lens``, ``page_size`` and the capacity
         ``pages_per_seq * page_size`` count entries, ``seq_lens`` stays in tokens; a sequence
         holds ``seq_len // r`` entries and entry ``j`` is a candidate of a row at token
-        position ``p`` iff ``j < (p + 1) // r`` (``reference.batch.last_visible_key``); the
+        position ``p`` iff ``j < (p + 1) // r`` (``reference.core.batch.last_visible_key``); the
         witnesses' context length is that visible entry count. Refused
         (``_indexer_args.check_compression_ratio``): not an int >= 1, or a capacity whose
         tokens pass i32.

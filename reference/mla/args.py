@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from reference import _checks, fp8, fp8_cache, packed_cache
+from reference.core import checks as _checks
+from reference.formats import fp8_cache, packed_cache
+from reference.quant import fp8
 
 FP8_Q_DIMS = (fp8.LATENT_DIM, 640)  # the fp8 latent cache holds 576 features; q may be padded
 

@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from reference import batch, fp8_cache, packed_cache, stacked, v4_cache
+from reference.core import batch
+from reference.formats import fp8_cache, model1, packed_cache, stacked
 
 GATHER_BLOCK_BYTES = 64 * 1024 * 1024
 
@@ -88,9 +89,9 @@ def _decode_rows(cache, kv, dim: int):
     """Gathered stored rows -> their feature values ``[.., dim]``: packed bf16 words are
     unpacked; fp8 latent / V4 words are dequantized (exact in bf16) and zero-padded to
     ``dim``."""
-    if isinstance(cache, (fp8_cache.Fp8LatentCache, v4_cache.Fp8V4Cache)):
+    if isinstance(cache, (fp8_cache.Fp8LatentCache, model1.Fp8V4Cache)):
         kv = (fp8_cache.dequantize_latent_words(kv) if isinstance(cache, fp8_cache.Fp8LatentCache)
-              else v4_cache.dequantize_v4_rows(kv))
+              else model1.dequantize_v4_rows(kv))
         return jnp.pad(kv, [(0, 0)] * (kv.ndim - 1) + [(0, dim - kv.shape[-1])])
     if packed_cache.is_packed(cache):
         return packed_cache.unpack_cache(kv, dim)
@@ -100,9 +101,9 @@ def _decode_rows(cache, kv, dim: int):
 def attend_selected(q, cache, slots, valid, *, sm_scale: float, v_dim: int, layer=None):
     """Attend every row of ``q: f[T, H, D]`` over its ``slots i32[T, n]`` of the flattened
     ``cache: f[num_pages, page_size, D]``, the packed bf16 cache ``u32[num_pages, page_size,
-    packed_words(D)]`` of ``reference.packed_cache``, an ``Fp8LatentCache`` or an
+    packed_words(D)]`` of ``reference.formats.packed_cache``, an ``Fp8LatentCache`` or an
     ``Fp8V4Cache`` (rows are decoded after the gather); with ``layer``, of that layer of a
-    stacked cache, read in place (``reference.stacked``). Returns (out f32[T, H, v_dim], lse
+    stacked cache, read in place (``reference.formats.stacked``). Returns (out f32[T, H, v_dim], lse
     f32[T, H])."""
     num_rows, heads, _ = q.shape
     n = slots.shape[1]
@@ -110,9 +111,9 @@ def attend_selected(q, cache, slots, valid, *, sm_scale: float, v_dim: int, laye
     cache_words = read.stacked
     if isinstance(cache_words, fp8_cache.Fp8LatentCache):
         cache_words = cache_words.words
-    if isinstance(cache_words, v4_cache.Fp8V4Cache):  # two arrays: its own flat-slot gather
-        num_slots, width = int(np.prod(cache_words.shape[:-1])), v4_cache.ROW_WORDS
-        take = functools.partial(v4_cache.gather_v4_rows, cache_words)
+    if isinstance(cache_words, model1.Fp8V4Cache):  # two arrays: its own flat-slot gather
+        num_slots, width = int(np.prod(cache_words.shape[:-1])), model1.ROW_WORDS
+        take = functools.partial(model1.gather_v4_rows, cache_words)
     else:
         # [L * P * page_size, W]: the layer, page and row dims merged (a reshape, no copy: the
         # rows are the tiled dim, whole pages of them); layer l's slot s is row l * P * ps + s

@@ -8,8 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from reference import attend, batch, sinks, stacked
-from reference._mla_args import check_mla_args
+from reference.core import batch
+from reference.formats import stacked
+from reference.mla import attend, sinks
+from reference.mla.args import check_mla_args
 
 
 def pages_to_tokens(topk_pages: jax.Array, page_size: int, pages_per_seq: int) -> jax.Array:
@@ -34,13 +36,13 @@ def page_sparse_mla_ref(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array,
     Shapes: ``q``: f32|bf16[T, H, D]; ``cache_kv``: f32|bf16[num_pages, page_size, D] (or the
     packed or fp8 latent cache, as ``sparse_mla_ref``);
     ``topk_pages``: i32[T, k_pages] sequence-local page numbers, -1 = ignore; the batch arrays as
-    ``reference.batch``.
+    ``reference.core.batch``.
 
     Each row attends every valid, causal token (``token < kv_len`` and ``token <= abs_pos``) of
     its selected pages. Page numbers ``< 0`` or ``>= pages_per_seq`` are ignored; a page listed
     twice counts twice (as a duplicated token does in ``sparse_mla_ref``).
 
-    ``attn_sink``: optional f32[H] per-head sink logit (``reference.sinks``): it enters the
+    ``attn_sink``: optional f32[H] per-head sink logit (``reference.mla.sinks``): it enters the
     softmax denominator only; the returned LSE excludes it; ``-inf`` = no sink.
 
     Returns:

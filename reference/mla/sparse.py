@@ -7,8 +7,10 @@ import functools
 import jax
 import numpy as np
 
-from reference import attend, batch, sinks, stacked
-from reference._mla_args import check_mla_args
+from reference.core import batch
+from reference.formats import stacked
+from reference.mla import attend, sinks
+from reference.mla.args import check_mla_args
 
 
 @stacked.checks_layer(cache_pos=1)
@@ -22,17 +24,17 @@ def sparse_mla_ref(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_i
 
     Shapes: ``q``: f32|bf16[T, H, D] packed [nope|rope] query in latent space; ``cache_kv``:
     f32|bf16[num_pages, page_size, D] packed [c_kv|k_rope] latent cache, or the u32 packed bf16
-    cache, or an ``Fp8LatentCache`` (``reference.fp8_cache``: rows dequantized, exact in bf16;
-    then D is 576 or 576 zero-padded to 640, v_dim <= 512); ``topk_indices``: i32[T, k]
-    sequence-local token offsets, -1 = ignore; the batch arrays as ``reference.batch``.
+    cache, or an ``Fp8LatentCache`` (``reference.formats.fp8_cache``: rows dequantized, exact in
+    bf16; then D is 576 or 576 zero-padded to 640, v_dim <= 512); ``topk_indices``: i32[T, k]
+    sequence-local token offsets, -1 = ignore; the batch arrays as ``reference.core.batch``.
 
     ``out[t, h] = softmax_j(sm_scale * q[t, h] . c[j]) @ c[j, :v_dim]`` over ``j`` in
     ``topk_indices[t]``. Entries ``< 0`` or ``>= kv_len`` (and rows outside every sequence) are
     never gathered and never change the output; a row with no valid entry gives zeros. See
-    ``reference.attend`` for the full gather rule.
+    ``reference.mla.attend`` for the full gather rule.
 
     ``attn_sink``: optional f32[H], one sink logit per head (DeepSeek-V4 / FlashMLA,
-    ``reference.sinks``): ``out[t, h] = sum_j e^(s_j - m) c_j / (sum_j e^(s_j - m) +
+    ``reference.mla.sinks``): ``out[t, h] = sum_j e^(s_j - m) c_j / (sum_j e^(s_j - m) +
     e^(sink_h - m))``; the returned LSE excludes the sink; ``-inf`` = no sink; an empty row
     stays zeros. ``None`` (default): no sink, exactly the op without it.
 
