@@ -7,7 +7,7 @@ from reference.indexer.selection import DEFAULT_RECALL_TARGET, finish_selection,
 from reference.indexer.topk import streamindex_topk_ref
 from reference.mla.page_sparse import page_sparse_mla_ref
 from reference.mla.sparse import sparse_mla_ref
-from reference.v4_attention import PagedKV, v4_attention_ref
+from reference.v4_attention.ref import PagedKV, v4_attention_ref
 
 __all__ = [
     "DEFAULT_RECALL_TARGET",

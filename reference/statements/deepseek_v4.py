@@ -78,26 +78,23 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from reference import v4_compressor as vc
 from reference.core import checks as _checks
-from reference.quant.qat import (  # the QAT names re-exported until the statement moves
-    FP4_AMAX_FLOOR,
-    FP4_MAX,
-    FP8_AMAX_FLOOR,
-    FP8_MAX,
+from reference.quant.qat import (
     QAT_FP4_BLOCK,
     QAT_FP8_BLOCK,
     act_quant_sim,
     fp4_act_quant_sim,
     hadamard_rotate,
 )
+from reference.v4_compressor import ref as vc
 
+# The QAT simulations it applies (act_quant_sim, fp4_act_quant_sim, hadamard_rotate, their
+# constants) are reference.quant.qat's.
 __all__ = [
-    "FLASH_COMPRESS_RATIOS", "FP4_AMAX_FLOOR", "FP4_MAX", "FP8_AMAX_FLOOR", "FP8_MAX",
-    "LAYER_TYPES", "PRO_COMPRESS_RATIOS", "QAT_FP4_BLOCK", "QAT_FP8_BLOCK", "IndexSelection",
-    "V4AttentionConfig", "V4LayerState", "act_quant_sim", "attention_layer", "check_params",
-    "config_from_model_args", "flash_config", "fp4_act_quant_sim", "hadamard_rotate",
-    "init_params", "init_state", "init_state_shapes", "param_shapes", "pro_config", "tiny_config",
+    "FLASH_COMPRESS_RATIOS", "LAYER_TYPES", "PRO_COMPRESS_RATIOS", "IndexSelection",
+    "V4AttentionConfig", "V4LayerState", "attention_layer", "check_params",
+    "config_from_model_args", "flash_config", "init_params", "init_state", "init_state_shapes",
+    "param_shapes", "pro_config", "tiny_config",
 ]
 
 LAYER_TYPES = (0, 4, 128)  # window only, CSA, HCA
