@@ -55,7 +55,7 @@ def streamindex_page_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Ar
     ``k_pages``). ``compression_ratio`` as ``streamindex_topk_ref``: with ``r > 1`` pages hold
     entries and a page's score is the max over its visible entries. ``index_quant`` as
     ``streamindex_topk_ref`` (``"fp4_sim"``: the token scores, hence the page maxima, are those
-    of the rotated, FP4-simulated q heads and keys; same map, ``index_scores.INDEX_QUANT_MAPS``).
+    of the rotated, FP4-simulated q heads and keys; same map, ``scores.INDEX_QUANT_MAPS``).
 
     Returns:
       i32[T, k_pages]: sequence-local page numbers by descending page score, ``-1`` padding;

@@ -66,7 +66,7 @@ def fp4_sim(x: jax.Array) -> jax.Array:
 # ``f[N, D]`` before scoring (``None``: scores as given). One definition for the reference token
 # and page top-k; the Pallas indexer applies the same map to q in its glue and to the keys in
 # the kernel (``pallas_kernels.indexer.fp4``). Names are checked by
-# ``_indexer_args.check_index_quant``.
+# ``args.check_index_quant``.
 INDEX_QUANT_MAPS = {None: None, "fp4_sim": fp4_sim}
 
 

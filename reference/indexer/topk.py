@@ -57,14 +57,14 @@ def streamindex_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, 
         holds ``seq_len // r`` entries and entry ``j`` is a candidate of a row at token
         position ``p`` iff ``j < (p + 1) // r`` (``reference.core.batch.last_visible_key``); the
         witnesses' context length is that visible entry count. Refused
-        (``_indexer_args.check_compression_ratio``): not an int >= 1, or a capacity whose
+        (``args.check_compression_ratio``): not an int >= 1, or a capacity whose
         tokens pass i32.
       index_quant: ``None`` (scores as given), or ``"fp4_sim"``: DeepSeek-V4's simulation
-        (``index_scores.fp4_sim``): q heads and the cache's keys (stored unrotated, f32/bf16,
+        (``scores.fp4_sim``): q heads and the cache's keys (stored unrotated, f32/bf16,
         D = 128) are each rotated by the normalized Hadamard transform and FP4-simulated
-        (block 32, ue8m0) before the scores (``index_scores.INDEX_QUANT_MAPS``; the Pallas
+        (block 32, ue8m0) before the scores (``scores.INDEX_QUANT_MAPS``; the Pallas
         entries run the same rule on the key tiles in the kernel). Refused
-        (``_indexer_args.check_index_quant``, ``ValueError``): another name, ``D != 128``, an
+        (``args.check_index_quant``, ``ValueError``): another name, ``D != 128``, an
         fp8 index cache (the other format).
 
     Returns:
