@@ -2,7 +2,7 @@
 its compressed entries, with an optional attention sink.
 
 Math, per query row ``t`` of sequence ``i`` at absolute position ``p`` (the package's row rule,
-``reference.batch``), ``r = compress_ratio``, ``W = window_size``:
+``reference.core.batch``), ``r = compress_ratio``, ``W = window_size``:
 
     window set      Wn(t) = { s : max(0, p - W + 1) <= s <= p, s < kv_len }     (tokens)
     compressed set  C(t)  = ratio 4:   { j in compressed_indices[t] : 0 <= j < (p + 1) // 4 }
@@ -13,10 +13,10 @@ Math, per query row ``t`` of sequence ``i`` at absolute position ``p`` (the pack
     lse[t, h]             = log sum_x e^(s_x)                     (natural log, sink-free)
 
 and with ``attn_sink`` the FlashMLA rule ``out *= 1 / (1 + exp(sink - lse))``, applied once,
-after the two parts are merged (``reference.sinks``); the returned LSE stays sink-free.
+after the two parts are merged (``reference.mla.sinks``); the returned LSE stays sink-free.
 
 Two paged caches, each a ``PagedKV`` (cache, packed page table, cu_lens) with the package's slot
-rule (``reference.batch``) in its own unit:
+rule (``reference.core.batch``) in its own unit:
 
 - the window cache holds raw tokens; ``cu_lens`` counts tokens; token ``s`` of a sequence lives
   in its page ``s // page_size``. Pages that fell out of every row's window may be released: a
@@ -26,17 +26,17 @@ rule (``reference.batch``) in its own unit:
   holds ``kv_len // r`` complete entries (also bounded by its entry capacity).
 
 Entries are valid only inside those bounds; invalid ones are never gathered (the row-level
-page lookup of ``reference.attend.token_slots``), so NaN in any slot that must not be read
+page lookup of ``reference.mla.attend.token_slots``), so NaN in any slot that must not be read
 cannot reach the output. A row with nothing valid returns zeros and LSE ``-inf``; rows outside
 every sequence likewise.
 
-Cache formats (``cache_format``), per cache, mixed freely here: ``f32|bf16[P, ps, 512]``,
-the packed bf16 words ``u32[P, ps, 256]`` (``reference.packed_cache``), or the MODEL1 fp8 cache
-``reference.v4_cache.Fp8V4Cache`` (``nope u32[P, ps, 128]``, ``rope u32[P, ceil(ps / 4),
+Cache formats (``cache_format``), per cache, mixed freely here: ``f32|bf16[P, ps, 512]``, the packed
+bf16 words ``u32[P, ps, 256]`` (``reference.formats.packed_cache``), or the MODEL1 fp8 cache
+``reference.formats.model1.Fp8V4Cache`` (``nope u32[P, ps, 128]``, ``rope u32[P, ceil(ps / 4),
 128]``: 448 e4m3 in 7 ue8m0-scaled tiles + 64 bf16 rope), whose rows are gathered and decoded by
-``attend.attend_selected`` (exact: the values are ``dequantize_v4_cache``'s). Stacked ``[L, P,
-ps, W]`` caches (an fp8 cache: both parts with a leading ``L``) are read in place at ``layer=``
-(``reference.stacked``; both caches at the same layer). Any other cache object is refused by
+``attend.attend_selected`` (exact: the values are ``dequantize_v4_cache``'s). Stacked ``[L, P, ps,
+W]`` caches (an fp8 cache: both parts with a leading ``L``) are read in place at ``layer=``
+(``reference.formats.stacked``; both caches at the same layer). Any other cache object is refused by
 name.
 """
 
@@ -49,10 +49,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from reference import _checks, attend, batch, packed_cache, sinks, stacked, v4_cache
+from reference.core import batch
+from reference.core import checks as _checks
+from reference.formats import model1, packed_cache, stacked
+from reference.mla import attend, sinks
 
-HEAD_DIM = v4_cache.V4_DIM  # one KV head of 448 nope + 64 rope features; K = V = the whole row
-ROPE_DIM = v4_cache.V4_ROPE
+HEAD_DIM = model1.V4_DIM  # one KV head of 448 nope + 64 rope features; K = V = the whole row
+ROPE_DIM = model1.V4_ROPE
 COMPRESS_RATIOS = (0, 4, 128)  # window only, CSA (indexer top-k), HCA (every visible entry)
 DEFAULT_WINDOW = 128
 
@@ -61,7 +64,7 @@ class PagedKV(NamedTuple):
     """One paged cache and its page table (a pytree).
 
     cache: ``f32|bf16[P, ps, 512]``, packed ``u32[P, ps, 256]`` or an ``Fp8V4Cache``
-      (``reference.v4_cache``); stacked: a leading ``L`` (on both parts of an fp8 cache).
+      (``reference.formats.model1``); stacked: a leading ``L`` (on both parts of an fp8 cache).
     page_indices: ``i32[N]`` packed page table (sequence ``i``'s pages start at slot
       ``cu_lens[i] // ps``).
     cu_lens: ``i32[S+1]`` cumsum of page-aligned capacities in THIS cache's unit (window cache:
@@ -78,10 +81,10 @@ class PagedKV(NamedTuple):
 
 def cache_format(name: str, cache) -> str:
     """``"plain"`` (f32/bf16 rows), ``"packed"`` (u32 words) or ``"fp8"`` (an ``Fp8V4Cache``,
-    checked part by part by ``reference.v4_cache.check_v4_cache``) for one layer's cache struct;
-    refuses anything else by name."""
-    if isinstance(cache, v4_cache.Fp8V4Cache):
-        v4_cache.check_v4_cache(name, cache)
+    checked part by part by ``reference.formats.model1.check_v4_cache``) for one layer's cache
+    struct; refuses anything else by name."""
+    if isinstance(cache, model1.Fp8V4Cache):
+        model1.check_v4_cache(name, cache)
         _checks.rank(f"{name}.nope", cache.nope, 3)
         return "fp8"
     if not hasattr(cache, "dtype") or not hasattr(cache, "shape"):
@@ -257,7 +260,7 @@ def v4_attention_ref(q: jax.Array, window: PagedKV, kv_lens: jax.Array, cu_q_len
       q: f32|bf16[T, H, 512] (RMS-normed, rope on the last 64 dims).
       window: ``PagedKV`` of raw tokens (``cu_lens`` in tokens).
       kv_lens: i32[S] tokens per sequence, this step's included (the rows' positions).
-      cu_q_lens: i32[S+1]; distribution: i32[3] (``reference.batch``).
+      cu_q_lens: i32[S+1]; distribution: i32[3] (``reference.core.batch``).
       sm_scale: logit scale (V4: ``512 ** -0.5``).
       window_size: W, tokens a row sees back to itself inclusive (V4: 128); the window cache's
         page size must divide it.

@@ -19,9 +19,9 @@ rsqrt(mean(pooled**2) + eps) * norm_weight``, then RoPE on the last ``rope_dim``
 token position). Entry ``j`` completes when token ``r j + r - 1`` arrives (``(p + 1) % r == 0``);
 it is visible to a query at ``p`` iff ``j < (p + 1) // r``.
 
-Batch (``reference.batch``): ``cu_q_lens i32[S+1]``, ``kv_lens i32[S]`` in tokens including this
-step's, ``distribution i32[3]`` (only sequences ``i < distribution[2]`` are active); row ``t`` of
-sequence ``i`` is the token at ``kv_len - q_len + (t - q_start)``. Sequence ``i`` owns state slot
+Batch (``reference.core.batch``): ``cu_q_lens i32[S+1]``, ``kv_lens i32[S]`` in tokens including
+this step's, ``distribution i32[3]`` (only sequences ``i < distribution[2]`` are active); row ``t``
+of sequence ``i`` is the token at ``kv_len - q_len + (t - q_start)``. Sequence ``i`` owns state slot
 ``state_slots[i]`` of the pool.
 
 **The state contract** (``CompressorState``; ``R = coff * r`` rows per slot, 8 or 128). Slot row
@@ -73,10 +73,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from reference import _checks, batch, fp8_cache, v4_cache
+from reference.core import batch
+from reference.core import checks as _checks
+from reference.formats import fp8_cache, model1
 
 RATIOS = (4, 128)
-ROPE_DIM = v4_cache.V4_ROPE  # the V4 rope head dim
+ROPE_DIM = model1.V4_ROPE  # the V4 rope head dim
 COMPRESS_ROPE_THETA = 160000.0
 ROPE_FACTOR = 16.0
 ORIGINAL_SEQ_LEN = 65536
@@ -466,7 +468,7 @@ def entry_slots(entries: CompressedEntries, page_indices, cu_lens, *, page_size:
     counts entries (module docstring); ``page_id == num_pages`` where the entry is dropped: an
     unused output slot, an entry at or past the capacity ``pages_per_seq * page_size``, a page
     slot outside ``page_indices`` or a page id outside ``[0, num_pages)``
-    (``reference.batch.lookup_page``, the package's one slot rule)."""
+    (``reference.core.batch.lookup_page``, the package's one slot rule)."""
     ok = (entries.seq >= 0) & (entries.entry >= 0)
     ok &= entries.entry < batch.capacity_tokens(page_size, pages_per_seq)
     seq = jnp.where(ok, entries.seq, 0)
@@ -481,17 +483,17 @@ def write_entries(cache, entries: CompressedEntries, page_indices, cu_lens, *,
                   pages_per_seq: int, layer=None, index_scale_fmt: str | None = "ue8m0"):
     """Store ``entries`` in the paged compressed cache and return it (nothing else changes).
 
-    ``cache``: ``f32|bf16[P, page_size, d]`` (or a stacked ``[L, P, page_size, d]`` with
-    ``layer``): the rows cast to its dtype; ``reference.v4_cache.Fp8V4Cache`` (``d = 512``):
-    FlashMLA's MODEL1 quantization (``write_v4_rows``); ``reference.fp8_cache.Fp8IndexCache``
-    (``d = 128``): the V3.2 indexer key rule with ``index_scale_fmt``. ``page_indices i32[N]``,
-    ``cu_lens i32[S + 1]`` in entries, ``pages_per_seq`` static. Drop rule: ``entry_slots``."""
+    ``cache``: ``f32|bf16[P, page_size, d]`` (or a stacked ``[L, P, page_size, d]`` with ``layer``):
+    the rows cast to its dtype; ``reference.formats.model1.Fp8V4Cache`` (``d = 512``): FlashMLA's
+    MODEL1 quantization (``write_v4_rows``); ``reference.formats.fp8_cache.Fp8IndexCache`` (``d =
+    128``): the V3.2 indexer key rule with ``index_scale_fmt``. ``page_indices i32[N]``, ``cu_lens
+    i32[S + 1]`` in entries, ``pages_per_seq`` static. Drop rule: ``entry_slots``."""
     pages_per_seq = _checks.positive_int("pages_per_seq", pages_per_seq)
     d = int(np.shape(entries.rows)[-1])
     for name, x in (("page_indices", page_indices), ("cu_lens", cu_lens)):
         _checks.rank(name, x, 1)
         _checks.integer(name, x)
-    if isinstance(cache, v4_cache.Fp8V4Cache | fp8_cache.Fp8IndexCache):
+    if isinstance(cache, model1.Fp8V4Cache | fp8_cache.Fp8IndexCache):
         num_pages, page_size, width = cache.shape[-3:]
     else:
         _checks.rank("cache", cache, 3 if layer is None else 4)
@@ -503,9 +505,9 @@ def write_entries(cache, entries: CompressedEntries, page_indices, cu_lens, *,
     page_id, offset = entry_slots(entries, jnp.asarray(page_indices, jnp.int32),
                                   jnp.asarray(cu_lens, jnp.int32), page_size=int(page_size),
                                   pages_per_seq=pages_per_seq, num_pages=int(num_pages))
-    if isinstance(cache, v4_cache.Fp8V4Cache):
+    if isinstance(cache, model1.Fp8V4Cache):
         flat = jnp.where(page_id < num_pages, page_id * page_size + offset, -1)
-        return v4_cache.write_v4_rows(cache, flat, entries.rows, layer=layer)
+        return model1.write_v4_rows(cache, flat, entries.rows, layer=layer)
     if isinstance(cache, fp8_cache.Fp8IndexCache):
         return fp8_cache.write_index_rows(cache, page_id, offset, entries.rows,
                                           scale_fmt=index_scale_fmt, layer=layer)

@@ -1,0 +1,4 @@
+"""Independent statements of whole layers, written from the model's math rather than from the
+paged ops: ``deepseek_v4`` (the dense DeepSeek-V4 attention layer). Imports ``reference.core``,
+``reference.quant`` and ``reference.v4_compressor``; never ``reference.v4_attention``, which it
+checks."""

@@ -1,0 +1,577 @@
+"""A statement of the official DeepSeek-V4 attention layer (``inference/model.py``:
+``Attention``, ``Compressor``, ``Indexer``, ``sparse_attn``), dense (not paged), pure ``jnp``,
+f32, jittable. It is the independent definition the paged V4 step is checked against: it does
+not use ``reference.v4_attention``. Written from the math in ``shared/SPEC.md`` ("DeepSeek-V4
+attention") and the public code's behaviour; no code is copied.
+
+One layer, ``config.compress_ratio = compress_ratios[layer_id]``: 0 window only, 4 CSA (window
+union the indexer's top-k compressed entries), 128 HCA (window union every visible compressed
+entry). For the tokens ``x f32[B, S, dim]`` at absolute positions ``p = start_pos + t``:
+
+- query: ``qr = q_norm(wq_a(x))``, ``q = wq_b(qr)`` as ``[B, S, n_heads, head_dim]``, a
+  weightless per-head RMSNorm ``q * rsqrt(mean(q**2) + norm_eps)``, RoPE at ``p`` on the last
+  ``rope_head_dim`` dims (interleaved pairs). Compressed layers use ``compress_rope_theta`` with
+  YaRN (``rope_factor``, ``original_seq_len``, ``beta_fast``, ``beta_slow``); window-only layers
+  ``rope_theta`` without YaRN (the official code sets ``original_seq_len = 0`` there).
+- window keys: ``kv = rope(kv_norm(wkv(x)))``, one ``head_dim``-wide head (512 in V4),
+  **K = V = the whole row**;
+  query ``p`` sees the tokens ``max(0, p - window_size + 1) .. p``.
+- compressed entries (``r > 0``): the compressor (``reference.v4_compressor.compress_step``,
+  learned gated pooling per channel, ratio 4 overlapping, weighted RMSNorm, RoPE at the group's
+  first token) over ``compressor.*``; entry ``j`` is visible to ``p`` iff ``j < (p + 1) // r``.
+  Ratio 128: every visible entry. Ratio 4: the indexer's top ``index_topk`` visible entries by
+  ``score_j = sum_h w_h relu(q_h . k_j)`` (``q = rope(indexer.wq_b(qr))``, ``k`` the entries of
+  its own ratio-4 compressor of width ``index_head_dim``, ``w = weights_proj(x) *
+  index_head_dim**-0.5 * index_n_heads**-0.5``); fewer than ``index_topk`` visible: all of them.
+  Ties go to the lower entry number (``lax.top_k``).
+- attention: one softmax per head over the window keys union the chosen entries (no dedup),
+  scale ``head_dim**-0.5``, the head's ``attn_sink`` logit in the denominator only:
+  ``o = sum_j e^(s_j - m) v_j / (sum_j e^(s_j - m) + e^(sink - m))``.
+- output: inverse RoPE at ``p`` on ``o``'s last ``rope_head_dim`` dims; the heads split into
+  ``o_groups`` contiguous groups, each ``[n_heads / o_groups * head_dim]`` row projected by its
+  own ``wo_a`` block (``wo_a.weight`` viewed as ``[o_groups, o_lora_rank, n_heads * head_dim /
+  o_groups]``), then ``wo_b`` on the ``o_groups * o_lora_rank`` concatenation.
+
+Weights are torch ``Linear`` weights ``[out, in]`` (``y = x @ W.T``) keyed by the official
+checkpoint's names (``param_shapes``), dequantized to f32/bf16 (the checkpoint's fp8 ``.scale``
+tensors are the caller's business).
+
+Calls: prefill at ``start_pos = 0``, then one-token decodes (``S = 1``, ``start_pos`` = the
+length so far), as the official code; any chunk whose state holds exactly the tokens
+``[0, start_pos)`` follows the same rule. ``start_pos`` may be a traced i32 scalar (one
+compile serves every decode step); a Python int is checked against ``max_seq_len``.
+
+State (``V4LayerState``, per batch row): the window ring (row ``q % window_size`` holds token
+``q``'s key, for the latest ``window_size`` tokens), the compressed entries ``[max_seq_len //
+r]`` (row ``j`` = entry ``j`` once complete, as stored: after the QAT simulation when on), the
+indexer's compressed keys (ratio 4), and both compressors' partial states (the
+``reference.v4_compressor`` ring contract; slot ``b`` = batch row ``b``).
+
+QAT (``qat=True``, the official tilelang simulations, ``act_quant_sim`` /
+``fp4_act_quant_sim``): fp8 e4m3 with ue8m0 block-64 scales on the nope dims of the window keys
+and of the compressed entries (power-of-two scales: the released config's ``scale_fmt =
+"ue8m0"``); on the indexer, a normalized Hadamard rotation of the whole ``index_head_dim`` row
+then FP4 e2m1 with ue8m0 block-32 scales, on the query and on the compressed keys. ``qat=False``
+applies none of them and skips the rotation (orthogonal: it changes no score in exact
+arithmetic). Not simulated: the fp8 activation quantization inside the fp8/fp4 GEMMs of the
+linear layers (``act_quant`` block 128 feeding ``fp8_gemm`` / ``fp4_gemm``), and the bf16
+rounding of the released model's activations (its compressor rounds the pooled row to bf16
+before the norm; its indexer scores and ``sparse_attn`` run in bf16): everything here is f32.
+
+Precision and what is exact: f32 throughout. XLA's CPU dot rounds differently for different row
+counts (measured on jax 0.10.2: a 64-deep f32 product of 1 row vs the same row among 130
+differed by ~1e-6 relative), so a prefill and the same tokens in decode steps agree to f32
+rounding (measured: outputs within 4e-7 of ~0.3, QAT on or off), not bit for bit; the compressor
+itself is chunk invariant bit for bit given its projections (``reference.v4_compressor``). The
+indexer's top-k can therefore flip at near-ties; compare selections by score
+(``return_selection``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from reference.core import checks as _checks
+from reference.quant.qat import (
+    QAT_FP4_BLOCK,
+    QAT_FP8_BLOCK,
+    act_quant_sim,
+    fp4_act_quant_sim,
+    hadamard_rotate,
+)
+from reference.v4_compressor import ref as vc
+
+# The QAT simulations it applies (act_quant_sim, fp4_act_quant_sim, hadamard_rotate, their
+# constants) are reference.quant.qat's.
+__all__ = [
+    "FLASH_COMPRESS_RATIOS", "LAYER_TYPES", "PRO_COMPRESS_RATIOS", "IndexSelection",
+    "V4AttentionConfig", "V4LayerState", "attention_layer", "check_params",
+    "config_from_model_args", "flash_config", "init_params", "init_state", "init_state_shapes",
+    "param_shapes", "pro_config", "tiny_config",
+]
+
+LAYER_TYPES = (0, 4, 128)  # window only, CSA, HCA
+
+# The released config.json ``compress_ratios`` (layers, then the MTP layer).
+PRO_COMPRESS_RATIOS = (128, 128) + (4, 128) * 29 + (4, 0)  # 61 layers + MTP
+FLASH_COMPRESS_RATIOS = (0, 0) + (4, 128) * 20 + (4, 0)  # 43 layers + MTP
+
+
+@dataclasses.dataclass(frozen=True)
+class V4AttentionConfig:
+    """The official ``ModelArgs`` fields one attention layer reads, plus ``layer_id``. Frozen and
+    hashable (a ``jax.jit`` static); invalid combinations raise ValueError naming the numbers."""
+
+    dim: int
+    n_heads: int
+    q_lora_rank: int
+    head_dim: int
+    rope_head_dim: int
+    o_groups: int
+    o_lora_rank: int
+    window_size: int
+    compress_ratios: tuple[int, ...]
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    layer_id: int = 0
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_factor: float = 16.0
+    original_seq_len: int = 65536
+    beta_fast: int = 32
+    beta_slow: int = 1
+    norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        object.__setattr__(self, "compress_ratios", tuple(self.compress_ratios))
+        for name in ("dim", "n_heads", "q_lora_rank", "head_dim", "rope_head_dim", "o_groups",
+                     "o_lora_rank", "window_size", "index_n_heads", "index_head_dim",
+                     "index_topk"):
+            _checks.positive_int(name, getattr(self, name))
+        _checks.nonneg_int("layer_id", self.layer_id)
+        _checks.nonneg_int("original_seq_len", self.original_seq_len)
+        if self.n_heads % self.o_groups:
+            raise ValueError(f"n_heads={self.n_heads} must be a multiple of "
+                             f"o_groups={self.o_groups} (contiguous head groups for wo_a)")
+        if self.rope_head_dim % 2:
+            raise ValueError(f"rope_head_dim={self.rope_head_dim} must be even (interleaved "
+                             f"pairs)")
+        for name in ("head_dim", "index_head_dim"):
+            if getattr(self, name) <= self.rope_head_dim:
+                raise ValueError(f"{name}={getattr(self, name)} must exceed rope_head_dim="
+                                 f"{self.rope_head_dim} (RoPE on its last rope_head_dim dims)")
+        if not self.layer_id < len(self.compress_ratios):
+            raise ValueError(f"layer_id={self.layer_id} must index compress_ratios (length "
+                             f"{len(self.compress_ratios)})")
+        bad = [r for r in self.compress_ratios if isinstance(r, bool) or r not in LAYER_TYPES]
+        if bad:
+            raise ValueError(f"compress_ratios entries must be in {LAYER_TYPES} (0 window only, "
+                             f"4 CSA, 128 HCA), got {bad[0]!r} in {self.compress_ratios}")
+        for name in ("rope_theta", "compress_rope_theta", "rope_factor", "norm_eps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {name}={getattr(self, name)}")
+
+    @property
+    def compress_ratio(self) -> int:
+        """This layer's ratio ``compress_ratios[layer_id]``: 0, 4 or 128."""
+        return self.compress_ratios[self.layer_id]
+
+    @property
+    def nope_head_dim(self) -> int:
+        return self.head_dim - self.rope_head_dim
+
+
+def config_from_model_args(args, layer_id: int) -> V4AttentionConfig:
+    """The layer ``layer_id`` of a model given by the official ``inference/config.json`` (or
+    ``ModelArgs`` as a dict): the fields of ``V4AttentionConfig`` are read by their official
+    names, the rest ignored; a required field that is missing raises ValueError naming it
+    (the YaRN / theta / eps fields default to the released values)."""
+    fields = {f.name: f for f in dataclasses.fields(V4AttentionConfig)}
+    kwargs = {k: args[k] for k in fields if k in args and k != "layer_id"}
+    missing = [k for k, f in fields.items() if k not in kwargs and k != "layer_id"
+               and f.default is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"model args lack {missing[0]!r} (all missing: {missing})")
+    return V4AttentionConfig(**kwargs, layer_id=layer_id)
+
+
+def pro_config(layer_id: int = 2) -> V4AttentionConfig:
+    """V4-Pro (``inference/config.json``): dim 7168, 128 heads, q_lora 1536, 16 x 1024 output
+    groups, index top-k 1024; layer 2 is CSA, 1 HCA, 61 (MTP) window only."""
+    return V4AttentionConfig(dim=7168, n_heads=128, q_lora_rank=1536, head_dim=512,
+                             rope_head_dim=64, o_groups=16, o_lora_rank=1024, window_size=128,
+                             compress_ratios=PRO_COMPRESS_RATIOS, index_n_heads=64,
+                             index_head_dim=128, index_topk=1024, layer_id=layer_id)
+
+
+def flash_config(layer_id: int = 2) -> V4AttentionConfig:
+    """V4-Flash (its ``config.json``): dim 4096, 64 heads, q_lora 1024, 8 x 1024 output groups,
+    index top-k 512; layers 0-1 window only, then CSA / HCA alternating, 42 CSA."""
+    return V4AttentionConfig(dim=4096, n_heads=64, q_lora_rank=1024, head_dim=512,
+                             rope_head_dim=64, o_groups=8, o_lora_rank=1024, window_size=128,
+                             compress_ratios=FLASH_COMPRESS_RATIOS, index_n_heads=64,
+                             index_head_dim=128, index_topk=512, layer_id=layer_id)
+
+
+def tiny_config(compress_ratio: int = 4, **overrides) -> V4AttentionConfig:
+    """A small config keeping every structure (window 128, ratios 4 / 128, groups, sink,
+    indexer): dim 64, 4 heads in 2 groups, head_dim 128 (64 nope + 64 rope), index 4 x 128
+    (the Hadamard and the fp4 blocks need 2**k x 32), top-k 8. ``overrides`` replace fields."""
+    fields = dict(dim=64, n_heads=4, q_lora_rank=32, head_dim=128, rope_head_dim=64,
+                  o_groups=2, o_lora_rank=16, window_size=128, compress_ratios=(compress_ratio,),
+                  index_n_heads=4, index_head_dim=128, index_topk=8, layer_id=0)
+    fields.update(overrides)
+    return V4AttentionConfig(**fields)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters.
+
+def param_shapes(config: V4AttentionConfig) -> dict[str, tuple[int, ...]]:
+    """The attention parameters this layer reads, by official checkpoint name, and their shapes
+    (torch ``Linear`` weights ``[out, in]``)."""
+    c = config
+    shapes = {
+        "attn_sink": (c.n_heads,),
+        "wq_a.weight": (c.q_lora_rank, c.dim),
+        "q_norm.weight": (c.q_lora_rank,),
+        "wq_b.weight": (c.n_heads * c.head_dim, c.q_lora_rank),
+        "wkv.weight": (c.head_dim, c.dim),
+        "kv_norm.weight": (c.head_dim,),
+        "wo_a.weight": (c.o_groups * c.o_lora_rank, c.n_heads * c.head_dim // c.o_groups),
+        "wo_b.weight": (c.dim, c.o_groups * c.o_lora_rank),
+    }
+    r = c.compress_ratio
+    if r:
+        shapes.update(_compressor_shapes("compressor", r, c.head_dim, c.dim))
+    if r == 4:
+        shapes["indexer.wq_b.weight"] = (c.index_n_heads * c.index_head_dim, c.q_lora_rank)
+        shapes["indexer.weights_proj.weight"] = (c.index_n_heads, c.dim)
+        shapes.update(_compressor_shapes("indexer.compressor", 4, c.index_head_dim, c.dim))
+    return shapes
+
+
+def _compressor_shapes(prefix: str, ratio: int, d: int, dim: int) -> dict:
+    width = vc.compressor_coff(ratio) * d
+    return {f"{prefix}.ape": (ratio, width), f"{prefix}.wkv.weight": (width, dim),
+            f"{prefix}.wgate.weight": (width, dim), f"{prefix}.norm.weight": (d,)}
+
+
+def check_params(params, config: V4AttentionConfig) -> None:
+    """Refuse ``params`` unless it holds exactly ``param_shapes(config)``: a missing or an
+    unexpected key, or a wrong shape, raises ValueError naming the key (and both shapes); a
+    non-float dtype raises as ``reference.core.checks.floating``."""
+    want = param_shapes(config)
+    missing = [k for k in want if k not in params]
+    if missing:
+        raise ValueError(f"params is missing {missing[0]!r} (layer {config.layer_id}, ratio "
+                         f"{config.compress_ratio}; all missing: {missing})")
+    extra = sorted(k for k in params if k not in want)
+    if extra:
+        raise ValueError(f"params has unexpected key {extra[0]!r} for layer {config.layer_id} "
+                         f"(ratio {config.compress_ratio}); this layer reads {sorted(want)} "
+                         f"(dequantize fp8 weights; drop their .scale tensors)")
+    for k, shape in want.items():
+        got = tuple(np.shape(params[k]))
+        if got != shape:
+            raise ValueError(f"params[{k!r}] must have shape {shape}, got {got}")
+        _checks.floating(f"params[{k!r}]", params[k])
+
+
+def init_params(config: V4AttentionConfig, seed: int = 0) -> dict[str, jax.Array]:
+    """Random f32 parameters of ``param_shapes(config)`` for tests (NumPy's generator, so no
+    per-shape compile): weights ``N(0, 1 / in)``, norm weights ``1 + N(0, 0.1)``, ``ape`` and
+    ``attn_sink`` ``N(0, 1)``."""
+    rng = np.random.default_rng(seed)
+    params = {}
+    for name, shape in sorted(param_shapes(config).items()):
+        z = rng.standard_normal(shape, dtype=np.float32)
+        if name.endswith("norm.weight"):
+            z = 1 + np.float32(0.1) * z
+        elif name.endswith(".weight"):
+            z = z / np.float32(math.sqrt(shape[1]))
+        params[name] = jnp.asarray(z)
+    return params
+
+
+# ---------------------------------------------------------------------------------------------
+# State.
+
+@dataclasses.dataclass(frozen=True)
+class V4LayerState:
+    """One layer's dense decode state (module docstring), a pytree with ``max_seq_len`` static.
+
+    ``window: f32[B, window_size, head_dim]`` the ring; ``compressed: f32[B, max_seq_len // r,
+    head_dim]`` (``r = 0``: ``[B, 0, head_dim]``); ``compressor`` the attention compressor's
+    ``CompressorState`` (slot = batch row; ``None`` when ``r = 0``); ``index_keys: f32[B,
+    max_seq_len // 4, index_head_dim]`` and ``index_compressor`` (ratio 4 only, else ``None``)."""
+
+    window: jax.Array
+    compressed: jax.Array
+    compressor: vc.CompressorState | None
+    index_keys: jax.Array | None
+    index_compressor: vc.CompressorState | None
+    max_seq_len: int
+
+
+jax.tree_util.register_dataclass(
+    V4LayerState, data_fields=["window", "compressed", "compressor", "index_keys",
+                               "index_compressor"], meta_fields=["max_seq_len"])
+
+
+def init_state(config: V4AttentionConfig, batch: int, max_seq_len: int) -> V4LayerState:
+    """An empty state for ``batch`` sequences of up to ``max_seq_len`` tokens (zeros; the
+    compressors' fresh pools)."""
+    batch = _checks.positive_int("batch", batch)
+    max_seq_len = _checks.positive_int("max_seq_len", max_seq_len)
+    c, r = config, config.compress_ratio
+    zeros = functools.partial(jnp.zeros, dtype=jnp.float32)
+    n_entries = max_seq_len // r if r else 0
+    state = V4LayerState(window=zeros((batch, c.window_size, c.head_dim)),
+                         compressed=zeros((batch, n_entries, c.head_dim)), compressor=None,
+                         index_keys=None, index_compressor=None, max_seq_len=max_seq_len)
+    if r:
+        state = dataclasses.replace(state,
+                                    compressor=vc.init_compressor_state(batch, r, c.head_dim))
+    if r == 4:
+        state = dataclasses.replace(
+            state, index_keys=zeros((batch, max_seq_len // 4, c.index_head_dim)),
+            index_compressor=vc.init_compressor_state(batch, 4, c.index_head_dim))
+    return state
+
+
+def _check_state(state, config: V4AttentionConfig, batch: int) -> None:
+    if not isinstance(state, V4LayerState):
+        raise TypeError(f"state must be a V4LayerState (init_state), got "
+                        f"{type(state).__name__}")
+    want = init_state_shapes(config, batch, state.max_seq_len)
+    for name, shape in want.items():
+        part = getattr(state, name)
+        got = None if part is None else tuple(np.shape(part if name in (
+            "window", "compressed", "index_keys") else part.kv))
+        if got != shape:
+            want_text = "be absent (None)" if shape is None else f"have shape {shape}"
+            raise ValueError(f"state.{name} must {want_text} for batch {batch}, "
+                             f"max_seq_len {state.max_seq_len}, ratio {config.compress_ratio}, "
+                             f"got {got}")
+
+
+def init_state_shapes(config: V4AttentionConfig, batch: int,
+                      max_seq_len: int) -> dict[str, tuple[int, ...] | None]:
+    """The shapes ``init_state`` gives (a compressor state by its ``kv`` pool; ``None`` when
+    absent), for checking a state passed in."""
+    c, r = config, config.compress_ratio
+    coff = vc.compressor_coff(r) if r else 0
+    return {
+        "window": (batch, c.window_size, c.head_dim),
+        "compressed": (batch, max_seq_len // r if r else 0, c.head_dim),
+        "compressor": (batch, coff * r, coff * c.head_dim) if r else None,
+        "index_keys": (batch, max_seq_len // 4, c.index_head_dim) if r == 4 else None,
+        "index_compressor": (batch, 8, 2 * c.index_head_dim) if r == 4 else None,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer.
+
+class IndexSelection(NamedTuple):
+    """A CSA layer's indexer result: ``topk i32[B, S, k]`` entry numbers (``k = min(index_topk,
+    max_seq_len // 4)``, best first, ``-1`` where fewer entries are visible) and ``scores
+    f32[B, S, max_seq_len // 4]`` (``-inf`` on invisible entries)."""
+
+    topk: jax.Array
+    scores: jax.Array
+
+
+@functools.lru_cache(maxsize=16)
+def _rope(config: V4AttentionConfig, max_seq_len: int):
+    """``(cos, sin) f32[max_seq_len, rope_head_dim // 2]`` (NumPy) of this layer type."""
+    c = config
+    with jax.ensure_compile_time_eval():  # constants, also when first called under a trace
+        if c.compress_ratio:
+            tables = vc.rope_tables(max_seq_len, c.rope_head_dim, theta=c.compress_rope_theta,
+                                    factor=c.rope_factor, original_seq_len=c.original_seq_len,
+                                    beta_fast=c.beta_fast, beta_slow=c.beta_slow)
+        else:
+            tables = vc.rope_tables(max_seq_len, c.rope_head_dim, theta=c.rope_theta,
+                                    original_seq_len=0)
+    return tuple(np.asarray(t) for t in tables)
+
+
+def _linear(x, params, name):
+    return x @ params[name].astype(jnp.float32).T
+
+
+def _compress(params, prefix, x, start_pos, comp_state, cache, ratio, cos, sin, eps, finish):
+    """Run the compressor over this chunk (``reference.v4_compressor.compress_step``, one
+    sequence per batch row), pass the completed entries through ``finish`` (the QAT, or
+    identity) and store entry ``j`` of row ``b`` at ``cache[b, j]``. Returns ``(cache,
+    comp_state)``."""
+    b, s, _ = x.shape
+    kv = _linear(x, params, f"{prefix}.wkv.weight").reshape(b * s, -1)
+    score = _linear(x, params, f"{prefix}.wgate.weight").reshape(b * s, -1)
+    kv_lens = jnp.full((b,), start_pos + s, jnp.int32)
+    cu_q_lens = jnp.arange(b + 1, dtype=jnp.int32) * s
+    distribution = jnp.array([b if s == 1 else 0, b, b], jnp.int32)
+    entries, comp_state = vc.compress_step(
+        kv, score, params[f"{prefix}.ape"], params[f"{prefix}.norm.weight"], cos, sin,
+        comp_state, jnp.arange(b, dtype=jnp.int32), kv_lens, cu_q_lens, distribution,
+        ratio=ratio, eps=eps)
+    row = jnp.where(entries.seq >= 0, entries.seq, b)  # unused output slots: dropped
+    cache = cache.at[row, entries.entry].set(finish(entries.rows), mode="drop")
+    return cache, comp_state
+
+
+def _window_keys(state, kv, start_pos):
+    """The window's candidate keys: the ring (positions before the chunk) then the chunk.
+    Returns ``(keys f32[B, W + S, D], pos i32[W + S])`` (``pos < 0``: empty ring row) and the
+    updated ring (each chunk token among the last ``W`` written at row ``p % W``)."""
+    w, s = state.window.shape[1], kv.shape[1]
+    k = jnp.arange(w, dtype=jnp.int32)
+    ring_pos = start_pos - 1 - jnp.mod(start_pos - 1 - k, w)  # latest q < start_pos, q % w == k
+    chunk_pos = start_pos + jnp.arange(s, dtype=jnp.int32)
+    keys = jnp.concatenate([state.window, kv], axis=1)
+    pos = jnp.concatenate([ring_pos, chunk_pos])
+    row = jnp.where(chunk_pos >= start_pos + s - w, chunk_pos % w, w)
+    ring = state.window.at[:, row].set(kv, mode="drop")
+    return keys, pos, ring
+
+
+def _indexer(params, x, qr, start_pos, state, config, cos_p, sin_p, qat):
+    """The CSA indexer: update its compressed keys, score them, pick the top-k visible ones.
+    Returns ``(chosen bool[B, S, E], selection, index_keys, index_compressor)``."""
+    c = config
+    b, s, _ = x.shape
+    finish = (lambda k: fp4_act_quant_sim(hadamard_rotate(k))) if qat else (lambda k: k)
+    cos, sin = _rope(c, state.max_seq_len)
+    keys, comp = _compress(params, "indexer.compressor", x, start_pos, state.index_compressor,
+                           state.index_keys, 4, cos, sin, c.norm_eps, finish)
+    q = _linear(qr, params, "indexer.wq_b.weight").reshape(b, s, c.index_n_heads,
+                                                           c.index_head_dim)
+    q = vc.apply_rope(q, cos_p[:, None], sin_p[:, None])
+    if qat:
+        q = fp4_act_quant_sim(hadamard_rotate(q))
+    w = _linear(x, params, "indexer.weights_proj.weight") * jnp.float32(
+        c.index_head_dim ** -0.5 * c.index_n_heads ** -0.5)
+    dots = jnp.einsum("bshd,bjd->bshj", q, keys)
+    score = jnp.einsum("bsh,bshj->bsj", w, jax.nn.relu(dots))
+    n_visible = (start_pos + jnp.arange(s, dtype=jnp.int32) + 1) // 4  # [S]
+    visible = jnp.arange(keys.shape[1])[None, :] < n_visible[:, None]  # [S, E]
+    score = jnp.where(visible[None], score, -jnp.inf)
+    k = min(c.index_topk, keys.shape[1])
+    _, top = lax.top_k(score, k)
+    valid = top < n_visible[None, :, None]
+    chosen = jnp.put_along_axis(jnp.zeros(score.shape, bool), top, valid, axis=-1,
+                                inplace=False)
+    selection = IndexSelection(jnp.where(valid, top, -1).astype(jnp.int32), score)
+    return chosen, selection, keys, comp
+
+
+def _attend(q, keys, key_ok, sink, scale):
+    """One softmax per head over the keys (K = V), the sink logit in the denominator only.
+    ``q f32[B, S, H, D]``, ``keys f32[B, N, D]``, ``key_ok bool[B, S, N]``, ``sink f32[H]``."""
+    logits = jnp.einsum("bshd,bnd->bshn", q, keys) * jnp.float32(scale)
+    logits = jnp.where(key_ok[:, :, None, :], logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)  # finite: a query always sees itself
+    e = jnp.exp(logits - m)
+    den = jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink[:, None] - m)
+    return jnp.einsum("bshn,bnd->bshd", e, keys) / den
+
+
+@functools.partial(jax.jit, static_argnames=("config", "qat"))
+def _layer(params, x, start_pos, state, config, qat):
+    c, r = config, config.compress_ratio
+    b, s, _ = x.shape
+    cos, sin = _rope(c, state.max_seq_len)
+    pos = start_pos + jnp.arange(s, dtype=jnp.int32)
+    cos_p, sin_p = jnp.take(cos, pos, axis=0), jnp.take(sin, pos, axis=0)  # [S, rd / 2]
+    qr = vc.rms_norm(_linear(x, params, "wq_a.weight"), params["q_norm.weight"], c.norm_eps)
+    q = _linear(qr, params, "wq_b.weight").reshape(b, s, c.n_heads, c.head_dim)
+    q = q * lax.rsqrt(jnp.mean(q * q, axis=-1, keepdims=True) + jnp.float32(c.norm_eps))
+    q = vc.apply_rope(q, cos_p[:, None], sin_p[:, None])
+    nope_fp8 = _nope_fp8(c) if qat else (lambda k: k)
+    kv = vc.rms_norm(_linear(x, params, "wkv.weight"), params["kv_norm.weight"], c.norm_eps)
+    kv = nope_fp8(vc.apply_rope(kv, cos_p, sin_p))
+    keys, key_pos, ring = _window_keys(state, kv, start_pos)
+    key_ok = (key_pos[None, :] >= 0) & (key_pos[None, :] <= pos[:, None]) & (
+        key_pos[None, :] > pos[:, None] - c.window_size)  # [S, W + S]
+    key_ok = jnp.broadcast_to(key_ok[None], (b, *key_ok.shape))
+    new_state = dataclasses.replace(state, window=ring)
+    selection = None
+    if r:
+        cache, comp = _compress(params, "compressor", x, start_pos, state.compressor,
+                                state.compressed, r, cos, sin, c.norm_eps, nope_fp8)
+        new_state = dataclasses.replace(new_state, compressed=cache, compressor=comp)
+        if r == 4:
+            chosen, selection, index_keys, index_comp = _indexer(
+                params, x, qr, start_pos, state, c, cos_p, sin_p, qat)
+            new_state = dataclasses.replace(new_state, index_keys=index_keys,
+                                            index_compressor=index_comp)
+        else:
+            j = jnp.arange(cache.shape[1])
+            chosen = jnp.broadcast_to(j[None, None, :] < ((pos + 1) // r)[None, :, None],
+                                      (b, s, cache.shape[1]))
+        keys = jnp.concatenate([keys, cache], axis=1)
+        key_ok = jnp.concatenate([key_ok, chosen], axis=2)
+    o = _attend(q, keys, key_ok, params["attn_sink"], c.head_dim ** -0.5)
+    o = vc.apply_rope(o, cos_p[:, None], -sin_p[:, None])  # the inverse rotation
+    o = o.reshape(b, s, c.o_groups, c.n_heads * c.head_dim // c.o_groups)
+    wo_a = params["wo_a.weight"].reshape(c.o_groups, c.o_lora_rank, -1)
+    o = jnp.einsum("bsgd,grd->bsgr", o, wo_a).reshape(b, s, c.o_groups * c.o_lora_rank)
+    return _linear(o, params, "wo_b.weight"), new_state, selection
+
+
+def _nope_fp8(config: V4AttentionConfig):
+    nope = config.nope_head_dim
+
+    def f(rows):
+        return jnp.concatenate([act_quant_sim(rows[..., :nope]), rows[..., nope:]], axis=-1)
+    return f
+
+
+def _check_qat(config: V4AttentionConfig) -> None:
+    c = config
+    if c.nope_head_dim % QAT_FP8_BLOCK:
+        raise ValueError(f"qat=True needs the nope dims head_dim - rope_head_dim = "
+                         f"{c.head_dim} - {c.rope_head_dim} = {c.nope_head_dim} to be a "
+                         f"multiple of the fp8 block {QAT_FP8_BLOCK}")
+    if c.compress_ratio == 4 and (c.index_head_dim & (c.index_head_dim - 1)
+                                  or c.index_head_dim % QAT_FP4_BLOCK):
+        raise ValueError(f"qat=True on a CSA layer needs index_head_dim={c.index_head_dim} to "
+                         f"be a power of two (Hadamard) and a multiple of the fp4 block "
+                         f"{QAT_FP4_BLOCK}")
+
+
+def attention_layer(params, x, start_pos, state: V4LayerState, config: V4AttentionConfig, *,
+                    qat: bool = False, return_selection: bool = False):
+    """One DeepSeek-V4 attention layer over the chunk ``x f32|bf16[B, S, dim]`` at positions
+    ``start_pos + t`` (module docstring).
+
+    Args:
+      params: dict of the official attention parameter names to arrays (``param_shapes``).
+      x: the layer input (after ``attn_norm``), ``[B, S, dim]``.
+      start_pos: i32 scalar (Python int or traced): tokens before this chunk, all in ``state``.
+      state: ``V4LayerState`` holding exactly the tokens ``[0, start_pos)`` (``init_state`` for
+        a prefill at 0).
+      config: ``V4AttentionConfig`` (static).
+      qat: apply the official QAT simulations (static).
+      return_selection: also return the CSA indexer's ``IndexSelection`` (``None`` on other
+        layer types).
+
+    Every batch row shares ``start_pos`` (a ragged batch is checked one sequence at a time,
+    ``B = 1``). Returns ``(out f32[B, S, dim], state)`` (and the selection when asked). Bad
+    params, shapes, dtypes or a concrete ``start_pos`` outside ``[0, max_seq_len - S]`` raise
+    ValueError naming the key or the numbers; a traced ``start_pos`` out of range gives an
+    unspecified result."""
+    if not isinstance(config, V4AttentionConfig):
+        raise TypeError(f"config must be a V4AttentionConfig, got {type(config).__name__}")
+    check_params(params, config)
+    _checks.rank("x", x, 3)
+    _checks.floating("x", x)
+    _checks.dim("x", x, 2, config.dim, "config.dim")
+    b, s, _ = np.shape(x)
+    if s < 1:
+        raise ValueError(f"x must hold at least one token, got shape {tuple(np.shape(x))}")
+    _check_state(state, config, b)
+    if qat:
+        _check_qat(config)
+    if isinstance(start_pos, int | np.integer):
+        if not 0 <= start_pos <= state.max_seq_len - s:
+            raise ValueError(f"start_pos={start_pos} with S={s} tokens must fit max_seq_len="
+                             f"{state.max_seq_len} (0 <= start_pos <= {state.max_seq_len - s})")
+    else:
+        _checks.rank("start_pos", start_pos, 0)
+        _checks.integer("start_pos", start_pos)
+    f32 = {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}
+    out, new_state, selection = _layer(f32, jnp.asarray(x, jnp.float32),
+                                       jnp.asarray(start_pos, jnp.int32), state, config,
+                                       bool(qat))
+    return (out, new_state, selection) if return_selection else (out, new_state)
