@@ -2,7 +2,8 @@
 
 - ``pallas_kernels.indexer``: the lightning-indexer score kernel behind token and page top-k;
 - ``pallas_kernels.mla``: the sparse MLA gather kernel behind token and page sparse MLA;
-- ``pallas_kernels.v4``: DeepSeek-V4 attention (window + compressed) on the token MLA kernel;
+- ``pallas_kernels.v4_attention``: DeepSeek-V4 attention (window + compressed: one fused kernel,
+  or two passes of the token MLA kernel; ``pallas_kernels.v4`` is its old path, a shim);
 - ``pallas_kernels.v4_compressor``: the DeepSeek-V4 compressor step (pool the completing
   entries, update the state pool in place);
 - ``pallas_kernels.tpu``: lanes, chip detection, the VMEM policy, what ``interpret=True`` means;
@@ -20,7 +21,7 @@ from pallas_kernels.indexer import (
     streamindex_topk,
 )
 from pallas_kernels.mla import MlaBlocks, PerformanceWarning, page_sparse_mla, sparse_mla
-from pallas_kernels.v4 import v4_attention
+from pallas_kernels.v4_attention import v4_attention
 
 __all__ = ["IndexerBlocks", "MlaBlocks", "PerformanceWarning", "page_sparse_mla", "sparse_mla",
            "streamindex_page_topk", "streamindex_scores", "streamindex_topk", "v4_attention"]
