@@ -7,7 +7,11 @@
 - ``pallas_kernels.v4_compressor``: the DeepSeek-V4 compressor step (pool the completing
   entries, update the state pool in place);
 - ``pallas_kernels.tpu``: lanes, chip detection, the VMEM policy, what ``interpret=True`` means;
-- ``pallas_kernels.aot``: AOT Mosaic compiles for v5e / v6e / tpu7x without a TPU.
+- ``pallas_kernels.chips``: every fact about a TPU generation the package uses, declared once;
+- ``pallas_kernels.aot``: AOT Mosaic compiles for v5e / v6e / tpu7x without a TPU;
+- ``pallas_kernels.measure``: the measurement library (XLA's cost split of a compiled program,
+  the interpreter's HBM byte counter; ``pallas_kernels.xla_cost`` and
+  ``pallas_kernels._interpret_counter`` are old paths, shims).
 
 Each entry takes the matching reference's arguments plus kernel knobs (typed block configs
 ``IndexerBlocks`` / ``MlaBlocks``) and ``interpret=`` (False: compile; True: the strict
