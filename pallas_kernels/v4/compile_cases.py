@@ -3,8 +3,8 @@ here, re-exported. New code imports ``pallas_kernels.v4_attention.compile_cases`
 
 from __future__ import annotations
 
+from pallas_kernels.v4_attention.blocks import DEFAULT_BLOCK  # noqa: F401
 from pallas_kernels.v4_attention.compile_cases import (  # noqa: F401
-    DEFAULT_BLOCK,
     FORMATS,
     FP8_ROW_BYTES,
     FP8_STORED_BYTES,

@@ -20,9 +20,9 @@ from pallas_kernels import aot
 from pallas_kernels.mla import blocks as mla_blocks
 from pallas_kernels.mla import kernel as mla_kernel
 from pallas_kernels.mla.traffic import PREP_BYTES_PER_ENTRY, mla_traffic
+from pallas_kernels.v4_attention import blocks as v4_blocks
 from pallas_kernels.v4_attention.entry import v4_attention
 from pallas_kernels.v4_attention.kernel import (
-    DEFAULT_BLOCK,
     FP8_ROW_BYTES,
     FP8_STORED_BYTES,
     INFO_WORDS,
@@ -109,13 +109,13 @@ def fused_v4_traffic(chip: str, *, rows: int, context: int, heads: int, ratio: i
                      k: int | None, fmt: str = "packed") -> aot.Traffic:
     """``kernel.fused_traffic`` at a compile shape (every row gathers its whole window and
     every selected / visible entry); fp8: 1024 B moved per gathered token (2 DMAs) against a
-    minimum of the 640 B stored per token."""
-    del chip  # one block size on every chip
+    minimum of the 640 B stored per token; the block is the table's for ``chip``."""
     entries = 0 if not ratio else (k if ratio == 4 else context // ratio)
     pages = rows * (context // PAGE) + (rows * -(-(context // ratio) // PAGE) if ratio else 1)
     fp8 = fmt == "fp8"
     t = fused_traffic(rows=rows, heads=heads, gathered_rows=WINDOW + entries,
-                      meta_words=k or 1, table_words=pages, block=DEFAULT_BLOCK,
+                      meta_words=k or 1, table_words=pages,
+                      block=v4_blocks.block(chip, fmt, heads),
                       q_itemsize=2, row_bytes=FP8_ROW_BYTES if fp8 else 4 * WORDS,
                       min_row_bytes=FP8_STORED_BYTES if fp8 else 2 * HEAD_DIM, fp8=fp8)
     return aot.Traffic(t.bytes_moved + rows * INFO_WORDS * 4, t.bytes_min, t.flops,

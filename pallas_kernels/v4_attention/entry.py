@@ -20,10 +20,13 @@ import functools
 
 import jax
 
+from pallas_kernels import tpu
 from pallas_kernels.mla import blocks as mla_blocks
-from pallas_kernels.v4_attention.kernel import DEFAULT_BLOCK, v4_attention_fused
+from pallas_kernels.v4_attention import blocks as v4_blocks
+from pallas_kernels.v4_attention.kernel import v4_attention_fused
 from pallas_kernels.v4_attention.two_pass import two_pass
 from reference import v4_attention as v4
+from reference import v4_cache
 
 
 @v4.checks_layers
@@ -48,8 +51,8 @@ def v4_attention(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array, cu_q_lens
         window ``PagedKV`` in tokens, the compressed one in entries, kv_lens i32[S] tokens,
         compressed_indices i32[T, k] for ratio 4, attn_sink f32[H]).
       tokens_per_block, blocks, vmem_limit_bytes: fused: ``tokens_per_block`` (or
-        ``blocks.tokens_per_block``) cache rows per gathered block (default
-        ``kernel.DEFAULT_BLOCK``); two-pass: the MLA kernel's knobs
+        ``blocks.tokens_per_block``) cache rows per gathered block (default: the table in
+        ``pallas_kernels.v4_attention.blocks``, 256 on every chip); two-pass: the MLA kernel's knobs
         (``pallas_kernels.mla.sparse_mla``), used by both calls.
       interpret: False (compile), True (the strict interpreter) or a ``pltpu.InterpretParams``.
       fused: True (default): the one-kernel path (``kernel.v4_attention_fused``: one online
@@ -64,7 +67,10 @@ def v4_attention(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array, cu_q_lens
                    window_pages_per_seq=window_pages_per_seq,
                    compressed_pages_per_seq=compressed_pages_per_seq)
     if fused:
-        block = mla_blocks.pick(blocks, "tokens_per_block", tokens_per_block) or DEFAULT_BLOCK
+        block = mla_blocks.pick(blocks, "tokens_per_block", tokens_per_block)
+        if not block:  # None (or 0, as before): the table's row for the chip, clamped
+            fmt = "fp8" if isinstance(window.cache, v4_cache.Fp8V4Cache) else "packed"
+            block = v4_blocks.block(tpu.device_chip(), fmt, q.shape[1])
         return v4_attention_fused(q, window, kv_lens, cu_q_lens, distribution, **statics,
                                   compressed=compressed, compressed_indices=compressed_indices,
                                   attn_sink=attn_sink, return_lse=return_lse, block=block,

@@ -55,6 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import aot, tpu
+from pallas_kernels.v4_attention.blocks import DEFAULT_BLOCK
 from reference import batch, fp8, packed_cache, stacked, v4_cache
 from reference import v4_attention as v4
 
@@ -63,7 +64,6 @@ HALF = v4.HEAD_DIM // 2  # features per word half
 LANES = v4_cache.LANES  # 128: an fp8 token's nope record, and one rope row of 4 tokens
 FP8_ROW_BYTES = 2 * 4 * LANES  # what the 2 DMAs of an fp8 token move: 1024 B
 FP8_STORED_BYTES = v4_cache.STORED_BYTES_PER_TOKEN  # 640 B of HBM per fp8 token
-DEFAULT_BLOCK = 256  # rows per gathered block: 256 KB of packed rows in VMEM
 # row_info words per query row
 _WFIRST, _WN, _WSLOT0, _CN, _CSLOT0, _CLIMIT, INFO_WORDS = range(7)
 NEG = -1e30  # finite running-max start: a fully masked block adds exp(-inf) = 0, never NaN
@@ -459,7 +459,7 @@ def v4_attention_fused(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array,
 
     Args as ``pallas_kernels.v4_attention.v4_attention`` (both caches packed u32, or both f32;
     a plain bf16 cache is packed per call, a full copy: the slow path), plus ``block``: cache
-    rows per gathered block (a positive multiple of 8).
+    rows per gathered block (a positive multiple of 8; ``blocks.py`` holds the table).
     """
     statics = dict(sm_scale=sm_scale, window_size=window_size, compress_ratio=compress_ratio,
                    window_pages_per_seq=window_pages_per_seq,
