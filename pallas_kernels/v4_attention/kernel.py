@@ -86,6 +86,32 @@ def _format(cache) -> str:
     return f"{jnp.result_type(cache)} ({'packed bf16' if packed_cache.is_packed(cache) else 'f32'})"
 
 
+def check_fused_args(q, window: v4.PagedKV, kv_lens, cu_q_lens, distribution,
+                     compressed: v4.PagedKV | None, compressed_indices, attn_sink, *,
+                     block: int, layer, **statics):
+    """Validate a fused call (``block`` a positive multiple of 8, ``reference.v4_attention``'s
+    argument checks, both caches in one format) and return ``(window read, compressed read or
+    None, window kernel cache, compressed kernel cache)`` (``_kernel_cache``; without a
+    compressed cache a 1-page slice of the window's stands in, never read)."""
+    if isinstance(block, bool) or not isinstance(block, int) or block <= 0 or block % 8:
+        raise ValueError(f"block must be a positive multiple of 8, got block={block!r}")
+    w_read = stacked.resolve("window.cache", window.cache, layer)
+    c_read = None if compressed is None else stacked.resolve("compressed.cache",
+                                                            compressed.cache, layer)
+    v4.check_v4_args(q, w_read.one, kv_lens, cu_q_lens, distribution, window, compressed,
+                     c_read and c_read.one, compressed_indices, attn_sink, **statics)
+    w_cache = _kernel_cache(w_read.stacked)
+    c_cache = (jax.tree_util.tree_map(lambda x: x[:, :1], w_cache) if c_read is None
+               else _kernel_cache(c_read.stacked))
+    w_fmt, c_fmt = _format(w_cache), _format(c_cache)
+    if w_fmt != c_fmt:
+        raise NotImplementedError(
+            f"the fused V4 kernel reads both caches in one format; got window.cache {w_fmt} "
+            f"and compressed.cache {c_fmt} (the reference, reference.v4_attention_ref, "
+            f"serves mixed formats; store both caches fp8 or both packed bf16)")
+    return w_read, c_read, w_cache, c_cache
+
+
 def row_info(rows: batch.RowFacts, wb: batch.RaggedBatch, cb: batch.RaggedBatch | None,
              entries, *, window_size: int, compress_ratio: int) -> jax.Array:
     """``i32[T * INFO_WORDS]`` per row: window first token and count, window first page slot,
@@ -464,22 +490,9 @@ def v4_attention_fused(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array,
     statics = dict(sm_scale=sm_scale, window_size=window_size, compress_ratio=compress_ratio,
                    window_pages_per_seq=window_pages_per_seq,
                    compressed_pages_per_seq=compressed_pages_per_seq)
-    if isinstance(block, bool) or not isinstance(block, int) or block <= 0 or block % 8:
-        raise ValueError(f"block must be a positive multiple of 8, got block={block!r}")
-    w_read = stacked.resolve("window.cache", window.cache, layer)
-    c_read = None if compressed is None else stacked.resolve("compressed.cache",
-                                                            compressed.cache, layer)
-    v4.check_v4_args(q, w_read.one, kv_lens, cu_q_lens, distribution, window, compressed,
-                     c_read and c_read.one, compressed_indices, attn_sink, **statics)
-    w_cache = _kernel_cache(w_read.stacked)
-    c_cache = (jax.tree_util.tree_map(lambda x: x[:, :1], w_cache) if c_read is None
-               else _kernel_cache(c_read.stacked))
-    w_fmt, c_fmt = _format(w_cache), _format(c_cache)
-    if w_fmt != c_fmt:
-        raise NotImplementedError(
-            f"the fused V4 kernel reads both caches in one format; got window.cache {w_fmt} "
-            f"and compressed.cache {c_fmt} (the reference, reference.v4_attention_ref, "
-            f"serves mixed formats; store both caches fp8 or both packed bf16)")
+    w_read, c_read, w_cache, c_cache = check_fused_args(
+        q, window, kv_lens, cu_q_lens, distribution, compressed, compressed_indices, attn_sink,
+        block=block, layer=layer, **statics)
     rows = batch.row_facts(q.shape[0], kv_lens, cu_q_lens, distribution)
     wb = batch.RaggedBatch.of(w_read.one, kv_lens, window.page_indices, cu_q_lens,
                               window.cu_lens, distribution, pages_per_seq=window_pages_per_seq)
