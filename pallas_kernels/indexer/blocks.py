@@ -1,4 +1,4 @@
-"""Block sizes of the lightning-indexer score kernels: one table per TPU generation, and the
+"""Block sizes of the lightning-indexer score kernels: the tuned-block table (``TABLE``), and the
 VMEM estimate that keeps every default under half of the chip's VMEM.
 
 Two knobs (``pallas_kernels.indexer.kernel`` explains the design):
@@ -17,13 +17,20 @@ Why these numbers: decode is HBM-bound (each key byte feeds 2*H flops per row), 
 enough that a stage moves >= 128 KiB of keys (DMA issue cost amortised) and small enough that the
 f32 score tile stays ~256 KiB. Prefill is MXU-bound; R = 16 keeps the re-read of the causal keys
 (once per row block) below the score writes, and the score tile ~1 MiB.
+
+The table (the form of ``pallas_kernels.block_table``): chip -> shape key -> ``IndexerBlocks``.
+The key is ``(mode, pow2(page_size))``, mode ``"decode"`` (``one_token_per_seq``) or
+``"general"``; ``(mode,)`` is the chip's row for any page size, and ``FALLBACK`` serves a chip
+the table lacks. ``resolve_blocks`` clamps the row to the problem (no stage past a sequence's
+pages; widened to whole lanes for Mosaic).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pallas_kernels import tpu
+from pallas_kernels import block_table, tpu
+from pallas_kernels.block_table import Row, pow2
 from pallas_kernels.tpu import LANES, tile_bytes
 
 
@@ -53,20 +60,50 @@ class IndexerBlocks:
                              base.block_pages if self.block_pages is None else self.block_pages)
 
 
-# chip -> (decode blocks, general blocks). Same across generations today: decode is HBM-bound
-# everywhere, and the general tile already fits v7x's 64 MiB VMEM with room to spare.
+# Same across generations today: decode is HBM-bound everywhere, and the general tile already
+# fits v7x's 64 MiB VMEM with room to spare. Nothing timed (no TPU was available).
+_BUDGET = "default: VMEM budget (half the chip's VMEM at every gate shape), HBM-bound decode"
+_GATE = ("AOT compile OK: tests/test_compile_indexer.py (V3.2 and V4 indexers, H=64, D=128, "
+         "pages of 64), widened for Mosaic by resolve_blocks; not timed")
+
+
+def _chip_rows(decode: IndexerBlocks, general: IndexerBlocks) -> dict[tuple, Row]:
+    return {("decode",): Row(decode, _BUDGET), ("general",): Row(general, _BUDGET),
+            ("decode", 64): Row(decode, _GATE), ("general", 64): Row(general, _GATE)}
+
+
+FALLBACK: dict[tuple, Row] = {
+    (): Row(IndexerBlocks(16, 4), "default: the general rows' blocks, for any chip"),
+    ("decode",): Row(IndexerBlocks(1, 16), "default: the decode rows' blocks, for any chip"),
+    ("general",): Row(IndexerBlocks(16, 4), "default: the general rows' blocks, for any chip")}
+TABLE: dict[str, dict[tuple, Row]] = block_table.checked({
+    "v5e": _chip_rows(IndexerBlocks(1, 16), IndexerBlocks(16, 4)),
+    "v6e": _chip_rows(IndexerBlocks(1, 16), IndexerBlocks(16, 8)),
+    "tpu7x": _chip_rows(IndexerBlocks(1, 16), IndexerBlocks(16, 4)),
+}, FALLBACK)
+# chip -> (decode blocks, general blocks) for any page size (the table's (mode,) rows)
 _TABLE: dict[str, tuple[IndexerBlocks, IndexerBlocks]] = {
-    "v5e": (IndexerBlocks(1, 16), IndexerBlocks(16, 4)),
-    "v6e": (IndexerBlocks(1, 16), IndexerBlocks(16, 8)),
-    "tpu7x": (IndexerBlocks(1, 16), IndexerBlocks(16, 4)),
-}
-_FALLBACK = (IndexerBlocks(1, 16), IndexerBlocks(16, 4))
+    chip: (rows[("decode",)].blocks, rows[("general",)].blocks) for chip, rows in TABLE.items()}
+_FALLBACK = (FALLBACK[("decode",)].blocks, FALLBACK[("general",)].blocks)
 
 
-def default_blocks(chip: str | None, *, one_token_per_seq: bool) -> IndexerBlocks:
+def shape_key(*, one_token_per_seq: bool, page_size: int | None = None) -> tuple:
+    """The table key of a problem: ``(mode, pow2(page_size))``, ``(mode,)`` without a page size."""
+    mode = "decode" if one_token_per_seq else "general"
+    return (mode,) if page_size is None else (mode, pow2(page_size))
+
+
+def row(chip: str | None, *, one_token_per_seq: bool, page_size: int | None = None) -> Row:
+    """The table row for ``chip`` at this problem (``block_table.lookup``; ``None`` or unknown
+    chip: ``FALLBACK``)."""
+    return block_table.lookup(TABLE, FALLBACK, chip,
+                              shape_key(one_token_per_seq=one_token_per_seq, page_size=page_size))
+
+
+def default_blocks(chip: str | None, *, one_token_per_seq: bool,
+                   page_size: int | None = None) -> IndexerBlocks:
     """Table defaults for ``chip`` (``None`` or unknown -> fallback)."""
-    decode, general = _TABLE.get(chip or "", _FALLBACK)
-    return decode if one_token_per_seq else general
+    return row(chip, one_token_per_seq=one_token_per_seq, page_size=page_size).blocks
 
 
 def vmem_estimate(*, block_rows: int, block_pages: int, num_heads: int, dim: int,
@@ -122,7 +159,7 @@ def resolve_blocks(blocks: IndexerBlocks | None, *, block_rows: int | None,
     groups and needs no widening."""
     if blocks is not None and not isinstance(blocks, IndexerBlocks):
         raise TypeError(f"blocks must be an IndexerBlocks, got {type(blocks).__name__}")
-    base = default_blocks(chip, one_token_per_seq=one_token_per_seq)
+    base = default_blocks(chip, one_token_per_seq=one_token_per_seq, page_size=page_size)
     picked = IndexerBlocks(block_rows, block_pages).over((blocks or IndexerBlocks()).over(base))
     p = min(picked.block_pages, 1 << (pages_per_seq - 1).bit_length())  # no stage past the seq
     if mosaic and not page_mode:

@@ -5,27 +5,54 @@ step: ``units_per_block`` gather units (one token row for ``sparse_mla``, one wh
 ``page_sparse_mla``). Bigger blocks amortise the per-block softmax bookkeeping and keep more
 DMAs in flight; smaller blocks waste less on a row's last, partial block and use less VMEM.
 
-The table is keyed by chip; a chip missing from it gets ``DEFAULT_TOKENS_PER_BLOCK``. Sizes are
-clamped to the problem (never more than a row's selection, rounded up to the 8-row sublane
-tile) by ``token_block`` / ``page_block``.
+The tuned-block table (``TABLE``, the form of ``pallas_kernels.block_table``): chip -> shape
+key -> cache rows (tokens) per gathered block. The key is ``(pow2(selected tokens per row),)``
+(token mode: k; page mode: k_pages * page_size); ``()`` is the chip's row for any selection, and
+``FALLBACK`` serves a chip the table lacks (``DEFAULT_TOKENS_PER_BLOCK``). Sizes are clamped to
+the problem (never more than a row's selection, rounded up to the 8-row sublane tile) by
+``token_block`` / ``page_block``. ``TOKENS_PER_BLOCK`` is each chip's ``()`` row.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pallas_kernels import block_table
+from pallas_kernels.block_table import Row, pow2
 from pallas_kernels.tpu import LANES, SUBLANES, round_up
 
 # ``row_info``: one i32 row of ROW_INFO_WORDS per query row, scalar-prefetched into SMEM: the
 # entries that can be valid, one past the last of them, the first page slot, the limit.
 _COUNT, _END, _SLOT0, _LIMIT, ROW_INFO_WORDS = range(5)
 
-# chip -> cache rows (tokens) per gathered block. v5e has 16 MiB of scoped VMEM by default and
-# a lower HBM bandwidth (so a smaller block already hides the DMA latency); v6e/tpu7x stream
-# faster and get bigger blocks. Untuned: no TPU was available to measure (see the kernels'
-# docstrings); the values respect each chip's VMEM with a 2x margin at H=128, D=640.
-TOKENS_PER_BLOCK: dict[str, int] = {"v5e": 256, "v6e": 512, "tpu7x": 512}
+# Why these numbers: v5e has 16 MiB of scoped VMEM by default and a lower HBM bandwidth (so a
+# smaller block already hides the DMA latency); v6e/tpu7x stream faster and get bigger blocks.
+# Untuned: no TPU was available to measure (see the kernels' docstrings); the values respect
+# each chip's VMEM with a 2x margin at H=128, D=640. The gate rows (same blocks) record that the
+# compile gates compile them at those selections on that chip.
+_VMEM = "default: VMEM budget (2x margin at H=128, D=640), HBM bandwidth; not timed"
+_MLA_GATE = ("AOT compile OK: tests/test_compile_mla.py (k=2048 tokens, or 32 pages of 64), "
+             "clamped by token_block / page_block; not timed")
+_V4_GATE = ("AOT compile OK: tests/test_compile_v4.py two-pass cases (window 128, k 512 / "
+            "1024, ratio-128 entries 64), clamped by token_block; not timed")
+
+
+def _chip_rows(tokens: int) -> dict[tuple, Row]:
+    return {(): Row(tokens, _VMEM), (2048,): Row(tokens, _MLA_GATE),
+            (64,): Row(tokens, _V4_GATE), (128,): Row(tokens, _V4_GATE),
+            (512,): Row(tokens, _V4_GATE), (1024,): Row(tokens, _V4_GATE)}
+
+
 DEFAULT_TOKENS_PER_BLOCK = 256
+FALLBACK: dict[tuple, Row] = {
+    (): Row(DEFAULT_TOKENS_PER_BLOCK, "default: the smallest chip row (v5e's), for any chip")}
+TABLE: dict[str, dict[tuple, Row]] = block_table.checked({
+    "v5e": _chip_rows(256),
+    "v6e": _chip_rows(512),
+    "tpu7x": _chip_rows(512),
+}, FALLBACK)
+# chip -> cache rows per gathered block for any selection (each chip's () row)
+TOKENS_PER_BLOCK: dict[str, int] = {chip: rows[()].blocks for chip, rows in TABLE.items()}
 
 
 @dataclass(frozen=True)
@@ -55,14 +82,25 @@ def pick(blocks: MlaBlocks | None, name: str, explicit: int | None) -> int | Non
     return explicit if explicit is not None else getattr(blocks or MlaBlocks(), name)
 
 
-def tokens_per_block(chip: str | None) -> int:
-    """The table's rows per block for ``chip`` (``None`` or unknown: the default)."""
-    return TOKENS_PER_BLOCK.get(chip or "", DEFAULT_TOKENS_PER_BLOCK)
+def shape_key(selected_tokens: int | None) -> tuple:
+    """The table key of a problem: ``(pow2(selected tokens per row),)``; ``()`` when unknown."""
+    return () if selected_tokens is None else (pow2(selected_tokens),)
+
+
+def row(chip: str | None, selected_tokens: int | None = None) -> Row:
+    """The table row for ``chip`` at a selection of ``selected_tokens`` (``block_table.lookup``:
+    the chip's row for the key, else its ``()`` row, else ``FALLBACK``)."""
+    return block_table.lookup(TABLE, FALLBACK, chip, shape_key(selected_tokens))
+
+
+def tokens_per_block(chip: str | None, selected_tokens: int | None = None) -> int:
+    """The table's rows per block for ``chip`` (``None`` or unknown: the default), unclamped."""
+    return row(chip, selected_tokens).blocks
 
 
 def token_block(k: int, chip: str | None, override: int | None = None) -> int:
     """Token rows per block for a token top-k of width ``k``: a multiple of 8, <= round_up(k)."""
-    blk = override if override is not None else tokens_per_block(chip)
+    blk = override if override is not None else tokens_per_block(chip, k)
     if blk <= 0 or blk % SUBLANES:
         raise ValueError(f"tokens_per_block must be a positive multiple of {SUBLANES}, got "
                          f"tokens_per_block={blk}")
@@ -76,7 +114,7 @@ def page_block(k_pages: int, page_size: int, chip: str | None,
         if override <= 0:
             raise ValueError(f"pages_per_block must be positive, got pages_per_block={override}")
         return min(override, k_pages)
-    return max(1, min(tokens_per_block(chip) // page_size, k_pages))
+    return max(1, min(tokens_per_block(chip, k_pages * page_size) // page_size, k_pages))
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ def sparse_mla(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_indic
         (the fast bf16 path); a plain bf16 cache is packed per call (a full cache copy).
       sm_scale, pages_per_seq, v_dim, return_lse: as the reference.
       tokens_per_block: cache rows per gathered block (multiple of 8); default from
-        ``blocks``, else ``mla_blocks.TOKENS_PER_BLOCK`` for the detected chip.
+        ``blocks``, else the block table (``mla_blocks.TABLE``) for the detected chip.
       blocks: an ``MlaBlocks`` (typed, validated; its ``tokens_per_block`` is used here).
       vmem_limit_bytes: scoped VMEM limit; default ``tpu.vmem_limit`` (one policy).
       interpret: False (compile), True (strict interpret mode) or a ``pltpu.InterpretParams``.

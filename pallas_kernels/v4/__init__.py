@@ -1,8 +1,8 @@
-"""DeepSeek-V4 attention on TPU (Pallas): ``v4_attention`` runs one fused kernel over the window
-and compressed parts (``fused``, the default; packed, f32 or fp8 MODEL1 caches) or, with
-``fused=False``, milestone 1: both parts on the token-mode sparse MLA gather kernel, merged in
-XLA (``attention``)."""
+"""Old path of ``pallas_kernels.v4_attention`` (kept so existing imports work): ``fused`` is now
+``v4_attention.kernel``, ``attention`` is ``v4_attention.entry`` (the two-pass path it selected
+with ``fused=False`` is ``v4_attention.two_pass``), ``compile_cases`` is
+``v4_attention.compile_cases``. New code imports ``pallas_kernels.v4_attention``."""
 
-from pallas_kernels.v4.attention import v4_attention
+from pallas_kernels.v4_attention import v4_attention
 
 __all__ = ["v4_attention"]

@@ -1,149 +1,29 @@
-"""AOT compile-gate cases of DeepSeek-V4 attention (``pallas_kernels.v4``) at V4-Flash and
-V4-Pro decode shapes, with the traffic model of one call (``v4_traffic``).
-
-Shapes: 64 decode rows, one per sequence of 8192 tokens, window 128 (pages of 64 tokens),
-compressed pages of 64 entries; V4-Flash H=64 with the ratio-4 top-512 (CSA) and the ratio-128
-layer (HCA: every visible entry, 64 at 8192); V4-Pro H=128 with top-1024. Cache formats
-(``FORMATS``): packed bf16 (``u32[P, 64, 256]``, both paths) and fp8 MODEL1 (``Fp8V4Cache``:
-``nope u32[P, 64, 128]``, ``rope u32[P, 16, 128]``; the fused kernel only, milestone 1 refuses
-it).
-"""
+"""Old path of ``pallas_kernels.v4_attention.compile_cases``: every name anything imported from
+here, re-exported. New code imports ``pallas_kernels.v4_attention.compile_cases``."""
 
 from __future__ import annotations
 
-import functools
-
-import jax
-import jax.numpy as jnp
-
-from pallas_kernels import aot
-from pallas_kernels.mla import blocks as mla_blocks
-from pallas_kernels.mla import kernel as mla_kernel
-from pallas_kernels.mla.traffic import PREP_BYTES_PER_ENTRY, mla_traffic
-from pallas_kernels.v4.attention import v4_attention
-from pallas_kernels.v4.fused import (
-    DEFAULT_BLOCK,
+from pallas_kernels.v4_attention.blocks import DEFAULT_BLOCK  # noqa: F401
+from pallas_kernels.v4_attention.compile_cases import (  # noqa: F401
+    FORMATS,
     FP8_ROW_BYTES,
     FP8_STORED_BYTES,
+    HEAD_DIM,
     INFO_WORDS,
+    PAGE,
+    PREP_BYTES_PER_ENTRY,
+    SCALE,
+    SHAPES,
+    WINDOW,
+    WORDS,
+    CacheFormat,
+    PagedKV,
+    _cache_spec,
+    compile_cases,
     fused_traffic,
+    fused_v4_traffic,
+    mla_traffic,
+    specs,
+    v4_attention,
+    v4_traffic,
 )
-from reference import packed_cache, v4_cache
-from reference.cache_format import CacheFormat
-from reference.v4_attention import HEAD_DIM, PagedKV
-
-WINDOW, PAGE, SCALE = 128, 64, HEAD_DIM ** -0.5
-WORDS = packed_cache.packed_words(HEAD_DIM)  # 256 u32 words: one bf16 row, no padding
-# (name, rows = seqs, context tokens, heads, ratio, k): k = entries each row selects
-SHAPES = (("flash_csa_decode64x8192_h64_k512", 64, 8192, 64, 4, 512),
-          ("flash_hca_decode64x8192_h64", 64, 8192, 64, 128, None),
-          ("pro_csa_decode64x8192_h128_k1024", 64, 8192, 128, 4, 1024))
-FORMATS = ("packed", "fp8")
-
-
-def _cache_spec(pages: int, fmt: str):
-    """A window / compressed cache struct of ``pages`` pages of ``PAGE`` rows in ``fmt``."""
-    sd = jax.ShapeDtypeStruct
-    if fmt == "fp8":
-        return v4_cache.Fp8V4Cache(sd((pages, PAGE, v4_cache.LANES), jnp.uint32),
-                                   sd((pages, v4_cache.rope_rows(PAGE), v4_cache.LANES),
-                                      jnp.uint32))
-    return sd((pages, PAGE, WORDS), jnp.uint32)
-
-
-def specs(*, rows: int, context: int, heads: int, ratio: int, k: int | None,
-          fmt: str = "packed"):
-    """ShapeDtypeStructs of ``(q, window, kv_lens, cu_q_lens, distribution, compressed,
-    compressed_indices)`` (the last two ``None`` where the ratio takes none); both caches in
-    ``fmt`` (``FORMATS``)."""
-    sd = jax.ShapeDtypeStruct
-    w_pages = rows * (context // PAGE)
-    window = PagedKV(_cache_spec(w_pages, fmt), sd((w_pages,), jnp.int32),
-                     sd((rows + 1,), jnp.int32))
-    comp = idx = None
-    if ratio:
-        c_pages = rows * -(-(context // ratio) // PAGE)
-        comp = PagedKV(_cache_spec(c_pages, fmt), sd((c_pages,), jnp.int32),
-                       sd((rows + 1,), jnp.int32))
-    if ratio == 4:
-        idx = sd((rows, k), jnp.int32)
-    return [sd((rows, heads, HEAD_DIM), jnp.bfloat16), window, sd((rows,), jnp.int32),
-            sd((rows + 1,), jnp.int32), sd((3,), jnp.int32), comp, idx]
-
-
-def v4_traffic(chip: str, *, rows: int, context: int, heads: int, ratio: int,
-               k: int | None) -> aot.Traffic:
-    """Modelled HBM bytes of one decode call (every row at the end of a full ``context``):
-    the two MLA kernel calls (``mla_traffic``: window ``WINDOW`` rows; compressed ``k`` rows,
-    or ``context // 128`` for ratio 128 whose meta row is the whole entry capacity), the XLA
-    index building (window iota written, compressed list read and written) and the merge (two
-    bf16 partial outputs and two f32 LSEs read, the bf16 output written). The minimum reads
-    each window row and selected entry once (1024 B: 512 bf16), q once, writes out once."""
-    fmt = CacheFormat.PACKED_BF16
-    entries = 0 if not ratio else (k if ratio == 4 else context // ratio)
-    meta = {"window": WINDOW, "compressed": entries if ratio == 4 else context // ratio}
-    moved = flops = vmem = 0
-    for part, selected, table in (("window", WINDOW, rows * context // PAGE),
-                                  ("compressed", entries,
-                                   rows * -(-(context // max(ratio, 1)) // PAGE))):
-        if not selected:
-            continue
-        units = mla_blocks.token_block(meta[part], chip)
-        shape = mla_kernel.block_shape("token", heads=heads, dim=HEAD_DIM, v_dim=HEAD_DIM,
-                                       page_size=PAGE, units=units, meta_len=meta[part],
-                                       q_dtype=jnp.bfloat16, fmt="packed")
-        t = mla_traffic(rows=rows, heads=heads, dim=HEAD_DIM, v_dim=HEAD_DIM,
-                        selected_rows=selected, fmt=fmt, q_itemsize=2, meta_words=meta[part],
-                        prep_bytes=rows * meta[part] * PREP_BYTES_PER_ENTRY, table_words=table,
-                        shape=shape)
-        moved, flops, vmem = moved + t.bytes_moved, flops + t.flops, max(vmem, t.vmem_bytes)
-    index_xla = 4 * rows * (WINDOW + (2 if ratio == 4 else 1) * meta["compressed"] * bool(ratio))
-    parts = 2 if ratio else 1
-    merge = rows * heads * (parts * (2 * HEAD_DIM + 4) + 2 * HEAD_DIM)
-    bytes_min = (rows * (WINDOW + entries) * fmt.plain_row_bytes(HEAD_DIM)
-                 + rows * heads * 2 * HEAD_DIM * 2)
-    return aot.Traffic(int(moved + index_xla + merge), int(bytes_min), int(flops), int(vmem))
-
-
-def fused_v4_traffic(chip: str, *, rows: int, context: int, heads: int, ratio: int,
-                     k: int | None, fmt: str = "packed") -> aot.Traffic:
-    """``fused.fused_traffic`` at a compile shape (every row gathers its whole window and
-    every selected / visible entry); fp8: 1024 B moved per gathered token (2 DMAs) against a
-    minimum of the 640 B stored per token."""
-    del chip  # one block size on every chip
-    entries = 0 if not ratio else (k if ratio == 4 else context // ratio)
-    pages = rows * (context // PAGE) + (rows * -(-(context // ratio) // PAGE) if ratio else 1)
-    fp8 = fmt == "fp8"
-    t = fused_traffic(rows=rows, heads=heads, gathered_rows=WINDOW + entries,
-                      meta_words=k or 1, table_words=pages, block=DEFAULT_BLOCK,
-                      q_itemsize=2, row_bytes=FP8_ROW_BYTES if fp8 else 4 * WORDS,
-                      min_row_bytes=FP8_STORED_BYTES if fp8 else 2 * HEAD_DIM, fp8=fp8)
-    return aot.Traffic(t.bytes_moved + rows * INFO_WORDS * 4, t.bytes_min, t.flops,
-                       t.vmem_bytes)  # + row_info written by XLA
-
-
-def compile_cases(fused: bool = False, fmt: str = "packed") -> list[aot.CompileCase]:
-    """One case per ``SHAPES`` entry (the chip picks the MLA blocks); ``fused``: the
-    one-kernel path (``v4_attention(..., fused=True)``); ``fmt``: both caches' format
-    (``FORMATS``; fp8 needs ``fused``)."""
-    if fmt not in FORMATS or (fmt == "fp8" and not fused):
-        raise ValueError(f"fmt must be one of {FORMATS} (fp8 only with fused=True), got "
-                         f"fmt={fmt!r}, fused={fused}")
-    kernel = ("v4_attention_fused" if fused else "v4_attention") + ("_fp8" if fmt == "fp8"
-                                                                    else "")
-    cases = []
-    for name, rows, context, heads, ratio, k in SHAPES:
-        dims = dict(rows=rows, context=context, heads=heads, ratio=ratio, k=k)
-        c_pages = -(-(context // ratio) // PAGE) if ratio else 0
-
-        def fn_for_chip(chip, ratio=ratio, c_pages=c_pages, context=context):
-            f = functools.partial(v4_attention, sm_scale=SCALE, window_size=WINDOW,
-                                  compress_ratio=ratio, window_pages_per_seq=context // PAGE,
-                                  compressed_pages_per_seq=c_pages, fused=fused)
-            return lambda q, w, kv, cu, d, c, i: f(q, w, kv, cu, d, compressed=c,
-                                                   compressed_indices=i)
-
-        traffic = (functools.partial(fused_v4_traffic, fmt=fmt) if fused else v4_traffic)
-        cases.append(aot.CompileCase(kernel, name, fn_for_chip, specs(**dims, fmt=fmt),
-                                     functools.partial(traffic, **dims), tags=("decode",)))
-    return cases

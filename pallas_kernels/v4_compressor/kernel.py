@@ -60,7 +60,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import tpu
-from pallas_kernels.v4_compressor import traffic
+from pallas_kernels.v4_compressor import blocks, traffic
 from reference import v4_compressor as vc
 
 # words of one output slot's facts (``entry_facts``)
@@ -147,7 +147,7 @@ def _window_copies(kv_hbm, score_hbm, wbuf, wsem, first):
     """The DMAs of the aligned window of ``R + 8`` rows from row ``first`` rounded down to 8
     (kv into ``wbuf[0]``, score into ``wbuf[1]``): Mosaic moves a run of rows at a dynamic
     offset only tile-aligned."""
-    start = pl.multiple_of(first // traffic.WINDOW_PAD * traffic.WINDOW_PAD, traffic.WINDOW_PAD)
+    start = pl.multiple_of(first // blocks.WINDOW_PAD * blocks.WINDOW_PAD, blocks.WINDOW_PAD)
     return [pltpu.make_async_copy(src.at[pl.ds(start, wbuf.shape[1])], wbuf.at[a], wsem.at[a, 0])
             for a, src in enumerate((kv_hbm, score_hbm))]
 
@@ -155,7 +155,7 @@ def _window_copies(kv_hbm, score_hbm, wbuf, wsem, first):
 def _run_copies(kv_hbm, score_hbm, cbuf, sem, base):
     """The DMAs of a whole run that starts tile-aligned (rows ``[base, base + R)``, ``base %
     8 == 0``): straight into ``cbuf`` (kv ``[0]``, score ``[1]``), no rotation."""
-    pad = traffic.WINDOW_PAD
+    pad = blocks.WINDOW_PAD
     start = pl.multiple_of(base // pad * pad, pad)
     return [pltpu.make_async_copy(src.at[pl.ds(start, cbuf.shape[1])], cbuf.at[a], sem.at[a, 1])
             for a, src in enumerate((kv_hbm, score_hbm))]
@@ -169,7 +169,7 @@ def _chunk_values(cbuf, wbuf, use_window, k_c, first):
     if wbuf is None:
         return cbuf[0], cbuf[1]
     size = wbuf.shape[1]
-    shift = jax.lax.rem(k_c - first % traffic.WINDOW_PAD + size, size)
+    shift = jax.lax.rem(k_c - first % blocks.WINDOW_PAD + size, size)
     sel = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) < jnp.where(use_window, rows, 0)
     return tuple(jnp.where(sel, pltpu.roll(wbuf[a], shift, 0)[:rows], cbuf[a]) for a in (0, 1))
 
@@ -219,7 +219,7 @@ def _pool_kernel(facts_ref, kv_hbm, score_hbm, ape_ref, skv_hbm, sscore_hbm, out
         rows = cbuf.shape[1]
         base, k_s, k_c = facts_ref[at + _BASE], facts_ref[at + _KS], facts_ref[at + _KC]
         first = base + k_c  # this step's row of slot k_c
-        pad = traffic.WINDOW_PAD
+        pad = blocks.WINDOW_PAD
         aligned = use_window = jnp.bool_(False)
         copies = [(k_s < k_c, cp) for cp in _ring_copies(skv_hbm, sscore_hbm, rbuf, rsem,
                                                          facts_ref[at + _SLOT])]
@@ -252,8 +252,8 @@ def pool_call(facts, kv, score, ape, state: vc.CompressorState, *, ratio: int,
     rows, d = vc.state_rows(ratio), width // coff
     slots = facts.shape[0] // ENTRY_WORDS
     c = traffic.worst_counts(num_rows, slots - num_rows // ratio, ratio)  # E = T // r + S
-    window = traffic.uses_window(ratio, num_rows)
-    wshape = (2, rows + traffic.WINDOW_PAD, width) if window else (2, tpu.SUBLANES, tpu.LANES)
+    window = blocks.uses_window(ratio, num_rows, tpu.device_chip())
+    wshape = (2, rows + blocks.WINDOW_PAD, width) if window else (2, tpu.SUBLANES, tpu.LANES)
     const = lambda e, *_: (0, 0)  # noqa: E731
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1, grid=(slots,),

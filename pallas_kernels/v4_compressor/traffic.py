@@ -23,22 +23,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pallas_kernels import aot, tpu
+from pallas_kernels.v4_compressor.blocks import (  # noqa: F401 (WINDOW_MIN_ROWS: public here)
+    WINDOW_MIN_ROWS,
+    WINDOW_PAD,
+    uses_window,
+)
 from reference import v4_compressor as vc
 
 F32 = 4
-# Entries of at least this many slots (ratio 128) move a run of more than 8 chunk rows as one
-# aligned window of R + 8 rows (2 DMAs, 8 rows over); ratio 4's 8 slots keep row DMAs (a
-# 16-row window would double their bytes).
-WINDOW_MIN_ROWS = 64
-WINDOW_PAD = tpu.SUBLANES  # the window starts at the run's first row rounded down to 8
-
-
-def uses_window(ratio: int, num_rows: int) -> bool:
-    """Whether the pool kernel has the window path at this ratio and step size (static)."""
-    rows = vc.state_rows(ratio)
-    return rows >= WINDOW_MIN_ROWS and num_rows >= rows + WINDOW_PAD
-
-
+# The window path (``uses_window``, ``WINDOW_MIN_ROWS``, ``WINDOW_PAD``) is the block table's:
+# ``pallas_kernels.v4_compressor.blocks``.
 @dataclass(frozen=True)
 class StepCounts:
     """What one step does, in rows: ``entries`` completing (of ``slots`` output slots),
