@@ -28,7 +28,7 @@ Merges (``shard_map`` collectives over the ``ctx`` axis):
 
 Cost: each shard reads only its own KV pages (the bytes scale 1/N); the indexer kernels still
 walk every page slot of the sequence (absent pages are skipped, not fetched) and the MLA walk
-checks every entry. ``scripts/context_cost.py`` models the bytes read vs exchanged.
+checks every entry. ``scripts/cost/context_cost.py`` models the bytes read vs exchanged.
 
 Host helpers: ``shard_pages`` turns a global page table into per-shard local tables and the
 local->global page map; ``shard_cache`` / ``unshard_cache`` move caches (arrays or the fp8

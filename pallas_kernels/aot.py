@@ -7,7 +7,7 @@ device)`` runs the real Mosaic compiler, which enforces the tiling rules that in
 does not check. Works under ``JAX_PLATFORMS=cpu``.
 
 Each kernel module exposes ``compile_cases(quick: bool) -> list[CompileCase]``; the compile
-gate tests and ``scripts/tpu_compile_report.py`` iterate over them (one implementation).
+gate tests and ``scripts/cost/tpu_compile_report.py`` iterate over them (one implementation).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Validators that guarantee a compile (issue 14 item 5), sampled: every combination of page
 size, heads, dims, cache format, batch kind and blocks that an entry accepts AOT-compiles for
-the chip (``scripts/compile_grid.py``; its ``--full`` grid is the complete check, run by hand).
+the chip (``scripts/cost/compile_grid.py``; its ``--full`` grid is the complete check, run by hand).
 A seeded sample per kernel on one chip per run keeps this under a minute or two; the chips
 rotate with the seed so every chip is covered across the parametrization."""
 

@@ -74,7 +74,7 @@ def test_compile_error_names_chip_shape_and_mosaic_message():
 
 
 # Small pages on a mixed batch (the CLI's `--quick --dsa-use-pallas` uses page 16): token-mode
-# stages narrower than 128 lanes failed Mosaic on every chip (scripts/compile_grid.py); the
+# stages narrower than 128 lanes failed Mosaic on every chip (scripts/cost/compile_grid.py); the
 # entry widens them (pallas_kernels.indexer.blocks.resolve_blocks), so every block choice compiles.
 SMALL_PAGES = [(8, None), (16, None), (16, 2), (32, 1), (64, 1)]
 

@@ -14,7 +14,7 @@ written and read back by the merge. The fused kernel (``fused=True``, milestone 
 only): each token's 2 DMAs move 1024 B against the 640 B stored (1.6x on those bytes), so 1.46x
 (Flash CSA), 1.29x (Flash HCA), 1.45x (Pro CSA) of the fp8 minimum; the same bytes moved as
 packed bf16 (q, out and the tables dominate the rest), in 2x the DMAs. Numbers per chip:
-``python scripts/v4_cost.py`` (BENCHMARKS.md, "DeepSeek-V4 attention (issue 20)").
+``python scripts/cost/v4_cost.py`` (BENCHMARKS.md, "DeepSeek-V4 attention (issue 20)").
 
 The Pallas compressor (``pallas_kernels.v4_compressor``, issue 21) compiles at the V4 dims
 (d 512 ratio 4 and 128, d 128 ratio 4; 64 decode sequences and an 8192-token prefill) with its

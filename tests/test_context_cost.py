@@ -1,4 +1,4 @@
-"""scripts/context_cost.py --quick: the model's structure and the facts that hold by definition
+"""scripts/cost/context_cost.py --quick: the model's structure and the facts that hold by definition
 (no exchange without sharding, per-device reads shrink with N, the candidate merge does not
 depend on the context, the fitting context is linear in N, break-evens are positive or
 "never"). No threshold on the model's numbers: they are its outcome, not a contract."""

@@ -272,7 +272,7 @@ def test_the_fp4_path_moves_the_bytes_of_plain_keys(chip, page_mode):
 
 
 def test_counted_fp4_bytes_are_the_models_which_are_the_plain_keys():
-    # the interpreter's count of the fp4 path at scripts/hbm_traffic.py's decode shape equals
+    # the interpreter's count of the fp4 path at scripts/cost/hbm_traffic.py's decode shape equals
     # the model's kernel side, and that model's bytes are the plain path's (rotation in VMEM)
     from pallas_kernels.measure import hbm_traffic as ht
 

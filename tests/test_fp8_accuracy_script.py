@@ -1,4 +1,5 @@
-"""scripts/fp8_accuracy.py --quick: the result's shape and the facts that hold by definition
+"""scripts/experiments/fp8_accuracy.py --quick: the result's shape and the facts that hold by
+definition
 (fractions in [0, 1], ties forgiven >= plain, errors finite and >= 0). No accuracy thresholds:
 the numbers are the experiment's outcome, not a contract."""
 

@@ -1,5 +1,5 @@
 """The libtpu facts ``reference.fp8_cache``'s docstring gives as the reasons for its layouts
-(``scripts/fp8_layout_probe.py``), checked on every chip we compile for: if a libtpu release
+(``scripts/probes/fp8_layout_probe.py``), checked on every chip we compile for: if a libtpu release
 changes one, this fails and the layout (and its docstring) should be revisited."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """HBM traffic counted in the Pallas TPU interpreter (a simulation) against each kernel's traffic
-model, at one small decode shape per kernel (``scripts/hbm_traffic.py``'s quick cases).
+model, at one small decode shape per kernel (``scripts/cost/hbm_traffic.py``'s quick cases).
 
 Pinned: counted bytes (HBM<->VMEM lane-padded, HBM->SMEM logical) EQUAL the model's kernel
 side exactly, and each input is fetched the number of times the design says (every needed key

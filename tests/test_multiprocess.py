@@ -1,5 +1,6 @@
 """The context-sharded step under ``jax.distributed`` with 2 processes on this machine
-(``scripts/multiprocess_step.py``): the same result as the single-device step, in bounded time,
+(``scripts/bench/multiprocess_step.py``): the same result as the single-device step, in bounded
+time,
 with no process left behind."""
 
 from __future__ import annotations

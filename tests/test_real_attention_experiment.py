@@ -1,4 +1,5 @@
-"""scripts/real_attention_experiment.py --quick: only what must hold by construction (shapes,
+"""scripts/experiments/real_attention_experiment.py --quick: only what must hold by construction
+(shapes,
 equal budgets, the oracle's recall is an upper bound, the seed's coverage contract, finite
 bits per byte), never the experiment's outcome. The quick run is the notebook's: the module
 fixture executes scripts/real_attention_experiment.ipynb."""

@@ -1,5 +1,6 @@
 """The libtpu facts ``reference.v4_cache``'s docstring gives as the reasons for the V4 cache's
-TPU layout (``scripts/v4_layout_probe.py``), on every chip we compile for: if a libtpu release
+TPU layout (``scripts/probes/v4_layout_probe.py``), on every chip we compile for: if a libtpu
+release
 changes one, this fails and the layout (and its docstring) should be revisited."""
 
 from __future__ import annotations

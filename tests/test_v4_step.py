@@ -384,7 +384,7 @@ def test_fp8_caches_follow_the_plain_step():
 
 
 def test_v4_step_cost_script_quick(capsys):
-    """``scripts/v4_step_cost.py --quick`` compiles the step for v6e (the Pallas compressor):
+    """``scripts/cost/v4_step_cost.py --quick`` compiles the step for v6e (the Pallas compressor):
     no narrow gathers."""
     from scripts.cost import v4_step_cost as mod
 

@@ -16,7 +16,7 @@ Unit tests of ``pallas_kernels.xla_cost`` on small programs whose answer is know
   indexer token and page top-k (pallas), decode 64 x 4096 and 8 x 131072: XLA-side bytes other
   than the selection stage <= 0.25x the kernel's key bytes.
 - the step (``dsa_step``'s body, Pallas, decode 64 x 4096, H = 128, V3.2 dims; programs from
-  ``scripts/whole_op_cost.py``): at 2 layers, token and page, packed and fp8 caches (plus fp8
+  ``scripts/cost/whole_op_cost.py``): at 2 layers, token and page, packed and fp8 caches (plus fp8
   rows on tpu7x and v5e), XLA-side bytes <= 0.10x the kernels' bytes + the cache rows it
   writes; 8 layers <= 4.2x the total bytes of 2 layers (fp8, token); the 61-layer fp8 step's
   temp memory < 64 MiB (v6e and tpu7x).
@@ -506,7 +506,7 @@ def test_real_size_step_temp_memory(chip):
 
 # ----------------------------------------------------------------------------- fp8 and MTP
 # fp8 caches and MTP rows (v6e). The bound the issue asks is 0.10x; where it is not met yet the
-# test pins today's figure as a regression bound and says the cause (scripts/whole_op_cost.py's
+# test pins today's figure as a regression bound and says the cause (scripts/cost/whole_op_cost.py's
 # OPMIN_GATES carry the same labels).
 
 MTP_Q, MTP_KV = [4] * 16, [4096] * 16

@@ -1,4 +1,5 @@
-"""scripts/witness_experiment.py on a tiny grid: definitional facts only (budgets, the nulls,
+"""scripts/experiments/witness_experiment.py on a tiny grid: definitional facts only (budgets, the
+nulls,
 metric ranges, what the merge guarantees by construction), and the notebook executes."""
 
 from __future__ import annotations

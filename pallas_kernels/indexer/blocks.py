@@ -151,7 +151,7 @@ def resolve_blocks(blocks: IndexerBlocks | None, *, block_rows: int | None,
     ``mosaic`` (compiling for a TPU, not interpreting): in token mode a stage's scores are
     stored at lane offset ``stage * P * page_size`` of the row buffer, which Mosaic compiles
     only when ``P * page_size`` is a multiple of 128 (measured over 300 AOT compiles on v5e,
-    v6e and tpu7x by ``scripts/compile_grid.py``: every narrower stage failed with
+    v6e and tpu7x by ``scripts/cost/compile_grid.py``: every narrower stage failed with
     "cannot statically prove that index in dimension 2 is a multiple of 128", every whole-lane
     stage compiled). So ``P`` is doubled until it is: pages past an item's need are never
     fetched (their scores are ``-inf``), so a wider stage costs MXU work on at most 127

@@ -194,7 +194,7 @@ def compute_dtypes(q, cache_kv, chip: str | None,
 
 def check_config(cfg: ScoreConfig, *, mosaic: bool) -> None:
     """Refuse a config Mosaic cannot compile (``ValueError`` with the numbers). Measured by
-    ``scripts/compile_grid.py`` over page sizes 8..256, heads 1..64, both key dtypes, decode
+    ``scripts/cost/compile_grid.py`` over page sizes 8..256, heads 1..64, both key dtypes, decode
     and mixed batches on v5e, v6e and tpu7x: the one failing class was a token-mode stage that
     is not whole 128-lane groups, which ``blocks.resolve_blocks`` widens away; this is the
     guard that a config built another way cannot reach Mosaic."""

@@ -1,5 +1,5 @@
 """Traffic model of the indexer score kernel: HBM bytes, MXU flops and VMEM, replaying the work
-lists in plain Python (what ``scripts/hbm_traffic.py`` checks against interpreter counts)."""
+lists in plain Python (what ``scripts/cost/hbm_traffic.py`` checks against interpreter counts)."""
 
 from __future__ import annotations
 

@@ -92,7 +92,7 @@ def _level_items(cfg, i: int, top: int, ladder, seq_rows, b: batch.RaggedBatch, 
     seen = batch.entries_of_tokens(pos + n, b.compression_ratio)  # keys the last row may see
     tokens = jnp.clip(jnp.minimum(seen, kv_eff), 0, cfg.capacity)
     # An empty item (n == 0) needs no pages: else the previous step's cross-item prefetch would
-    # start DMAs for it that nobody waits on (found by scripts/hbm_traffic.py's count).
+    # start DMAs for it that nobody waits on (found by scripts/cost/hbm_traffic.py's count).
     npages = jnp.where(n > 0, (tokens + cfg.page_size - 1) // cfg.page_size, 0)
     nblk = jnp.where(n > 0, jnp.maximum((npages + cfg.block_pages - 1) // cfg.block_pages, 1), 0)
     return jnp.stack([seq, row - row0, n, pos - shift, kv_eff, npages, nblk, shift, qrow,

@@ -30,7 +30,7 @@ the source). ``check_internals()`` verifies every symbol, keyword and field befo
 raises ``InternalsChanged`` (a RuntimeError naming the jax version and the missing piece);
 ``self_test()`` runs a tiny kernel with one block copy each way and one manual DMA per step and
 checks the exact counts, so a jax upgrade cannot silently count zero. Nothing in the package
-imports this module (the package must import on any jax); ``scripts/hbm_traffic.py`` and its
+imports this module (the package must import on any jax); ``scripts/cost/hbm_traffic.py`` and its
 test do.
 
 Usage::

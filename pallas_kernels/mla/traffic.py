@@ -1,5 +1,5 @@
 """Traffic model of the sparse MLA kernels: HBM bytes, flops and VMEM of one call (what the
-compile gate and ``scripts/hbm_traffic.py`` check)."""
+compile gate and ``scripts/cost/hbm_traffic.py`` check)."""
 
 from __future__ import annotations
 

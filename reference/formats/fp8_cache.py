@@ -34,7 +34,7 @@ per token:
 - words ``[160, 164)``: the f32 bits of the 4 tile scales.
 - words ``[164, 256)``: zero.
 - Why 32-bit words in whole 128-lane rows (all measured through libtpu's AOT compile on v5e,
-  v6e and tpu7x; see ``scripts/fp8_layout_probe.py``):
+  v6e and tpu7x; see ``scripts/probes/fp8_layout_probe.py``):
   - The token-sparse kernel DMAs single token rows. A single row of an 8-bit or 16-bit array
     is part of a tile, and Mosaic refuses such a DMA (``reference.formats.packed_cache``).
   - A DMA of part of a 32-bit row at a dynamic lane offset is refused as well ("dynamic offset

@@ -56,7 +56,7 @@ optional leading dims such as a layer stack ``L`` on both parts):
   scale by lane as above; rope low / high halves ``bitcast(w << 16, f32)`` /
   ``bitcast(w & 0xFFFF0000, f32)`` are rope ``i`` / ``32 + i`` exactly.
 
-Why this layout (``scripts/v4_layout_probe.py``, AOT via libtpu on v5e, v6e and tpu7x; the
+Why this layout (``scripts/probes/v4_layout_probe.py``, AOT via libtpu on v5e, v6e and tpu7x; the
 numbers are XLA's argument bytes and Mosaic's verdicts):
 
 - Mosaic DMAs move whole 128-word lane rows: a 32-of-128-lane piece of a row is refused at a
