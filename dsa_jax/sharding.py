@@ -131,8 +131,8 @@ def _check_context(mesh, ctx_axis, layout, latent_caches, index_caches, meta) ->
     tables = meta.page_indices
     if not all(concrete(x) for x in meta):
         return  # traced, or spread over processes: check the host tables before placing them
-        #         (``dsa_jax.context.check_local_tables``, as scripts/bench/multiprocess_step.py
-        # does)
+        #         (``dsa_jax.context.check_local_tables``, as
+        #         scripts/bench/multiprocess_step.py does)
     local_pages = int(latent_caches.shape[-3])
     from dsa_jax import context
 
