@@ -112,7 +112,9 @@ def test_step_equals_statement_long_decode():
     _drive(_schedule([133, 7], 260), qat=False, backend="reference")
 
 
-LOCKSTEP_WINDOW = 16  # the window of the lockstep runs (the interpreter's cost grows with it)
+# The window of the lockstep runs and its page size (the interpreter's cost grows with the
+# window: one DMA per window token per row and layer; 16 in pages of 8 cost ~1.3x per step).
+LOCKSTEP_WINDOW, LOCKSTEP_WINDOW_PAGE = 8, 4
 
 
 @pytest.mark.slow
@@ -123,7 +125,7 @@ def test_both_backends_equal_statement_long_decode(qat):
     reference and the Pallas backend (the strict interpreter, prefill included) against the
     statement, per sequence and layer: both sequences complete ratio-128 entries 0 and 1
     (positions 127 and 255) and every ratio-4 group on the way, at different steps. The window
-    is 16 tokens (statement and layout; pages of 8), so it is crossed from the prefill on
+    is 8 tokens (statement and layout; pages of 4), so it is crossed from the prefill on
     (sequence 0's prefill is longer than it) and a window spans page boundaries: the
     interpreter's cost grows with the window (128: about 5x per step), the 128-token window
     is covered by ``test_step_equals_statement_long_decode`` and the Pallas decode after a
@@ -137,7 +139,7 @@ def lockstep_long_decode(qat: bool) -> None:
     it)."""
     _drive(_schedule([20, 3], 260), qat=qat,
            backends=[("reference", None), ("pallas", INTERPRET)], window_size=LOCKSTEP_WINDOW,
-           window_page_size=8, max_seq=288)
+           window_page_size=LOCKSTEP_WINDOW_PAGE, max_seq=288)
 
 
 def test_step_equals_statement_across_the_second_hca_group_with_qat():
