@@ -1,5 +1,5 @@
 """Compile gate: DeepSeek-V4 attention (``pallas_kernels.v4``: the fused kernel, the default, on
-packed bf16 and fp8 MODEL1 caches; milestone 1, two token-mode MLA kernel calls merged in XLA,
+packed bf16 and fp8 MODEL1 caches; the two-pass form, two token-mode MLA kernel calls merged in XLA,
 on packed caches) AOT-compiles for v5e, v6e and tpu7x at V4-Flash (H=64, top-512; and the
 ratio-128 layer) and V4-Pro (H=128, top-1024) decode shapes (64 rows x 8192 tokens, window 128),
 with no per-element gather/scatter or loop in the XLA glue, and its modelled bytes per decode row
@@ -9,7 +9,7 @@ bf16, at the 640 B stored per token for fp8; q read and out written once).
 The factors (measured by the model, ``v4_traffic``): 1.43x (Flash CSA), 2.01x (Flash HCA:
 only 64 entries at 8192, so q, the two partial outputs and the merge weigh as much as the
 gathered rows), 1.47x (Pro CSA). What is over the minimum: q read twice, two partial outputs
-written and read back by the merge. The fused kernel (``fused=True``, milestone 2) removes it:
+written and read back by the merge. The fused kernel (``fused=True``) removes it:
 1.00x for every shape (its SMEM lists, tables and row info are the rest). fp8 caches (fused
 only): each token's 2 DMAs move 1024 B against the 640 B stored (1.6x on those bytes), so 1.46x
 (Flash CSA), 1.29x (Flash HCA), 1.45x (Pro CSA) of the fp8 minimum; the same bytes moved as

@@ -67,4 +67,4 @@ def test_v4_cost_quick(tmp_path):
     stdout = _run(["-m", "scripts.cost.v4_cost", "--quick", "--markdown", str(out)], tmp_path)
     text = out.read_text()
     assert text in stdout.replace("\r", "") or text.strip() in stdout
-    assert "fp8 MODEL1" in text and "milestone 1" in text and "Flash CSA" in text
+    assert "fp8 MODEL1" in text and "two-pass" in text and "Flash CSA" in text

@@ -65,7 +65,7 @@ def _fused(*args, **kw):
     return v4_attention(*args, **kw, interpret=True, tokens_per_block=16)  # fused: the default
 
 
-# "pallas": milestone 1 (two MLA kernel calls merged in XLA, fused=False); "fused": the
+# "pallas": the two-pass form (two MLA kernel calls merged in XLA, fused=False); "fused": the
 # one-kernel path (the default) with small blocks (16 rows) so every row walks several blocks
 # across the two sources.
 BACKENDS = {"reference": _ref, "pallas": _pallas, "fused": _fused}
@@ -464,5 +464,5 @@ def test_fp8_refusals_name_the_formats():
                                                   r"compressed.cache float32"):
         v4_attention(b.q, fp8_w, *b.args()[2:], **kw, interpret=True)
     with pytest.raises(NotImplementedError, match="window.cache is an fp8 Fp8V4Cache: "
-                                                  "milestone 1 .fused=False"):
+                                                  "the two-pass form .fused=False"):
         v4_attention(b.q, fp8_w, *b.args()[2:], **kw, interpret=True, fused=False)

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 attention in ONE Pallas TPU kernel (once "milestone 2"; the default path of
+"""DeepSeek-V4 attention in ONE Pallas TPU kernel (the default path of
 ``pallas_kernels.v4_attention.v4_attention``, ``fused=True``): each query row walks its window
 tokens, then its compressed entries, in one online softmax.
 

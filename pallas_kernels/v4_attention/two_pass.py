@@ -76,9 +76,9 @@ def two_pass(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array, cu_q_lens: ja
     for name, kv in (("window.cache", window), ("compressed.cache", compressed)):
         if kv is not None and isinstance(kv.cache, v4_cache.Fp8V4Cache):
             raise NotImplementedError(
-                f"{name} is an fp8 Fp8V4Cache: milestone 1 (fused=False, the MLA kernel) reads "
-                f"packed bf16 or f32 caches only; the fused kernel (fused=True, the default) "
-                f"reads fp8 caches")
+                f"{name} is an fp8 Fp8V4Cache: the two-pass form (fused=False, the MLA kernel) "
+                f"reads packed bf16 or f32 caches only; the fused kernel (fused=True, the "
+                f"default) reads fp8 caches")
     w_one = stacked.resolve("window.cache", window.cache, layer).one
     c_one = None
     if compressed is not None:

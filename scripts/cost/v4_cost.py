@@ -6,7 +6,7 @@ Programs: the compile-gate cases of ``pallas_kernels.v4.compile_cases`` (64 deco
 tokens, window 128 in pages of 64, compressed pages of 64 entries): Flash CSA (H=64, ratio 4,
 top-512), Flash HCA (H=64, ratio 128: every visible entry, 64 at 8192), Pro CSA (H=128, ratio 4,
 top-1024); paths: the fused kernel (the default) on packed bf16 and on fp8 MODEL1 caches, and
-milestone 1 (``fused=False``, two MLA kernel calls merged in XLA) on packed bf16 caches.
+the two-pass form (``fused=False``, two MLA kernel calls merged in XLA) on packed bf16 caches.
 
 Columns, per decode row (a call's bytes / 64):
 
@@ -18,7 +18,7 @@ Columns, per decode row (a call's bytes / 64):
 - ``model``: the traffic model's bytes moved (fp8: 1024 B per token, its 2 DMAs: the 512 B
   record and the 512 B rope row shared with 3 tokens), and ``model / min``;
 - ``XLA``: XLA's ``bytes accessed`` of the whole program (the kernels' declared estimates plus
-  the XLA glue: row facts, index building, the milestone-1 merge), and ``XLA / min``.
+  the XLA glue: row facts, index building, the two-pass merge), and ``XLA / min``.
 
 Usage: ``python -m scripts.cost.v4_cost [--quick] [--chips v5e,v6e,tpu7x] [--markdown PATH]``
 (``--quick``: Flash CSA on one chip).
@@ -39,7 +39,7 @@ from pallas_kernels.v4 import compile_cases as v4cases  # noqa: E402
 from pallas_kernels.v4.fused import FP8_STORED_BYTES  # noqa: E402
 from reference.v4_attention import HEAD_DIM  # noqa: E402
 
-PATHS = (("fused", True, "packed"), ("fused", True, "fp8"), ("milestone 1", False, "packed"))
+PATHS = (("fused", True, "packed"), ("fused", True, "fp8"), ("two-pass", False, "packed"))
 LABELS = {"flash_csa": "Flash CSA (H=64, top-512)", "flash_hca": "Flash HCA (H=64, ratio 128)",
           "pro_csa": "Pro CSA (H=128, top-1024)"}
 
