@@ -44,10 +44,18 @@ def collect_cases(quick: bool):
     return cases, missing
 
 
-def run(quick: bool, chips: list[str]) -> tuple[list[dict], list[str]]:
+def run(quick: bool, chips: list[str],
+        limit: int | None = None) -> tuple[list[dict], list[str]]:
     from pallas_kernels.aot import CompileError
 
     cases, missing = collect_cases(quick)
+    if limit is not None:  # the first ``limit`` cases of each kernel
+        kept: dict[str, list] = {}
+        for c in cases:
+            kept.setdefault(c.kernel, [])
+            if len(kept[c.kernel]) < limit:
+                kept[c.kernel].append(c)
+        cases = [c for group in kept.values() for c in group]
     rows = []
     for case in cases:
         for chip in chips:
@@ -95,9 +103,13 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="the quick subset of shapes")
     p.add_argument("--chips", default=",".join(chip_specs.NAMES), help="comma-separated chips")
     p.add_argument("--out", default="out/tpu_compile_report", help="folder for .md and .json")
+    p.add_argument("--limit", type=int, default=None,
+                   help="only the first N cases of each kernel (a smoke run of the report)")
     a = p.parse_args(argv)
+    if a.limit is not None and a.limit < 1:
+        p.error(f"--limit must be >= 1, got {a.limit}")
     chips = chip_specs.parse(a.chips)
-    rows, missing = run(a.quick, chips)
+    rows, missing = run(a.quick, chips, a.limit)
     md = markdown(rows, missing)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
