@@ -73,9 +73,8 @@ from dsa_jax.v4_step import v4_step
 from dsa_jax.validate import check_batch, run_checked
 from pallas_kernels import IndexerBlocks, MlaBlocks, PerformanceWarning
 from reference import build_index_share_map, glm_index_share_pattern
-from reference.cache_format import CacheFormat
-from reference.fp8 import dequantize_fp8, dequantize_latent_fp8, quantize_fp8, quantize_latent_fp8
-from reference.fp8_cache import (
+from reference.formats.cache_format import CacheFormat
+from reference.formats.fp8_cache import (
     Fp8IndexCache,
     Fp8LatentCache,
     dequantize_index_cache,
@@ -87,9 +86,7 @@ from reference.fp8_cache import (
     quantize_index_cache,
     quantize_latent_cache,
 )
-from reference.packed_cache import pack_cache, packed_words, unpack_cache
-from reference.v4_attention import PagedKV
-from reference.v4_cache import (
+from reference.formats.model1 import (
     Fp8V4Cache,
     dequantize_v4_cache,
     quantize_v4_cache,
@@ -97,6 +94,14 @@ from reference.v4_cache import (
     v4_cache_to_flashmla,
     write_v4_rows,
 )
+from reference.formats.packed_cache import pack_cache, packed_words, unpack_cache
+from reference.quant.fp8 import (
+    dequantize_fp8,
+    dequantize_latent_fp8,
+    quantize_fp8,
+    quantize_latent_fp8,
+)
+from reference.v4_attention import PagedKV
 from reference.witnesses import (
     MAX_TOPOLOGY_SEGMENTS,
     LearnedKeepOutOfRange,

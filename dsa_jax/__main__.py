@@ -133,7 +133,7 @@ def _local_batch(rng, s, layout, indexer_types, q_lens, kv_lens):
     import numpy as np
 
     from dsa_jax import BatchMeta, StepInputs
-    from reference.synthetic import make_ragged_batch
+    from reference.core.synthetic import make_ragged_batch
 
     b = make_ragged_batch(rng, q_lens=q_lens, kv_lens=kv_lens, page_size=layout.page_size,
                           pages_per_seq=layout.pages_per_seq, num_heads=1, dim=8, pad_rows=2,
@@ -161,7 +161,8 @@ def _context_lens(meta, num_rows):
     import jax.numpy as jnp
     import numpy as np
 
-    from reference import batch, selection
+    from reference.core import batch
+    from reference.indexer import selection
 
     kv, _, cu_q, _, dist = (jnp.asarray(x) for x in meta)
     rows = batch.row_facts(num_rows, kv, cu_q, dist)

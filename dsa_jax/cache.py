@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsa_jax.layout import PagedLayout
-from reference import batch, fp8_cache, packed_cache
+from reference.core import batch
+from reference.formats import fp8_cache, packed_cache
 
 
 def write_slots(layout: PagedLayout, num_rows: int, num_pages: int, kv_lens, page_indices,

@@ -43,9 +43,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from reference import batch, index_scores, selection, sinks, stacked
-from reference._indexer_args import check_topk_args
-from reference.page_topk import causal_page_count, page_max
+from reference.core import batch
+from reference.formats import stacked
+from reference.indexer import scores as index_scores
+from reference.indexer import selection
+from reference.indexer.args import check_topk_args
+from reference.indexer.page_topk import causal_page_count, page_max
+from reference.mla import sinks
 
 ABSENT = -1  # a local table slot whose page lives on another context shard
 

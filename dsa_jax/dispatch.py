@@ -26,7 +26,7 @@ import numpy as np
 from jax.experimental import checkify
 
 from dsa_jax import validate as _validate
-from reference import stacked
+from reference.formats import stacked
 
 
 def call(fn, extra, arrays, statics, validate: bool, *, num_rows: int, cache_index: int,

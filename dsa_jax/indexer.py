@@ -12,7 +12,7 @@ import numpy as np
 
 from dsa_jax import backend as _backend
 from dsa_jax import dispatch as _dispatch
-from reference.selection import DEFAULT_RECALL_TARGET
+from reference.indexer.selection import DEFAULT_RECALL_TARGET
 
 
 def indexer_topk(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 import numpy as np
 
-from reference import batch, fp8, fp8_cache, packed_cache
+from reference.core import batch
+from reference.formats import fp8_cache, packed_cache
+from reference.quant import fp8
 
 LANES = 128
 INDEX_FORMATS = ("plain", "fp8")

@@ -10,7 +10,7 @@ from dsa_jax.dispatch import _checked  # noqa: F401
 from dsa_jax.dispatch import call as _call  # noqa: F401
 from dsa_jax.indexer import indexer_topk, page_topk
 from dsa_jax.mla import _mla, page_sparse_mla, sparse_mla  # noqa: F401
-from reference.selection import DEFAULT_RECALL_TARGET
+from reference.indexer.selection import DEFAULT_RECALL_TARGET
 
 __all__ = ["DEFAULT_RECALL_TARGET", "indexer_topk", "page_sparse_mla", "page_topk",
            "sparse_mla"]

@@ -44,7 +44,7 @@ from dsa_jax.v4_model import (
 )
 from dsa_jax.v4_step import v4_step_body
 from pallas_kernels import IndexerBlocks, MlaBlocks
-from reference.selection import DEFAULT_RECALL_TARGET
+from reference.indexer.selection import DEFAULT_RECALL_TARGET
 
 
 def _shard_map(fn, mesh, in_specs, out_specs):

@@ -46,8 +46,14 @@ from dsa_jax.layout import PagedLayout
 from dsa_jax.mla import page_sparse_mla, sparse_mla
 from pallas_kernels import IndexerBlocks, MlaBlocks
 from pallas_kernels.mla import layers as mla_layers
-from reference import build_index_share_map, fp8_cache, sinks
-from reference.selection import DEFAULT_RECALL_TARGET, check_selection_args, finish_selection
+from reference import build_index_share_map
+from reference.formats import fp8_cache
+from reference.indexer.selection import (
+    DEFAULT_RECALL_TARGET,
+    check_selection_args,
+    finish_selection,
+)
+from reference.mla import sinks
 
 GRANULARITIES = ("token", "page")
 

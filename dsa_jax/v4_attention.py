@@ -38,8 +38,10 @@ from jax.experimental import checkify
 from dsa_jax import backend as _backend
 from dsa_jax import validate as _validate
 from dsa_jax.layout import LayoutError, _int, aligned_page_size
-from reference import batch, packed_cache, stacked, v4_cache
 from reference import v4_attention as v4
+from reference.core import batch
+from reference.formats import model1 as v4_cache
+from reference.formats import packed_cache, stacked
 
 V4_CACHE_FORMATS = ("plain", "packed", "fp8")  # fp8: MODEL1, reference.v4_cache.Fp8V4Cache
 RESERVED_FORMATS = ()  # kept for callers that tested membership

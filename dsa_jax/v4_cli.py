@@ -55,9 +55,10 @@ def build(rng, s: dict, q_lens, kv_lens, spec: bool = False, *, window_format: s
     import numpy as np
 
     from dsa_jax import v4_model as v4m
-    from reference import deepseek_v4 as dv4
-    from reference import fp8_cache, v4_cache
     from reference import v4_compressor as vc
+    from reference.formats import fp8_cache
+    from reference.formats import model1 as v4_cache
+    from reference.statements import deepseek_v4 as dv4
 
     for name, fmt in (("window_format", window_format), ("compressed_format", compressed_format),
                       ("index_format", index_format)):

@@ -21,9 +21,10 @@ import jax.numpy as jnp
 from dsa_jax import cache as _cache
 from dsa_jax.v4_attention import layout_batch
 from dsa_jax.v4_model import TYPE_NAMES, TYPES, V4BatchMeta, V4Caches, V4ModelLayout, V4StepInputs
-from reference import deepseek_v4 as _dv4
-from reference import fp8_cache, packed_cache, v4_cache
 from reference import v4_compressor as vc
+from reference.formats import fp8_cache, packed_cache
+from reference.formats import model1 as v4_cache
+from reference.quant import qat as _qat
 from reference.v4_attention import PagedKV
 
 
@@ -63,12 +64,12 @@ def write_windows(caches: V4Caches, inputs: V4StepInputs, meta: V4BatchMeta,
 
 def _nope_fp8(rows):
     """The official QAT of an attention entry: fp8 block 64 on the 448 nope dims."""
-    return jnp.concatenate([_dv4.act_quant_sim(rows[:, :448]), rows[:, 448:]], axis=-1)
+    return jnp.concatenate([_qat.act_quant_sim(rows[:, :448]), rows[:, 448:]], axis=-1)
 
 
 def _index_fp4(rows):
     """The official QAT of an index entry: Hadamard rotation, then fp4 block 32."""
-    return _dv4.fp4_act_quant_sim(_dv4.hadamard_rotate(rows))
+    return _qat.fp4_act_quant_sim(_qat.hadamard_rotate(rows))
 
 
 def _compress_family(cache, state, kv, score, ape, norm, cos, sin, meta: V4BatchMeta, *,

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from reference import batch
+from reference.core import batch
 
 
 def _first(bad: jax.Array) -> jax.Array:

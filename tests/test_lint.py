@@ -97,3 +97,24 @@ def test_reference_layers_flow_one_way():
                             else "a higher or sibling layer")
                     bad.append(f"{rel} imports reference.{target} ({what})".replace(".)", ")"))
     assert not bad, bad
+
+
+def test_kernels_and_api_import_reference_by_its_new_paths():
+    """``pallas_kernels`` and ``dsa_jax`` import ``reference``'s modules from their homes, never
+    through the shims kept at the old paths for users (``REFERENCE_SHIMS``)."""
+    bad = []
+    for pkg in ("pallas_kernels", "dsa_jax"):
+        for path in (ROOT / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    targets = ([node.module] if node.module != "reference" else
+                               [f"reference.{a.name}" for a in node.names])
+                elif isinstance(node, ast.Import):
+                    targets = [a.name for a in node.names]
+                else:
+                    continue
+                for target in targets:
+                    parts = target.split(".")
+                    if parts[0] == "reference" and len(parts) > 1 and parts[1] in REFERENCE_SHIMS:
+                        bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {target}")
+    assert not bad, bad

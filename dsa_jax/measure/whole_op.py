@@ -22,7 +22,9 @@ from pallas_kernels.indexer import compile_cases as icases
 from pallas_kernels.indexer import scoring, work_list
 from pallas_kernels.indexer import traffic as itraffic
 from pallas_kernels.mla import compile_cases as mcases
-from reference import fp8, fp8_cache, selection
+from reference.formats import fp8_cache
+from reference.indexer import selection
+from reference.quant import fp8
 from reference.witnesses import scatter_topology_witnesses
 
 I32, F32, BF16, U32 = jnp.int32, jnp.float32, jnp.bfloat16, jnp.uint32

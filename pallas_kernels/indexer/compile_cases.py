@@ -19,7 +19,8 @@ from pallas_kernels.indexer.kernel import compute_dtypes
 from pallas_kernels.indexer.page import streamindex_page_topk
 from pallas_kernels.indexer.token import streamindex_topk
 from pallas_kernels.indexer.traffic import traffic
-from reference import fp8, fp8_cache
+from reference.formats import fp8_cache
+from reference.quant import fp8
 
 # name -> (q_lens, kv_lens, one_token_per_seq); DeepSeek-V3.2 indexer: H=64, D=128, page 64.
 GATE_SHAPES = {

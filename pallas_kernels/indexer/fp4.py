@@ -1,6 +1,6 @@
 """DeepSeek-V4's FP4 index simulation on a key tile inside the indexer kernel
 (``index_quant="fp4_sim"``; the rule is ``reference.index_scores.fp4_sim``: a normalized
-Hadamard rotation of the 128 dims, then ``reference.deepseek_v4.fp4_act_quant_sim``).
+Hadamard rotation of the 128 dims, then ``reference.quant.qat.fp4_act_quant_sim``).
 
 Only Mosaic-supported ops on a 2-D ``[N, 128]`` tile: the Hadamard matrix from iotas (the
 parity of ``popcount(i & j)`` by xor-folds), one MXU matmul, per-32-lane-block maxima as masked
@@ -20,16 +20,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from reference import deepseek_v4
+from reference.quant import qat
 
-BLOCK = deepseek_v4.QAT_FP4_BLOCK  # 32 lanes per ue8m0 scale
+BLOCK = qat.QAT_FP4_BLOCK  # 32 lanes per ue8m0 scale
 _SIGN = -(2**31)  # the f32 sign bit as an i32 mask
 _MANTISSA = (1 << 23) - 1
 
 
 def hadamard(n: int, dtype) -> jax.Array:
     """The Sylvester Hadamard matrix ``[n, n]`` (``H[i, j] = (-1)**popcount(i & j)``, the
-    natural order of ``reference.deepseek_v4.hadamard_rotate``) built from iotas; +-1 is exact in
+    natural order of ``reference.quant.qat.hadamard_rotate``) built from iotas; +-1 is exact in
     bf16 and f32."""
     i = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
     j = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
@@ -73,12 +73,12 @@ def fp4_round(x: jax.Array) -> jax.Array:
     for g in range(width // BLOCK):
         mine = group == g
         amax = jnp.max(jnp.where(mine, a, 0.0), axis=1, keepdims=True)  # [N, 1]
-        amax = jnp.maximum(amax, jnp.float32(deepseek_v4.FP4_AMAX_FLOOR))
-        q = _bits(amax * jnp.float32(1.0 / deepseek_v4.FP4_MAX))
+        amax = jnp.maximum(amax, jnp.float32(qat.FP4_AMAX_FLOOR))
+        q = _bits(amax * jnp.float32(1.0 / qat.FP4_MAX))
         e = (q >> 23) + jnp.where((q & _MANTISSA) != 0, 1, 0)  # biased exponent of s, 1..253
         s = jnp.where(mine, _f32(e << 23), s)
         inv = jnp.where(mine, _f32((254 - e) << 23), inv)  # 1 / s, exact (a power of two)
-    y = jnp.minimum(a * inv, jnp.float32(deepseek_v4.FP4_MAX))  # the clamp: only +-6 reach it
+    y = jnp.minimum(a * inv, jnp.float32(qat.FP4_MAX))  # the clamp: only +-6 reach it
     # e2m1: step 0.5 below 2, 1 below 4, 2 up to 6; v = y / step in [0, 4] (exact), rounded
     # half to even as integers: the even mantissas are the even multiples of the step
     step = jnp.where(y < 2.0, 0.5, jnp.where(y < 4.0, 1.0, 2.0)).astype(jnp.float32)

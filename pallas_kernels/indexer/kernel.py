@@ -92,7 +92,9 @@ from pallas_kernels.indexer import work_list as wl
 from pallas_kernels.indexer.blocks import IndexerBlocks, vmem_estimate
 from pallas_kernels.indexer.work_list import level_bound, row_ladder
 from pallas_kernels.tpu import LANES
-from reference import batch, fp8, fp8_cache, stacked
+from reference.core import batch
+from reference.formats import fp8_cache, stacked
+from reference.quant import fp8
 
 NEG_INF = float("-inf")
 

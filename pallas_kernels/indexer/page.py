@@ -17,8 +17,9 @@ import jax
 
 from pallas_kernels.indexer.blocks import IndexerBlocks, check_kernel_knobs, entry_blocks
 from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, select_rows
-from reference import selection, stacked
-from reference._indexer_args import check_index_quant, check_topk_args
+from reference.formats import stacked
+from reference.indexer import selection
+from reference.indexer.args import check_index_quant, check_topk_args
 
 _STATICS = ("k_pages", "pages_per_seq", "one_token_per_seq", "num_segments", "fill",
             "refuse_full_overwrite", "recall_target", "exact", "block_rows", "block_pages",

@@ -10,8 +10,11 @@ from pallas_kernels import tpu
 from pallas_kernels.indexer.blocks import IndexerBlocks
 from pallas_kernels.indexer.kernel import NEG_INF, make_configs, score_call
 from pallas_kernels.indexer.work_list import work_list
-from reference import batch, index_scores, selection, stacked
-from reference.page_topk import causal_page_count
+from reference.core import batch
+from reference.formats import stacked
+from reference.indexer import scores as index_scores
+from reference.indexer import selection
+from reference.indexer.page_topk import causal_page_count
 
 # ----------------------------------------------------------------------------- row chunks
 

@@ -20,8 +20,10 @@ import jax.numpy as jnp
 
 from pallas_kernels.indexer.blocks import IndexerBlocks, check_kernel_knobs, entry_blocks
 from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, score_and_select, select_rows
-from reference import batch, selection, stacked
-from reference._indexer_args import (
+from reference.core import batch
+from reference.formats import stacked
+from reference.indexer import selection
+from reference.indexer.args import (
     check_compression_ratio,
     check_index_quant,
     check_indexer_args,

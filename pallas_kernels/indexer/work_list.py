@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from reference import batch
+from reference.core import batch
 
 # Work-list fields (one i32 row of NF per item; the kernel reads them as ``wl.FIELD``).
 SEQ, ROW, NROWS, POS0, KVLEN, NPAGES, NBLK, SHIFT, QROW, SLOT0, NF = range(11)

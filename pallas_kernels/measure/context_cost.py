@@ -98,8 +98,9 @@ from pallas_kernels.mla.compile_cases import (
     MLA_PAGE,
     MLA_V_DIM,
 )
-from reference import fp8, fp8_cache, packed_cache
-from reference.cache_format import CacheFormat
+from reference.formats import fp8_cache, packed_cache
+from reference.formats.cache_format import CacheFormat
+from reference.quant import fp8
 
 LABEL = "a model (arithmetic from the repo's byte constants and cited chip specs; not measured)"
 

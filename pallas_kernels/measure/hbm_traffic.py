@@ -46,8 +46,9 @@ from pallas_kernels.mla import blocks as mblocks
 from pallas_kernels.mla import kernel as mkernel
 from pallas_kernels.mla import traffic as mtraffic
 from pallas_kernels.mla.traffic import PREP_BYTES_PER_PAGE
-from reference import fp8, fp8_cache, packed_cache
-from reference.synthetic import make_ragged_batch
+from reference.core.synthetic import make_ragged_batch
+from reference.formats import fp8_cache, packed_cache
+from reference.quant import fp8
 
 LABEL = "counted in the Pallas TPU interpreter (simulation)"
 # Plain interpreter: no race detection (the kernels' own tests run the strict one); the counts

@@ -10,8 +10,9 @@ import jax.numpy as jnp
 from pallas_kernels import tpu
 from pallas_kernels.mla.blocks import _COUNT, _END, _LIMIT, _SLOT0, ROW_INFO_WORDS
 from pallas_kernels.mla.kernel import gather_attend
-from reference import batch, stacked
-from reference.cache_format import CacheFormat
+from reference.core import batch
+from reference.formats import stacked
+from reference.formats.cache_format import CacheFormat
 
 
 class PerformanceWarning(UserWarning):

@@ -14,7 +14,7 @@ from pallas_kernels.mla import kernel
 from pallas_kernels.mla.page import page_sparse_mla
 from pallas_kernels.mla.token import sparse_mla
 from pallas_kernels.mla.traffic import PREP_BYTES_PER_ENTRY, mla_traffic
-from reference import fp8_cache, packed_cache
+from reference.formats import fp8_cache, packed_cache
 
 
 def _specs(*shapes_dtypes):

@@ -82,9 +82,11 @@ from pallas_kernels import tpu
 from pallas_kernels.mla import blocks as mla_blocks
 from pallas_kernels.mla.blocks import _COUNT, _END, _LIMIT, _SLOT0, ROW_INFO_WORDS
 from pallas_kernels.mla.traffic import mla_traffic
-from reference import batch, fp8, fp8_cache, packed_cache, stacked
-from reference._mla_args import check_mla_args
-from reference.cache_format import CacheFormat, check_packed_width
+from reference.core import batch
+from reference.formats import fp8_cache, packed_cache, stacked
+from reference.formats.cache_format import CacheFormat, check_packed_width
+from reference.mla.args import check_mla_args
+from reference.quant import fp8
 
 # ----------------------------------------------------------------------------- static checks
 

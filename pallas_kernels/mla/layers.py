@@ -32,8 +32,9 @@ from pallas_kernels.mla import blocks as mla_blocks
 from pallas_kernels.mla.blocks import ROW_INFO_WORDS
 from pallas_kernels.mla.common import compute_query, row_info
 from pallas_kernels.mla.kernel import check_kernel_args, gather_attend
-from reference import sinks, stacked
-from reference.cache_format import CacheFormat
+from reference.formats import stacked
+from reference.formats.cache_format import CacheFormat
+from reference.mla import sinks
 
 MAX_INFO_WORDS = 1 << 15  # 128 KiB of SMEM for the rows' facts (decode 61 layers x 64: 15616)
 

@@ -38,7 +38,8 @@ from pallas_kernels import tpu
 from pallas_kernels.mla import blocks as mla_blocks
 from pallas_kernels.mla.common import attend_entries
 from pallas_kernels.mla.kernel import check_kernel_args
-from reference import sinks, stacked
+from reference.formats import stacked
+from reference.mla import sinks
 
 
 @stacked.checks_layer(cache_pos=1)

@@ -22,8 +22,9 @@ from pallas_kernels import tpu
 from pallas_kernels.mla import blocks as mla_blocks
 from pallas_kernels.mla.common import PerformanceWarning, attend_entries
 from pallas_kernels.mla.kernel import check_kernel_args
-from reference import packed_cache, sinks, stacked
-from reference.cache_format import CacheFormat
+from reference.formats import packed_cache, stacked
+from reference.formats.cache_format import CacheFormat
+from reference.mla import sinks
 
 
 @stacked.checks_layer(cache_pos=1)

@@ -7,7 +7,7 @@ from pallas_kernels import aot
 from pallas_kernels.mla import blocks as mla_blocks
 from pallas_kernels.mla.blocks import ROW_INFO_WORDS
 from pallas_kernels.tpu import LANES
-from reference.cache_format import CacheFormat
+from reference.formats.cache_format import CacheFormat
 
 # XLA index preparation (``row_info``) per top-k entry: each entry is read once (the row
 # reductions fuse into that read); the per-row outputs are noise beside it.

@@ -28,8 +28,9 @@ from pallas_kernels.v4_attention.kernel import (
     INFO_WORDS,
     fused_traffic,
 )
-from reference import packed_cache, v4_cache
-from reference.cache_format import CacheFormat
+from reference.formats import model1 as v4_cache
+from reference.formats import packed_cache
+from reference.formats.cache_format import CacheFormat
 from reference.v4_attention import HEAD_DIM, PagedKV
 
 WINDOW, PAGE, SCALE = 128, 64, HEAD_DIM ** -0.5

@@ -26,7 +26,7 @@ from pallas_kernels.v4_attention import blocks as v4_blocks
 from pallas_kernels.v4_attention.kernel import v4_attention_fused
 from pallas_kernels.v4_attention.two_pass import two_pass
 from reference import v4_attention as v4
-from reference import v4_cache
+from reference.formats import model1 as v4_cache
 
 
 @v4.checks_layers

@@ -56,8 +56,11 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import aot, tpu
 from pallas_kernels.v4_attention.blocks import DEFAULT_BLOCK
-from reference import batch, fp8, packed_cache, stacked, v4_cache
 from reference import v4_attention as v4
+from reference.core import batch
+from reference.formats import model1 as v4_cache
+from reference.formats import packed_cache, stacked
+from reference.quant import fp8
 
 WORDS = packed_cache.packed_words(v4.HEAD_DIM)  # 256
 HALF = v4.HEAD_DIM // 2  # features per word half

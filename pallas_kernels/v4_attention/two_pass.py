@@ -45,8 +45,10 @@ import numpy as np
 
 from pallas_kernels.mla import blocks as mla_blocks
 from pallas_kernels.mla import sparse_mla
-from reference import batch, stacked, v4_cache
 from reference import v4_attention as v4
+from reference.core import batch
+from reference.formats import model1 as v4_cache
+from reference.formats import stacked
 
 STATIC_ARGNAMES = ("sm_scale", "window_size", "compress_ratio", "window_pages_per_seq",
                    "compressed_pages_per_seq", "return_lse", "tokens_per_block", "blocks",
