@@ -11,12 +11,3 @@ if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
 
-
-def pytest_collection_modifyitems(config, items):
-    """Run the long tests (marked ``slow``) first, in their collected order: under pytest-xdist
-    they then overlap the many short tests instead of finishing alone at the end (the suite's
-    last minutes ran on one core when they came last). A stable sort, so every worker collects
-    the same order. The longest (the strict interpreter's lockstep runs) run in a process of
-    their own (``tests/isolated.py``): the worker that starts them stays clean (one worker
-    segfaulted in XLA CPU's compile after running them in-process, main 4716d7b)."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
