@@ -37,9 +37,9 @@ def _chip_rows(block: int) -> dict[tuple, Row]:
 
 FALLBACK: dict[tuple, Row] = {(): Row(DEFAULT_BLOCK, "default: VMEM budget, for any chip")}
 TABLE: dict[str, dict[tuple, Row]] = block_table.checked({
-    "v5e": _chip_rows(256),
-    "v6e": _chip_rows(256),
-    "tpu7x": _chip_rows(256),
+    "v5e": _chip_rows(DEFAULT_BLOCK),
+    "v6e": _chip_rows(DEFAULT_BLOCK),
+    "tpu7x": _chip_rows(DEFAULT_BLOCK),
 }, FALLBACK)
 
 

@@ -39,9 +39,9 @@ def _chip_rows(min_rows: int) -> dict[tuple, Row]:
 
 FALLBACK: dict[tuple, Row] = {(): Row(WINDOW_MIN_ROWS, "default: traffic model, for any chip")}
 TABLE: dict[str, dict[tuple, Row]] = block_table.checked({
-    "v5e": _chip_rows(64),
-    "v6e": _chip_rows(64),
-    "tpu7x": _chip_rows(64),
+    "v5e": _chip_rows(WINDOW_MIN_ROWS),
+    "v6e": _chip_rows(WINDOW_MIN_ROWS),
+    "tpu7x": _chip_rows(WINDOW_MIN_ROWS),
 }, FALLBACK)
 
 
