@@ -32,6 +32,11 @@ entry). For the tokens ``x f32[B, S, dim]`` at absolute positions ``p = start_po
   own ``wo_a`` block (``wo_a.weight`` viewed as ``[o_groups, o_lora_rank, n_heads * head_dim /
   o_groups]``), then ``wo_b`` on the ``o_groups * o_lora_rank`` concatenation.
 
+The per-token ends (the query, window key, compressor and indexer inputs; the output stage; the
+RoPE tables) are the public functions of ``reference.statements.deepseek_v4_layer``
+(``project_layer_inputs``, ``layer_output``, ``rope_tables``), which ``_layer`` calls and
+``dsa_jax.v4_project`` / ``v4_output`` / ``v4_rope_tables`` expose.
+
 Weights are torch ``Linear`` weights ``[out, in]`` (``y = x @ W.T``) keyed by the official
 checkpoint's names (``param_shapes``), dequantized to f32/bf16 (the checkpoint's fp8 ``.scale``
 tensors are the caller's business).
@@ -113,7 +118,7 @@ from reference.quant.bf16 import PRECISIONS, check_precision, rounding
 from reference.quant.qat import (
     QAT_FP4_BLOCK,
     QAT_FP8_BLOCK,
-    act_quant_sim,
+    act_quant_sim,  # noqa: F401
     fp4_act_quant_sim,
     hadamard_rotate,
 )
@@ -131,7 +136,19 @@ from reference.statements.deepseek_v4_config import (
     pro_config,  # noqa: F401
     tiny_config,  # noqa: F401
 )
+from reference.statements.deepseek_v4_layer import (
+    BF16_WEIGHTS,
+    _identity,
+    _linear,  # noqa: F401
+    _nope_fp8,
+    _regime_params,
+    layer_output,
+    project_layer_inputs,
+    rope_tables,
+)
 from reference.v4_compressor import ref as vc
+
+_rope = rope_tables  # the per-layer-type RoPE tables (kept under their old private name)
 
 # The QAT simulations it applies (act_quant_sim, fp4_act_quant_sim, hadamard_rotate, their
 # constants) are reference.quant.qat's.
@@ -232,52 +249,15 @@ class IndexSelection(NamedTuple):
     scores: jax.Array
 
 
-@functools.lru_cache(maxsize=16)
-def _rope(config: V4AttentionConfig, max_seq_len: int):
-    """``(cos, sin) f32[max_seq_len, rope_head_dim // 2]`` (NumPy) of this layer type."""
-    c = config
-    with jax.ensure_compile_time_eval():  # constants, also when first called under a trace
-        if c.compress_ratio:
-            tables = vc.rope_tables(max_seq_len, c.rope_head_dim, theta=c.compress_rope_theta,
-                                    factor=c.rope_factor, original_seq_len=c.original_seq_len,
-                                    beta_fast=c.beta_fast, beta_slow=c.beta_slow)
-        else:
-            tables = vc.rope_tables(max_seq_len, c.rope_head_dim, theta=c.rope_theta,
-                                    original_seq_len=0)
-    return tuple(np.asarray(t) for t in tables)
-
-
-# The Linear weights the official model holds in bf16 (in the released fp8 config: e4m3 with block
-# scales, whose values are bf16-exact); the bf16 regime rounds them to bf16. The compressors'
-# wkv / wgate, the ape, the norm weights and attn_sink are f32 parameters there (model.py).
-BF16_WEIGHTS = ("wq_a.weight", "wq_b.weight", "wkv.weight", "wo_a.weight", "wo_b.weight",
-                "indexer.wq_b.weight", "indexer.weights_proj.weight")
-
-
-def _regime_params(params, precision):
-    """``params`` (f32) with ``BF16_WEIGHTS`` rounded to bf16 under ``"bf16"``."""
-    rb = rounding(precision)
-    return {k: rb(v) if k in BF16_WEIGHTS else v for k, v in params.items()}
-
-
-def _identity(x):
-    return x
-
-
-def _linear(x, params, name, rb=_identity):
-    """``rb(x @ W.T)``: an f32 matmul (f32 accumulation), its output rounded by ``rb``."""
-    return rb(x @ params[name].astype(jnp.float32).T)
-
-
-def _compress(params, prefix, x, start_pos, comp_state, cache, ratio, cos, sin, eps, finish,
-              precision):
-    """Run the compressor over this chunk (``reference.v4_compressor.compress_step``, one
-    sequence per batch row; its projections f32, as the official ``x.float()`` with f32
-    weights), pass the completed entries through ``finish`` (the QAT, or identity) and store
+def _compress(params, prefix, kv, score, start_pos, comp_state, cache, ratio, cos, sin, eps,
+              finish, precision):
+    """Run the compressor over this chunk's projections ``kv`` / ``score [B, S, w]``
+    (``project_layer_inputs``: f32, as the official ``x.float()`` with f32 weights;
+    ``reference.v4_compressor.compress_step``, one sequence per batch row), pass the
+    completed entries through ``finish`` (the QAT, or identity) and store
     entry ``j`` of row ``b`` at ``cache[b, j]``. Returns ``(cache, comp_state)``."""
-    b, s, _ = x.shape
-    kv = _linear(x, params, f"{prefix}.wkv.weight").reshape(b * s, -1)
-    score = _linear(x, params, f"{prefix}.wgate.weight").reshape(b * s, -1)
+    b, s = kv.shape[:2]
+    kv, score = kv.reshape(b * s, -1), score.reshape(b * s, -1)
     kv_lens = jnp.full((b,), start_pos + s, jnp.int32)
     cu_q_lens = jnp.arange(b + 1, dtype=jnp.int32) * s
     distribution = jnp.array([b if s == 1 else 0, b, b], jnp.int32)
@@ -316,24 +296,19 @@ def _index_score(q, keys, w, precision):
     return rb(jnp.sum(rb(jax.nn.relu(rb(dots)) * w[..., None]), axis=2))
 
 
-def _indexer(params, x, qr, start_pos, state, config, cos_p, sin_p, qat, precision):
-    """The CSA indexer: update its compressed keys, score them, pick the top-k visible ones.
-    Returns ``(chosen bool[B, S, E], selection, index_keys, index_compressor)``."""
+def _indexer(params, inp, start_pos, state, config, qat, precision):
+    """The CSA indexer on ``project_layer_inputs``'s ``inp``: update its compressed keys, score
+    them, pick the top-k visible ones. Returns ``(chosen bool[B, S, E], selection, index_keys,
+    index_compressor)``."""
     c = config
-    b, s, _ = x.shape
+    s = inp["index_q"].shape[1]
     rb = rounding(precision)
     finish = (lambda k: fp4_act_quant_sim(rb(hadamard_rotate(k)))) if qat else (lambda k: k)
     cos, sin = _rope(c, state.max_seq_len)
-    keys, comp = _compress(params, "indexer.compressor", x, start_pos, state.index_compressor,
-                           state.index_keys, 4, cos, sin, c.norm_eps, finish, precision)
-    q = _linear(qr, params, "indexer.wq_b.weight", rb).reshape(b, s, c.index_n_heads,
-                                                               c.index_head_dim)
-    q = rb(vc.apply_rope(q, cos_p[:, None], sin_p[:, None]))
-    if qat:
-        q = fp4_act_quant_sim(rb(hadamard_rotate(q)))
-    # bf16: the projection rounded, then the product with the f32 scale rounded (two roundings)
-    w = rb(_linear(x, params, "indexer.weights_proj.weight", rb) * jnp.float32(
-        c.index_head_dim ** -0.5 * c.index_n_heads ** -0.5))
+    keys, comp = _compress(params, "indexer.compressor", inp["index_kv"], inp["index_score"],
+                           start_pos, state.index_compressor, state.index_keys, 4, cos, sin,
+                           c.norm_eps, finish, precision)
+    q, w = inp["index_q"], inp["index_weights"]
     score = _index_score(q, keys, w, precision)
     n_visible = (start_pos + jnp.arange(s, dtype=jnp.int32) + 1) // 4  # [S]
     visible = jnp.arange(keys.shape[1])[None, :] < n_visible[:, None]  # [S, E]
@@ -364,17 +339,6 @@ def _attend(q, keys, key_ok, sink, scale, rb=_identity):
     return rb(jnp.einsum("bshn,bnd->bshd", rb(e), keys) / den)
 
 
-def _head_norm(q, eps, precision):
-    """The weightless per-head RMSNorm ``q * rsqrt(mean(q**2) + eps)`` of ``q f32[..., D]``.
-    ``"bf16"``: the official bf16 tensor ops, each rounded (five roundings: ``q**2``, the mean
-    (an f32 sum), ``+ eps``, ``rsqrt``, the product)."""
-    if precision == "f32":
-        return q * lax.rsqrt(jnp.mean(q * q, axis=-1, keepdims=True) + jnp.float32(eps))
-    rb = rounding(precision)
-    mean = rb(jnp.sum(rb(q * q), axis=-1, keepdims=True) / jnp.float32(q.shape[-1]))
-    return rb(q * rb(lax.rsqrt(rb(mean + jnp.float32(eps)))))
-
-
 @functools.partial(jax.jit, static_argnames=("config", "qat", "precision"))
 def _layer(params, x, start_pos, state, config, qat, precision):
     c, r = config, config.compress_ratio
@@ -383,29 +347,23 @@ def _layer(params, x, start_pos, state, config, qat, precision):
     params, x = _regime_params(params, precision), rb(x)
     cos, sin = _rope(c, state.max_seq_len)
     pos = start_pos + jnp.arange(s, dtype=jnp.int32)
-    cos_p, sin_p = jnp.take(cos, pos, axis=0), jnp.take(sin, pos, axis=0)  # [S, rd / 2]
-    qr = rb(vc.rms_norm(_linear(x, params, "wq_a.weight", rb), params["q_norm.weight"],
-                        c.norm_eps))
-    q = _linear(qr, params, "wq_b.weight", rb).reshape(b, s, c.n_heads, c.head_dim)
-    q = rb(vc.apply_rope(_head_norm(q, c.norm_eps, precision), cos_p[:, None], sin_p[:, None]))
+    # query, window key, the compressors' and the indexer's inputs: the public pieces
+    inp = project_layer_inputs(params, x, pos, c, state.max_seq_len, qat, precision)
     nope_fp8 = _nope_fp8(c) if qat else (lambda k: k)
-    kv = rb(vc.rms_norm(_linear(x, params, "wkv.weight", rb), params["kv_norm.weight"],
-                        c.norm_eps))
-    kv = nope_fp8(rb(vc.apply_rope(kv, cos_p, sin_p)))
-    keys, key_pos, ring = _window_keys(state, kv, start_pos)
+    keys, key_pos, ring = _window_keys(state, inp["window_kv"], start_pos)
     key_ok = (key_pos[None, :] >= 0) & (key_pos[None, :] <= pos[:, None]) & (
         key_pos[None, :] > pos[:, None] - c.window_size)  # [S, W + S]
     key_ok = jnp.broadcast_to(key_ok[None], (b, *key_ok.shape))
     new_state = dataclasses.replace(state, window=ring)
     selection = None
     if r:
-        cache, comp = _compress(params, "compressor", x, start_pos, state.compressor,
-                                state.compressed, r, cos, sin, c.norm_eps, nope_fp8,
-                                precision)
+        cache, comp = _compress(params, "compressor", inp["kv"], inp["score"], start_pos,
+                                state.compressor, state.compressed, r, cos, sin, c.norm_eps,
+                                nope_fp8, precision)
         new_state = dataclasses.replace(new_state, compressed=cache, compressor=comp)
         if r == 4:
             chosen, selection, index_keys, index_comp = _indexer(
-                params, x, qr, start_pos, state, c, cos_p, sin_p, qat, precision)
+                params, inp, start_pos, state, c, qat, precision)
             new_state = dataclasses.replace(new_state, index_keys=index_keys,
                                             index_compressor=index_comp)
         else:
@@ -414,21 +372,9 @@ def _layer(params, x, start_pos, state, config, qat, precision):
                                       (b, s, cache.shape[1]))
         keys = jnp.concatenate([keys, cache], axis=1)
         key_ok = jnp.concatenate([key_ok, chosen], axis=2)
-    o = _attend(q, keys, key_ok, params["attn_sink"], c.head_dim ** -0.5, rb)
-    o = rb(vc.apply_rope(o, cos_p[:, None], -sin_p[:, None]))  # the inverse rotation
-    o = o.reshape(b, s, c.o_groups, c.n_heads * c.head_dim // c.o_groups)
-    wo_a = params["wo_a.weight"].reshape(c.o_groups, c.o_lora_rank, -1)
-    o = rb(jnp.einsum("bsgd,grd->bsgr", o, wo_a)).reshape(b, s, c.o_groups * c.o_lora_rank)
-    out = _linear(o, params, "wo_b.weight", rb)
+    o = _attend(inp["q"], keys, key_ok, params["attn_sink"], c.head_dim ** -0.5, rb)
+    out = layer_output(params, o, pos, c, state.max_seq_len, precision)
     return (out if precision == "f32" else out.astype(jnp.bfloat16)), new_state, selection
-
-
-def _nope_fp8(config: V4AttentionConfig):
-    nope = config.nope_head_dim
-
-    def f(rows):
-        return jnp.concatenate([act_quant_sim(rows[..., :nope]), rows[..., nope:]], axis=-1)
-    return f
 
 
 def _check_qat(config: V4AttentionConfig) -> None:
