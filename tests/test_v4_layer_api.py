@@ -24,10 +24,11 @@ from tests import v4_step_model as vm
 
 RATIOS = (0, 4, 128)
 MAX_SEQ = 160
+WINDOW, WINDOW_PAGE = 8, 4  # a short window keeps the statement and the step cheap
 
 
 def _model(seed=0):
-    cfgs = vm.configs(RATIOS)
+    cfgs = vm.configs(RATIOS, window_size=WINDOW)
     return cfgs, [dv4.init_params(c, seed=seed + i) for i, c in enumerate(cfgs)]
 
 
@@ -38,23 +39,23 @@ def _project_batch(params, x, pos, c, qat):
     return {k: jnp.concatenate([p[k] for p in per]) for k in per[0]}
 
 
-@pytest.mark.parametrize("qat", [False, True])
-def test_project_step_output_equal_statement_f32(qat):
-    """Two sequences, a prefill of 130 and 5 tokens (the first completes an HCA entry and many
-    CSA groups) then 2 one-token decodes, every layer against ``attention_layer``."""
+def test_project_step_output_equal_statement_f32(qat=False):
+    """A prefill of 130 tokens (an HCA entry and many CSA groups complete) then 2 one-token
+    decodes, every layer against ``attention_layer`` (QAT off here: ``tests/test_v4_step.py``
+    drives ``v4_project`` with QAT on through ``tests/v4_step_model.project``)."""
     cfgs, params = _model()
-    schedule = [[130, 5], [1, 1], [1, 1]]
+    schedule = [[130], [1], [1]]
     total = np.sum(schedule, axis=0)
     rng = np.random.default_rng(7)
     xs = [jnp.asarray(rng.standard_normal((int(n), cfgs[0].dim), dtype=np.float32))
           for n in total]
-    pm = vm.PagedModel(RATIOS, 2, MAX_SEQ)
+    pm = vm.PagedModel(RATIOS, 1, MAX_SEQ, window_size=WINDOW, window_page_size=WINDOW_PAGE)
     sp = vm.step_params(cfgs, params, MAX_SEQ)
     sink = jnp.stack([p["attn_sink"] for p in params])
     states = {(li, i): dv4.init_state(c, 1, MAX_SEQ) for li, c in enumerate(cfgs)
-              for i in range(2)}
+              for i in range(1)}
     caches, st = pm.caches, pm.states
-    done = np.zeros(2, int)
+    done = np.zeros(1, int)
     for n_step, q_lens in enumerate(schedule):
         seq_pos = [jnp.arange(d, d + q, dtype=jnp.int32) for d, q in zip(done, q_lens,
                                                                           strict=True)]
@@ -86,27 +87,26 @@ def _bf16_exact(a):
                                                 .astype(jnp.float32)))
 
 
-@pytest.mark.parametrize("qat", [False, True])
-def test_bf16_project_and_output_are_the_statements_pieces(qat):
+def test_bf16_project_and_output_are_the_statements_pieces(qat=True):
     """Under ``"bf16"``: ``v4_project`` / ``v4_output`` equal ``project_layer_inputs`` /
     ``layer_output`` as the statement's layer calls them (``x [1, S, dim]`` inside a jit), the
-    rounded values are bf16-exact, they differ from f32, and ``window_kv`` equals the window
-    ring the statement stores after a bf16 prefill."""
+    rounded values are bf16-exact, and ``window_kv`` equals the window ring the statement
+    stores after a bf16 prefill. The window-only and the CSA layer (both RoPE tables; an HCA
+    layer's inputs are a subset of a CSA layer's). QAT on: every rounding point of the regime
+    plus the QAT simulations on the bf16 values."""
     cfgs, params = _model(seed=3)
-    s = 21
+    s = WINDOW  # the whole prefill stays in the statement's window ring
     rng = np.random.default_rng(11)
     x = jnp.asarray(rng.standard_normal((s, cfgs[0].dim), dtype=np.float32))
     pos = jnp.arange(s, dtype=jnp.int32)
-    for li, c in enumerate(cfgs):
+    for li, c in enumerate(cfgs[:2]):  # both RoPE tables; ratio 128 reads a subset of ratio 4
         got = v4_project(params[li], x, pos, c, max_seq_len=MAX_SEQ, qat=qat, precision="bf16")
         ref = jax.jit(dl.project_layer_inputs, static_argnums=(3, 4, 5, 6))(
             params[li], x[None], pos, c, MAX_SEQ, qat, "bf16")
-        f32 = v4_project(params[li], x, pos, c, max_seq_len=MAX_SEQ, qat=qat)
-        assert sorted(got) == sorted(ref) == sorted(f32)
+        assert sorted(got) == sorted(ref)
         for k in got:
             np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(ref[k][0]),
                                           err_msg=f"layer {li} {k}")
-            assert not np.array_equal(np.asarray(got[k]), np.asarray(f32[k])), k
         for k in ("q", "window_kv", "index_q", "index_weights"):
             if k in got:
                 _bf16_exact(got[k])
