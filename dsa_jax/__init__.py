@@ -43,6 +43,10 @@ writer, the multi-layer DSA step (IndexShare), opt-in checkify validation, mesh 
   ``V4StepInputs``, ``V4StepParams``, ``V4Caches``, ``V4States``, ``V4BatchMeta``,
   ``V4StepResult``, and ``init_v4_states``), its argument checks (``dsa_jax.v4_step_checks``)
   and cache writes (``dsa_jax.v4_step_writes``), and ``sharded_v4_step`` (data x model mesh).
+- The DeepSeek-V4 layer around the step (``dsa_jax.v4_layer``): ``v4_project`` (one layer's
+  step inputs from its tokens ``x [T, dim]`` at ``positions``), ``v4_output`` (the layer output
+  from the step's ``out[l]``), ``v4_rope_tables`` (a layer type's RoPE tables); the dense
+  statement's own pieces, ``precision="f32"|"bf16"``.
 - The DeepSeek-V4 fp8 cache (``reference.v4_cache``: FlashMLA's MODEL1 rule, 448 e4m3 in 7
   ue8m0-scaled tiles of 64 + 64 bf16 rope; 640 B per token on TPU): ``Fp8V4Cache``,
   ``quantize_v4_cache`` / ``dequantize_v4_cache``, the row writer ``write_v4_rows``, and
@@ -59,6 +63,7 @@ from dsa_jax.sharding import sharded_dsa_step, sharded_v4_step
 from dsa_jax.step import BatchMeta, StepInputs, StepResult, dsa_step
 from dsa_jax.v4_attention import V4Layout, V4LayoutWarning, v4_attention
 from dsa_jax.v4_compressor import compress_step as v4_compress_step
+from dsa_jax.v4_layer import v4_output, v4_project, v4_rope_tables
 from dsa_jax.v4_model import (
     V4BatchMeta,
     V4Caches,
@@ -197,6 +202,9 @@ __all__ = [
     "v4_cache_from_flashmla",
     "v4_cache_to_flashmla",
     "v4_compress_step",
+    "v4_output",
+    "v4_project",
+    "v4_rope_tables",
     "v4_step",
     "write_slots",
     "write_v4_rows",

@@ -1,17 +1,14 @@
 """A tiny DeepSeek-V4 model for the V4 step tests and the CLI: per-layer statement configs and
-params (``reference.deepseek_v4``), the projections the step takes (the statement's own
-pieces: its linears, norms, RoPE tables and QAT simulations), the output projection, and the
-paged batch (page tables per family, NaN-filled caches, state pools)."""
+params (``reference.deepseek_v4``), the projections the step takes and the output projection
+(``dsa_jax.v4_project`` / ``v4_output``: the statement's own pieces), and the paged batch
+(page tables per family, NaN-filled caches, state pools)."""
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
+from dsa_jax.v4_layer import v4_output, v4_project
 from dsa_jax.v4_step import (
     V4BatchMeta,
     V4Caches,
@@ -31,51 +28,16 @@ def configs(ratios, **overrides):
     return [dv4.tiny_config(**kw, layer_id=i) for i in range(len(ratios))]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_seq_len", "qat"))
 def project(params, x, pos, cfg, max_seq_len, qat):
-    """The step's per-layer inputs for tokens ``x f32[S, dim]`` at positions ``pos i32[S]``,
-    computed as ``reference.deepseek_v4._layer`` does."""
-    c = cfg
-    cos, sin = dv4._rope(c, max_seq_len)
-    cos_p, sin_p = jnp.take(cos, pos, axis=0), jnp.take(sin, pos, axis=0)
-    lin = lambda v, name: v @ params[name].T  # noqa: E731
-    qr = vc.rms_norm(lin(x, "wq_a.weight"), params["q_norm.weight"], c.norm_eps)
-    q = lin(qr, "wq_b.weight").reshape(-1, c.n_heads, c.head_dim)
-    q = q * lax.rsqrt(jnp.mean(q * q, axis=-1, keepdims=True) + jnp.float32(c.norm_eps))
-    q = vc.apply_rope(q, cos_p[:, None], sin_p[:, None])
-    kv = vc.rms_norm(lin(x, "wkv.weight"), params["kv_norm.weight"], c.norm_eps)
-    kv = vc.apply_rope(kv, cos_p, sin_p)
-    if qat:
-        kv = dv4._nope_fp8(c)(kv)
-    out = dict(q=q, window_kv=kv)
-    r = c.compress_ratio
-    if r:
-        out["kv"] = lin(x, "compressor.wkv.weight")
-        out["score"] = lin(x, "compressor.wgate.weight")
-    if r == 4:
-        iq = lin(qr, "indexer.wq_b.weight").reshape(-1, c.index_n_heads, c.index_head_dim)
-        iq = vc.apply_rope(iq, cos_p[:, None], sin_p[:, None])
-        if qat:
-            iq = dv4.fp4_act_quant_sim(dv4.hadamard_rotate(iq))
-        out["index_q"] = iq
-        out["index_weights"] = lin(x, "indexer.weights_proj.weight") * jnp.float32(
-            c.index_head_dim ** -0.5 * c.index_n_heads ** -0.5)
-        out["index_kv"] = lin(x, "indexer.compressor.wkv.weight")
-        out["index_score"] = lin(x, "indexer.compressor.wgate.weight")
-    return out
+    """The step's per-layer inputs for tokens ``x f32[S, dim]`` at positions ``pos i32[S]``:
+    ``dsa_jax.v4_project`` (the statement's own ``project_layer_inputs``)."""
+    return v4_project(params, x, pos, cfg, max_seq_len=max_seq_len, qat=qat)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_seq_len"))
 def finish(params, o, pos, cfg, max_seq_len):
-    """The statement's output side on ``o f32[S, H, 512]``: inverse RoPE, ``wo_a``, ``wo_b``."""
-    c = cfg
-    cos, sin = dv4._rope(c, max_seq_len)
-    cos_p, sin_p = jnp.take(cos, pos, axis=0), jnp.take(sin, pos, axis=0)
-    o = vc.apply_rope(o, cos_p[:, None], -sin_p[:, None])
-    o = o.reshape(o.shape[0], c.o_groups, -1)
-    wo_a = params["wo_a.weight"].reshape(c.o_groups, c.o_lora_rank, -1)
-    o = jnp.einsum("sgd,grd->sgr", o, wo_a).reshape(o.shape[0], -1)
-    return o @ params["wo_b.weight"].T
+    """The statement's output side on ``o f32[S, H, 512]``: ``dsa_jax.v4_output`` (inverse
+    RoPE, ``wo_a``, ``wo_b``; the statement's own ``layer_output``)."""
+    return v4_output(params, o, pos, cfg, max_seq_len=max_seq_len)
 
 
 def step_params(cfgs, params, max_seq_len) -> V4StepParams:

@@ -1,7 +1,7 @@
-"""A statement of the official DeepSeek-V4 attention layer (``inference/model.py``:
-``Attention``, ``Compressor``, ``Indexer``, ``sparse_attn``), dense (not paged), pure ``jnp``,
-f32, jittable. It is the independent definition the paged V4 step is checked against: it does
-not use ``reference.v4_attention``. Written from the math in ``shared/SPEC.md`` ("DeepSeek-V4
+"""A statement of the official DeepSeek-V4 attention layer (``inference/model.py``: ``Attention``,
+``Compressor``, ``Indexer``, ``sparse_attn``), dense (not paged), pure ``jnp``, f32 or the official
+bf16 regime, jittable. It is the independent definition the paged V4 step is checked against: it
+does not use ``reference.v4_attention``. Written from the math in ``shared/SPEC.md`` ("DeepSeek-V4
 attention") and the public code's behaviour; no code is copied.
 
 One layer, ``config.compress_ratio = compress_ratios[layer_id]``: 0 window only, 4 CSA (window
@@ -32,6 +32,11 @@ entry). For the tokens ``x f32[B, S, dim]`` at absolute positions ``p = start_po
   own ``wo_a`` block (``wo_a.weight`` viewed as ``[o_groups, o_lora_rank, n_heads * head_dim /
   o_groups]``), then ``wo_b`` on the ``o_groups * o_lora_rank`` concatenation.
 
+The per-token ends (the query, window key, compressor and indexer inputs; the output stage; the
+RoPE tables) are the public functions of ``reference.statements.deepseek_v4_layer``
+(``project_layer_inputs``, ``layer_output``, ``rope_tables``), which ``_layer`` calls and
+``dsa_jax.v4_project`` / ``v4_output`` / ``v4_rope_tables`` expose.
+
 Weights are torch ``Linear`` weights ``[out, in]`` (``y = x @ W.T``) keyed by the official
 checkpoint's names (``param_shapes``), dequantized to f32/bf16 (the checkpoint's fp8 ``.scale``
 tensors are the caller's business).
@@ -54,17 +59,48 @@ and of the compressed entries (power-of-two scales: the released config's ``scal
 then FP4 e2m1 with ue8m0 block-32 scales, on the query and on the compressed keys. ``qat=False``
 applies none of them and skips the rotation (orthogonal: it changes no score in exact
 arithmetic). Not simulated: the fp8 activation quantization inside the fp8/fp4 GEMMs of the
-linear layers (``act_quant`` block 128 feeding ``fp8_gemm`` / ``fp4_gemm``), and the bf16
-rounding of the released model's activations (its compressor rounds the pooled row to bf16
-before the norm; its indexer scores and ``sparse_attn`` run in bf16): everything here is f32.
+linear layers (``act_quant`` block 128 feeding ``fp8_gemm`` / ``fp4_gemm`` in the released fp8
+config), in either regime.
 
-Precision and what is exact: f32 throughout. XLA's CPU dot rounds differently for different row
-counts (measured on jax 0.10.2: a 64-deep f32 product of 1 row vs the same row among 130
-differed by ~1e-6 relative), so a prefill and the same tokens in decode steps agree to f32
-rounding (measured: outputs within 4e-7 of ~0.3, QAT on or off), not bit for bit; the compressor
-itself is chunk invariant bit for bit given its projections (``reference.v4_compressor``). The
-indexer's top-k can therefore flip at near-ties; compare selections by score
-(``return_selection``)."""
+Precision regimes (``precision``; ``reference.quant.bf16``). ``"f32"`` (the default): every
+activation and parameter f32, no rounding. ``"bf16"``: the official code's regime (its default
+dtype is bf16; the ``args.dtype = "bf16"`` Linears, ``F.linear``), each value rounded to bf16
+(nearest even) at these points and held in f32 arrays between them:
+- the input ``x``; the weights ``BF16_WEIGHTS`` (``wq_a``, ``wq_b``, ``wkv``, ``wo_a``,
+  ``wo_b``, ``indexer.wq_b``, ``indexer.weights_proj``: bf16 in the official model). The
+  compressors' ``wkv`` / ``wgate``, the ``ape``, the norm weights and ``attn_sink`` are f32
+  parameters there and are used as given;
+- every Linear output, once (an f32-accumulated matmul of bf16 values); RMSNorm (``q_norm``,
+  ``kv_norm``) computed in f32, the weight multiply included, rounded once;
+- the weightless q norm as bf16 tensor ops: ``q**2``, the mean (f32 sum), ``+ eps``,
+  ``rsqrt``, the product, each rounded; RoPE (and the output's inverse RoPE) computed in f32,
+  rounded;
+- the compressors: projections of the bf16 ``x`` with the f32 weights, gate, pooling and state
+  in f32; the pooled row rounded before its norm, the norm and the RoPE rounded
+  (``reference.v4_compressor.finish_entries``); the indexer's Hadamard rotation (keys and q)
+  computed in f32 and rounded before the fp4 simulation;
+- the indexer: ``q`` rounded after ``wq_b`` and after RoPE; ``w = bf16(bf16(weights_proj(x)) *
+  f32(index_head_dim**-0.5 * index_n_heads**-0.5))``; each dot ``q_h . k_j`` rounded, ``relu``,
+  each ``relu * w_h`` rounded, the head sum accumulated in f32 and rounded once; top-k on those
+  bf16 scores (ties to the lower entry number, as the official CUDA ``torch.topk``; its CPU
+  ``topk`` resolves exact ties in another order);
+- attention: f32 logits of the bf16 q and keys, times the scale after the dot; the
+  probabilities ``e^(s - m)`` rounded before ``P @ V`` (f32 accumulation) while the denominator
+  sums them unrounded; the output rounded. ``m`` is the final max over the row's keys: the
+  official kernel's running max per block of 64 keys can move a rounded ``P`` by 1 bf16 ulp;
+- the inverse RoPE, the grouped ``wo_a`` and ``wo_b`` outputs rounded; the layer output is
+  returned as bf16.
+The fp8 / fp4 simulations take the bf16 values (their results are bf16-exact).
+
+Precision and what is exact: XLA's CPU dot rounds differently for different row counts (measured on
+jax 0.10.2: a 64-deep f32 product of 1 row vs the same row among 130 differed by ~1e-6 relative), so
+a prefill and the same tokens in decode steps agree to f32 rounding (measured: outputs within 4e-7
+of ~0.3, QAT on or off), not bit for bit; the compressor itself is chunk invariant bit for bit given
+its projections (``reference.v4_compressor``). The indexer's top-k can therefore flip at near-ties;
+compare selections by score (``return_selection``). Under ``"bf16"`` such an f32 difference can
+round a value to the adjacent bf16 (or move a QAT code); measured on the tiny config (prefill
+125-126 then 5 decodes, and 37 then 8): outputs within 1 bf16 ulp in under 0.6% of the elements,
+states and CSA selections identical."""
 
 from __future__ import annotations
 
@@ -78,10 +114,11 @@ import numpy as np
 from jax import lax
 
 from reference.core import checks as _checks
+from reference.quant.bf16 import PRECISIONS, check_precision, rounding
 from reference.quant.qat import (
     QAT_FP4_BLOCK,
     QAT_FP8_BLOCK,
-    act_quant_sim,
+    act_quant_sim,  # noqa: F401
     fp4_act_quant_sim,
     hadamard_rotate,
 )
@@ -99,12 +136,25 @@ from reference.statements.deepseek_v4_config import (
     pro_config,  # noqa: F401
     tiny_config,  # noqa: F401
 )
+from reference.statements.deepseek_v4_layer import (
+    BF16_WEIGHTS,
+    _identity,
+    _linear,  # noqa: F401
+    _nope_fp8,
+    _regime_params,
+    layer_output,
+    project_layer_inputs,
+    rope_tables,
+)
 from reference.v4_compressor import ref as vc
+
+_rope = rope_tables  # the per-layer-type RoPE tables (kept under their old private name)
 
 # The QAT simulations it applies (act_quant_sim, fp4_act_quant_sim, hadamard_rotate, their
 # constants) are reference.quant.qat's.
 __all__ = [
-    "FLASH_COMPRESS_RATIOS", "LAYER_TYPES", "PRO_COMPRESS_RATIOS", "IndexSelection",
+    "BF16_WEIGHTS", "FLASH_COMPRESS_RATIOS", "LAYER_TYPES", "PRECISIONS", "PRO_COMPRESS_RATIOS",
+    "IndexSelection",
     "V4AttentionConfig", "V4LayerState", "attention_layer", "check_params",
     "config_from_model_args", "flash_config", "init_params", "init_state", "init_state_shapes",
     "param_shapes", "pro_config", "tiny_config",
@@ -199,40 +249,22 @@ class IndexSelection(NamedTuple):
     scores: jax.Array
 
 
-@functools.lru_cache(maxsize=16)
-def _rope(config: V4AttentionConfig, max_seq_len: int):
-    """``(cos, sin) f32[max_seq_len, rope_head_dim // 2]`` (NumPy) of this layer type."""
-    c = config
-    with jax.ensure_compile_time_eval():  # constants, also when first called under a trace
-        if c.compress_ratio:
-            tables = vc.rope_tables(max_seq_len, c.rope_head_dim, theta=c.compress_rope_theta,
-                                    factor=c.rope_factor, original_seq_len=c.original_seq_len,
-                                    beta_fast=c.beta_fast, beta_slow=c.beta_slow)
-        else:
-            tables = vc.rope_tables(max_seq_len, c.rope_head_dim, theta=c.rope_theta,
-                                    original_seq_len=0)
-    return tuple(np.asarray(t) for t in tables)
-
-
-def _linear(x, params, name):
-    return x @ params[name].astype(jnp.float32).T
-
-
-def _compress(params, prefix, x, start_pos, comp_state, cache, ratio, cos, sin, eps, finish):
-    """Run the compressor over this chunk (``reference.v4_compressor.compress_step``, one
-    sequence per batch row), pass the completed entries through ``finish`` (the QAT, or
-    identity) and store entry ``j`` of row ``b`` at ``cache[b, j]``. Returns ``(cache,
-    comp_state)``."""
-    b, s, _ = x.shape
-    kv = _linear(x, params, f"{prefix}.wkv.weight").reshape(b * s, -1)
-    score = _linear(x, params, f"{prefix}.wgate.weight").reshape(b * s, -1)
+def _compress(params, prefix, kv, score, start_pos, comp_state, cache, ratio, cos, sin, eps,
+              finish, precision):
+    """Run the compressor over this chunk's projections ``kv`` / ``score [B, S, w]``
+    (``project_layer_inputs``: f32, as the official ``x.float()`` with f32 weights;
+    ``reference.v4_compressor.compress_step``, one sequence per batch row), pass the
+    completed entries through ``finish`` (the QAT, or identity) and store
+    entry ``j`` of row ``b`` at ``cache[b, j]``. Returns ``(cache, comp_state)``."""
+    b, s = kv.shape[:2]
+    kv, score = kv.reshape(b * s, -1), score.reshape(b * s, -1)
     kv_lens = jnp.full((b,), start_pos + s, jnp.int32)
     cu_q_lens = jnp.arange(b + 1, dtype=jnp.int32) * s
     distribution = jnp.array([b if s == 1 else 0, b, b], jnp.int32)
     entries, comp_state = vc.compress_step(
         kv, score, params[f"{prefix}.ape"], params[f"{prefix}.norm.weight"], cos, sin,
         comp_state, jnp.arange(b, dtype=jnp.int32), kv_lens, cu_q_lens, distribution,
-        ratio=ratio, eps=eps)
+        ratio=ratio, eps=eps, precision=precision)
     row = jnp.where(entries.seq >= 0, entries.seq, b)  # unused output slots: dropped
     cache = cache.at[row, entries.entry].set(finish(entries.rows), mode="drop")
     return cache, comp_state
@@ -253,24 +285,31 @@ def _window_keys(state, kv, start_pos):
     return keys, pos, ring
 
 
-def _indexer(params, x, qr, start_pos, state, config, cos_p, sin_p, qat):
-    """The CSA indexer: update its compressed keys, score them, pick the top-k visible ones.
-    Returns ``(chosen bool[B, S, E], selection, index_keys, index_compressor)``."""
-    c = config
-    b, s, _ = x.shape
-    finish = (lambda k: fp4_act_quant_sim(hadamard_rotate(k))) if qat else (lambda k: k)
-    cos, sin = _rope(c, state.max_seq_len)
-    keys, comp = _compress(params, "indexer.compressor", x, start_pos, state.index_compressor,
-                           state.index_keys, 4, cos, sin, c.norm_eps, finish)
-    q = _linear(qr, params, "indexer.wq_b.weight").reshape(b, s, c.index_n_heads,
-                                                           c.index_head_dim)
-    q = vc.apply_rope(q, cos_p[:, None], sin_p[:, None])
-    if qat:
-        q = fp4_act_quant_sim(hadamard_rotate(q))
-    w = _linear(x, params, "indexer.weights_proj.weight") * jnp.float32(
-        c.index_head_dim ** -0.5 * c.index_n_heads ** -0.5)
+def _index_score(q, keys, w, precision):
+    """``score f32[B, S, E] = sum_h w_h relu(q_h . k_j)`` for ``q f32[B, S, H, D]``, ``keys
+    f32[B, E, D]``, ``w f32[B, S, H]``. ``"bf16"``: each dot rounded to bf16, each product
+    ``relu(dot) * w_h`` rounded to bf16, the head sum accumulated in f32 and rounded once."""
     dots = jnp.einsum("bshd,bjd->bshj", q, keys)
-    score = jnp.einsum("bsh,bshj->bsj", w, jax.nn.relu(dots))
+    if precision == "f32":
+        return jnp.einsum("bsh,bshj->bsj", w, jax.nn.relu(dots))
+    rb = rounding(precision)
+    return rb(jnp.sum(rb(jax.nn.relu(rb(dots)) * w[..., None]), axis=2))
+
+
+def _indexer(params, inp, start_pos, state, config, qat, precision):
+    """The CSA indexer on ``project_layer_inputs``'s ``inp``: update its compressed keys, score
+    them, pick the top-k visible ones. Returns ``(chosen bool[B, S, E], selection, index_keys,
+    index_compressor)``."""
+    c = config
+    s = inp["index_q"].shape[1]
+    rb = rounding(precision)
+    finish = (lambda k: fp4_act_quant_sim(rb(hadamard_rotate(k)))) if qat else (lambda k: k)
+    cos, sin = _rope(c, state.max_seq_len)
+    keys, comp = _compress(params, "indexer.compressor", inp["index_kv"], inp["index_score"],
+                           start_pos, state.index_compressor, state.index_keys, 4, cos, sin,
+                           c.norm_eps, finish, precision)
+    q, w = inp["index_q"], inp["index_weights"]
+    score = _index_score(q, keys, w, precision)
     n_visible = (start_pos + jnp.arange(s, dtype=jnp.int32) + 1) // 4  # [S]
     visible = jnp.arange(keys.shape[1])[None, :] < n_visible[:, None]  # [S, E]
     score = jnp.where(visible[None], score, -jnp.inf)
@@ -283,44 +322,48 @@ def _indexer(params, x, qr, start_pos, state, config, cos_p, sin_p, qat):
     return chosen, selection, keys, comp
 
 
-def _attend(q, keys, key_ok, sink, scale):
+def _attend(q, keys, key_ok, sink, scale, rb=_identity):
     """One softmax per head over the keys (K = V), the sink logit in the denominator only.
-    ``q f32[B, S, H, D]``, ``keys f32[B, N, D]``, ``key_ok bool[B, S, N]``, ``sink f32[H]``."""
+    ``q f32[B, S, H, D]``, ``keys f32[B, N, D]``, ``key_ok bool[B, S, N]``, ``sink f32[H]``;
+    returns ``f32[B, S, H, D]``. The logits are f32 dots times the scale; ``rb`` rounds the
+    probabilities before ``P @ V`` (the denominator sums them unrounded) and the output.
+
+    The max is the final one over all the row's keys. The official kernel (``sparse_attn``)
+    takes a running max per block of 64 keys, so under bf16 its rounded ``P`` of an earlier
+    block can differ from this one by 1 bf16 ulp."""
     logits = jnp.einsum("bshd,bnd->bshn", q, keys) * jnp.float32(scale)
     logits = jnp.where(key_ok[:, :, None, :], logits, -jnp.inf)
     m = jnp.max(logits, axis=-1, keepdims=True)  # finite: a query always sees itself
     e = jnp.exp(logits - m)
     den = jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink[:, None] - m)
-    return jnp.einsum("bshn,bnd->bshd", e, keys) / den
+    return rb(jnp.einsum("bshn,bnd->bshd", rb(e), keys) / den)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "qat"))
-def _layer(params, x, start_pos, state, config, qat):
+@functools.partial(jax.jit, static_argnames=("config", "qat", "precision"))
+def _layer(params, x, start_pos, state, config, qat, precision):
     c, r = config, config.compress_ratio
     b, s, _ = x.shape
+    rb = rounding(precision)
+    params, x = _regime_params(params, precision), rb(x)
     cos, sin = _rope(c, state.max_seq_len)
     pos = start_pos + jnp.arange(s, dtype=jnp.int32)
-    cos_p, sin_p = jnp.take(cos, pos, axis=0), jnp.take(sin, pos, axis=0)  # [S, rd / 2]
-    qr = vc.rms_norm(_linear(x, params, "wq_a.weight"), params["q_norm.weight"], c.norm_eps)
-    q = _linear(qr, params, "wq_b.weight").reshape(b, s, c.n_heads, c.head_dim)
-    q = q * lax.rsqrt(jnp.mean(q * q, axis=-1, keepdims=True) + jnp.float32(c.norm_eps))
-    q = vc.apply_rope(q, cos_p[:, None], sin_p[:, None])
+    # query, window key, the compressors' and the indexer's inputs: the public pieces
+    inp = project_layer_inputs(params, x, pos, c, state.max_seq_len, qat, precision)
     nope_fp8 = _nope_fp8(c) if qat else (lambda k: k)
-    kv = vc.rms_norm(_linear(x, params, "wkv.weight"), params["kv_norm.weight"], c.norm_eps)
-    kv = nope_fp8(vc.apply_rope(kv, cos_p, sin_p))
-    keys, key_pos, ring = _window_keys(state, kv, start_pos)
+    keys, key_pos, ring = _window_keys(state, inp["window_kv"], start_pos)
     key_ok = (key_pos[None, :] >= 0) & (key_pos[None, :] <= pos[:, None]) & (
         key_pos[None, :] > pos[:, None] - c.window_size)  # [S, W + S]
     key_ok = jnp.broadcast_to(key_ok[None], (b, *key_ok.shape))
     new_state = dataclasses.replace(state, window=ring)
     selection = None
     if r:
-        cache, comp = _compress(params, "compressor", x, start_pos, state.compressor,
-                                state.compressed, r, cos, sin, c.norm_eps, nope_fp8)
+        cache, comp = _compress(params, "compressor", inp["kv"], inp["score"], start_pos,
+                                state.compressor, state.compressed, r, cos, sin, c.norm_eps,
+                                nope_fp8, precision)
         new_state = dataclasses.replace(new_state, compressed=cache, compressor=comp)
         if r == 4:
             chosen, selection, index_keys, index_comp = _indexer(
-                params, x, qr, start_pos, state, c, cos_p, sin_p, qat)
+                params, inp, start_pos, state, c, qat, precision)
             new_state = dataclasses.replace(new_state, index_keys=index_keys,
                                             index_compressor=index_comp)
         else:
@@ -329,20 +372,9 @@ def _layer(params, x, start_pos, state, config, qat):
                                       (b, s, cache.shape[1]))
         keys = jnp.concatenate([keys, cache], axis=1)
         key_ok = jnp.concatenate([key_ok, chosen], axis=2)
-    o = _attend(q, keys, key_ok, params["attn_sink"], c.head_dim ** -0.5)
-    o = vc.apply_rope(o, cos_p[:, None], -sin_p[:, None])  # the inverse rotation
-    o = o.reshape(b, s, c.o_groups, c.n_heads * c.head_dim // c.o_groups)
-    wo_a = params["wo_a.weight"].reshape(c.o_groups, c.o_lora_rank, -1)
-    o = jnp.einsum("bsgd,grd->bsgr", o, wo_a).reshape(b, s, c.o_groups * c.o_lora_rank)
-    return _linear(o, params, "wo_b.weight"), new_state, selection
-
-
-def _nope_fp8(config: V4AttentionConfig):
-    nope = config.nope_head_dim
-
-    def f(rows):
-        return jnp.concatenate([act_quant_sim(rows[..., :nope]), rows[..., nope:]], axis=-1)
-    return f
+    o = _attend(inp["q"], keys, key_ok, params["attn_sink"], c.head_dim ** -0.5, rb)
+    out = layer_output(params, o, pos, c, state.max_seq_len, precision)
+    return (out if precision == "f32" else out.astype(jnp.bfloat16)), new_state, selection
 
 
 def _check_qat(config: V4AttentionConfig) -> None:
@@ -359,7 +391,7 @@ def _check_qat(config: V4AttentionConfig) -> None:
 
 
 def attention_layer(params, x, start_pos, state: V4LayerState, config: V4AttentionConfig, *,
-                    qat: bool = False, return_selection: bool = False):
+                    qat: bool = False, return_selection: bool = False, precision: str = "f32"):
     """One DeepSeek-V4 attention layer over the chunk ``x f32|bf16[B, S, dim]`` at positions
     ``start_pos + t`` (module docstring).
 
@@ -373,14 +405,19 @@ def attention_layer(params, x, start_pos, state: V4LayerState, config: V4Attenti
       qat: apply the official QAT simulations (static).
       return_selection: also return the CSA indexer's ``IndexSelection`` (``None`` on other
         layer types).
+      precision: ``"f32"`` (the default) or ``"bf16"``, the official regime (module
+        docstring, "Precision regimes"; static). The default stays ``"f32"`` because the paged
+        step (``dsa_jax.v4_step``) does not implement the bf16 regime yet.
 
     Every batch row shares ``start_pos`` (a ragged batch is checked one sequence at a time,
-    ``B = 1``). Returns ``(out f32[B, S, dim], state)`` (and the selection when asked). Bad
-    params, shapes, dtypes or a concrete ``start_pos`` outside ``[0, max_seq_len - S]`` raise
-    ValueError naming the key or the numbers; a traced ``start_pos`` out of range gives an
-    unspecified result."""
+    ``B = 1``). Returns ``(out f32[B, S, dim], state)`` (``bf16`` under ``"bf16"``; the state
+    is f32 in both, holding bf16 values under ``"bf16"``) and the selection when asked. Bad
+    params, shapes, dtypes, a precision outside ``PRECISIONS`` or a concrete ``start_pos``
+    outside ``[0, max_seq_len - S]`` raise ValueError naming the key, the name or the numbers;
+    a traced ``start_pos`` out of range gives an unspecified result."""
     if not isinstance(config, V4AttentionConfig):
         raise TypeError(f"config must be a V4AttentionConfig, got {type(config).__name__}")
+    check_precision(precision)
     check_params(params, config)
     _checks.rank("x", x, 3)
     _checks.floating("x", x)
@@ -401,5 +438,5 @@ def attention_layer(params, x, start_pos, state: V4LayerState, config: V4Attenti
     f32 = {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}
     out, new_state, selection = _layer(f32, jnp.asarray(x, jnp.float32),
                                        jnp.asarray(start_pos, jnp.int32), state, config,
-                                       bool(qat))
+                                       bool(qat), precision)
     return (out, new_state, selection) if return_selection else (out, new_state)

@@ -53,14 +53,15 @@ table ``cu_lens`` counts *entries* (``reference.v4_attention.PagedKV``'s rule): 
 sequence ``i`` goes to page slot ``cu_lens[i] // page_size + j // page_size``, offset ``j %
 page_size``.
 
-Precision: everything f32. Every sum and max (the softmax over slots, the pooled sum, the
+Precision: everything f32 (``precision="bf16"`` adds the official bf16 roundings to
+``finish_entries``, nothing else). Every sum and max (the softmax over slots, the pooled sum, the
 norm's mean) is a fixed pairwise tree of elementwise ops (``_tree``), so an entry's bits do not
-depend on the step's shapes (XLA's reductions do). The official model casts the pooled row to
-bf16 before the norm (its activations are bf16); ours keeps f32 throughout (so chunk invariance
-is exact). The RoPE tables follow the official f32 steps (``yarn_inv_freq``). The official QAT
+depend on the step's shapes (XLA's reductions do). The official model casts the pooled row to bf16
+before the norm (its activations are bf16); the default keeps f32 throughout. Chunk invariance is
+exact in both. The RoPE tables follow the official f32 steps (``yarn_inv_freq``). The official QAT
 simulations (``act_quant`` on the nope dims of an attention entry; Hadamard + FP4 on an indexer
-entry) are not applied here: entries leave unquantized, and ``write_entries`` quantizes only as
-the cache format stores them.
+entry) are not applied here: entries leave unquantized, and ``write_entries`` quantizes only as the
+cache format stores them.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ import numpy as np
 from reference.core import batch
 from reference.core import checks as _checks
 from reference.formats import fp8_cache, model1
+from reference.quant.bf16 import check_precision, rounding
 
 RATIOS = (4, 128)
 ROPE_DIM = model1.V4_ROPE  # the V4 rope head dim
@@ -397,21 +399,26 @@ def _update_state(kv, score, ape, state, s: SeqFacts, kv_lens, cu_q_lens, distri
 
 
 def finish_entries(pooled, norm_weight, cos, sin, seq, entry, valid, *, ratio: int,
-                   eps: float) -> CompressedEntries:
+                   eps: float, precision: str = "f32") -> CompressedEntries:
     """The pooled rows ``f32[E, d]`` of the output slots ``(seq, entry, valid)``
     (``enumerate_entries``) as ``CompressedEntries``: the weighted RMSNorm, RoPE at the group's
     first position ``r j``, unused slots zeroed and marked ``-1``. Row-wise arithmetic only
-    (``rms_norm``'s fixed tree), so a row's bits do not depend on ``E``."""
-    rows = rms_norm(pooled, norm_weight, eps)
+    (``rms_norm``'s fixed tree), so a row's bits do not depend on ``E``.
+
+    ``precision="bf16"`` (``reference.quant.bf16``; the official bf16 model): the pooled row is
+    rounded to bf16 before the norm, the norm's (f32) result and the RoPE's (f32) result are
+    rounded to bf16 (rows stay ``f32`` arrays holding bf16 values). ``"f32"``: no rounding."""
+    rb = rounding(precision)
+    rows = rb(rms_norm(rb(pooled), norm_weight, eps))
     pos = jnp.where(valid, ratio * entry, 0)
-    rows = apply_rope(rows, cos[pos], sin[pos])
+    rows = rb(apply_rope(rows, cos[pos], sin[pos]))
     return CompressedEntries(jnp.where(valid[:, None], rows, 0.0), jnp.where(valid, seq, -1),
                              jnp.where(valid, entry, -1))
 
 
-@functools.partial(jax.jit, static_argnames=("ratio", "eps"))
+@functools.partial(jax.jit, static_argnames=("ratio", "eps", "precision"))
 def _compress(kv, score, ape, norm_weight, cos, sin, state, state_slots, kv_lens, cu_q_lens,
-              distribution, ratio, eps):
+              distribution, ratio, eps, precision):
     coff = compressor_coff(ratio)
     num_rows, num_seqs = kv.shape[0], kv_lens.shape[0]
     s = seq_facts(kv_lens, cu_q_lens, distribution, state_slots, num_rows, state.kv.shape[0])
@@ -419,7 +426,7 @@ def _compress(kv, score, ape, norm_weight, cos, sin, state, state_slots, kv_lens
                                           cos.shape[0])
     gate, vals = _gather_slots(kv, score, ape, state, s, seq, entry, valid, ratio, coff)
     entries = finish_entries(_pool(gate, vals), norm_weight, cos, sin, seq, entry, valid,
-                             ratio=ratio, eps=eps)
+                             ratio=ratio, eps=eps, precision=precision)
     new_state = _update_state(kv, score, ape, state, s, kv_lens, cu_q_lens, distribution,
                               ratio, coff)
     return entries, new_state
@@ -440,6 +447,7 @@ def compress_step(
     *,
     ratio: int,
     eps: float = NORM_EPS,
+    precision: str = "f32",  # "bf16": finish_entries' bf16 rounding points
 ) -> tuple[CompressedEntries, CompressorState]:
     """One step of the V4 compressor over a ragged batch (module docstring): pool every group
     that completes with this step's tokens, norm it, rope it at the group's first position, and
@@ -448,15 +456,18 @@ def compress_step(
     Returns ``(entries, state)``: ``CompressedEntries`` with ``E = max_entries(T, S, ratio)``
     slots (``rows f32[E, d]``, ``seq``/``entry i32[E]``, ``-1`` and zero rows past the last
     entry), and the updated ``CompressorState`` (only the rows of this step's tokens change;
-    jit the caller with the state donated to update it in place). Bad shapes, dtypes or a
-    ratio other than 4 / 128 raise ``ValueError`` naming the numbers."""
+    jit the caller with the state donated to update it in place). ``precision``: ``"f32"`` or
+    ``"bf16"`` (``finish_entries``; the pooling and the state are f32 in both, as the official
+    code's). Bad shapes, dtypes, a ratio other than 4 / 128 or an unknown precision raise
+    ``ValueError`` naming the numbers."""
+    check_precision(precision)
     check_step_args(kv, score, ape, norm_weight, cos, sin, state, state_slots, kv_lens,
                      cu_q_lens, distribution, ratio)
     f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
     return _compress(f32(kv), f32(score), f32(ape), f32(norm_weight), f32(cos), f32(sin),
                      state, jnp.asarray(state_slots, jnp.int32), jnp.asarray(kv_lens, jnp.int32),
                      jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(distribution, jnp.int32),
-                     ratio=ratio, eps=float(eps))
+                     ratio=ratio, eps=float(eps), precision=precision)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,38 @@
+"""The precision regimes of the DeepSeek-V4 statements: ``"f32"`` (everything f32) and
+``"bf16"`` (the official inference code's: bf16 activations, rounded at fixed points; see
+``reference.statements.deepseek_v4``'s docstring for where). This module holds the regime names,
+their check and the one rounding the bf16 regime uses: round to nearest even to bf16, the value
+kept in an f32 array (so the f32 arithmetic around it is unchanged, and a bf16 product of two such
+values accumulated in f32 is an f32 matmul of them)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["PRECISIONS", "check_precision", "round_bf16", "rounding"]
+
+PRECISIONS = ("f32", "bf16")
+
+
+def check_precision(precision) -> str:
+    """``precision`` if it is one of ``PRECISIONS``, else ValueError listing them."""
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got precision={precision!r}")
+    return precision
+
+
+def round_bf16(x: jax.Array) -> jax.Array:
+    """``f32[...] -> f32[...]``: each value rounded to the nearest bf16 (ties to even; +-inf and
+    NaN kept), still held in f32."""
+    return jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def _identity(x: jax.Array) -> jax.Array:
+    return x
+
+
+def rounding(precision: str):
+    """The activation rounding of a regime: ``round_bf16`` for ``"bf16"``, the identity (no op
+    in the traced program) for ``"f32"``."""
+    return round_bf16 if check_precision(precision) == "bf16" else _identity
