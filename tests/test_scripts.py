@@ -28,8 +28,10 @@ def _run(args, tmp_path, timeout=600):
 
 @pytest.mark.slow
 def test_bench_quick(tmp_path):
-    stdout = _run(["-m", "scripts.bench.bench", "--quick", "--reps", "2", "--out", str(tmp_path)],
-                  tmp_path)
+    # at a 2K context (the default 8K is the benchmark's): a smoke run of the whole script,
+    # every row and ratio; the seed's general paths cost O(S * T * context)
+    stdout = _run(["-m", "scripts.bench.bench", "--quick", "--reps", "2", "--context", "2048",
+                   "--out", str(tmp_path)], tmp_path)
     assert (tmp_path / "bench.json").exists() and "seed sparse_mla / ours" in stdout
 
 

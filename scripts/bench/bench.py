@@ -6,7 +6,9 @@ What each number is:
 - TPU temp memory: ``compiled.memory_analysis().temp_size_in_bytes`` of an AOT compile for a real
   TPU generation through libtpu on CPU (a compile result, not a run).
 
-Usage: ``python -m scripts.bench.bench [--quick] [--reps N] [--out DIR] [--skip-aot]``
+Usage: ``python -m scripts.bench.bench [--quick] [--reps N] [--context N] [--out DIR] [--skip-aot]``
+(``--context`` sets the CPU rows' context, 8192 by default; the test suite's smoke run takes a
+smaller one: the seed's general paths are O(S * T * context)).
 Writes ``DIR/bench.md`` and ``DIR/bench.json``.
 """
 
@@ -58,27 +60,40 @@ def indexer_batch(q_lens, kv_len, *, heads=64, dim=128, page_size=64, seed=0):
                              dim=dim, fill=0.0, tail_pages=0)
 
 
-SHAPES = {"decode 16x8K": [1] * 16, "MTP 4x4 @8K": [4] * 4}
+CONTEXT = 8192  # the CPU rows' context (tokens) unless --context says otherwise
+TOPK = 2048  # token top-k and sparse MLA's selected tokens (at most half the context)
 
 
-def _shapes(quick: bool) -> dict[str, list[int]]:
+def _ctx(context: int) -> str:
+    return f"{context // 1024}K" if context % 1024 == 0 else str(context)
+
+
+def decode_label(context: int) -> str:
+    return f"decode 16x{_ctx(context)}"
+
+
+def _shapes(quick: bool, context: int) -> dict[str, list[int]]:
     prefill = 256 if quick else 1024
-    return {**SHAPES, f"chunked prefill {prefill} @8K": [prefill]}
+    return {decode_label(context): [1] * 16, f"MTP 4x4 @{_ctx(context)}": [4] * 4,
+            f"chunked prefill {prefill} @{_ctx(context)}": [prefill]}
 
 
-def cpu_rows(quick: bool, reps: int) -> list[dict]:
-    """Every reference op vs its seed counterpart at decode, MTP and chunked-prefill shapes."""
+def cpu_rows(quick: bool, reps: int, context: int = CONTEXT) -> list[dict]:
+    """Every reference op vs its seed counterpart at decode, MTP and chunked-prefill shapes,
+    ``context`` tokens per sequence."""
     rows = []
-    for label, q_lens in _shapes(quick).items():
-        rows += indexer_rows(label, q_lens, reps) + mla_rows(label, q_lens, reps)
+    for label, q_lens in _shapes(quick, context).items():
+        rows += indexer_rows(label, q_lens, reps, context) + mla_rows(label, q_lens, reps,
+                                                                      context)
         print(f"  {label}: done", flush=True)
     return rows
 
 
-def indexer_rows(label: str, q_lens: list[int], reps: int) -> list[dict]:
-    b = indexer_batch(q_lens, 8192)
+def indexer_rows(label: str, q_lens: list[int], reps: int,
+                 context: int = CONTEXT) -> list[dict]:
+    b = indexer_batch(q_lens, context)
     dev = [jnp.asarray(x) for x in b.args()]
-    kw = dict(k=2048, pages_per_seq=b.pages_per_seq)
+    kw = dict(k=min(TOPK, context // 2), pages_per_seq=b.pages_per_seq)
     pkw = dict(k_pages=32, pages_per_seq=b.pages_per_seq)
     p = functools.partial
     ops = {"token top-k (ours, general)": p(streamindex_topk_ref, *dev, **kw),
@@ -94,9 +109,9 @@ def indexer_rows(label: str, q_lens: list[int], reps: int) -> list[dict]:
             for name, fn in ops.items()]
 
 
-def mla_rows(label: str, q_lens: list[int], reps: int) -> list[dict]:
+def mla_rows(label: str, q_lens: list[int], reps: int, context: int = CONTEXT) -> list[dict]:
     """Sparse MLA (token: ours vs seed) and page-sparse MLA (ours; the seed has none)."""
-    kv, k, heads, dim, v_dim = 8192, 2048, 16, 640, 512
+    kv, k, heads, dim, v_dim = context, min(TOPK, context // 2), 16, 640, 512
     rng = np.random.default_rng(1)
     b = make_ragged_batch(rng, q_lens=q_lens, kv_lens=[kv] * len(q_lens), page_size=64,
                           pages_per_seq=kv // 64, num_heads=heads, dim=dim, fill=0.0)
@@ -106,7 +121,7 @@ def mla_rows(label: str, q_lens: list[int], reps: int) -> list[dict]:
     meta = [jnp.asarray(x) for x in b.meta()[1:]]
     q, cache, lens = jnp.asarray(b.q), jnp.asarray(b.cache), jnp.asarray(b.seq_lens)
     kw = dict(sm_scale=SM_SCALE, pages_per_seq=b.pages_per_seq, v_dim=v_dim)
-    label = f"{label} (MLA H=16, k=2048)"
+    label = f"{label} (MLA H=16, k={k})"
     p = functools.partial
     ops = {"sparse_mla (ours)": p(sparse_mla_ref, q, cache, lens, jnp.asarray(idx), *meta, **kw),
            "sparse_mla (seed) [baseline]": p(seed_sparse_mla, q, cache, lens,
@@ -180,14 +195,14 @@ def aot_rows(quick: bool) -> list[dict]:
     return rows
 
 
-def markdown(cpu: list[dict], aot: list[dict]) -> str:
+def markdown(cpu: list[dict], aot: list[dict], context: int = CONTEXT) -> str:
     lines = ["| shape | op | CPU median ms |", "|---|---|---:|"]
     lines += [f"| {r['shape']} | {r['op']} | {r['cpu_ms']:.1f} |" for r in cpu]
     by = {(r["shape"], r["op"]): r["cpu_ms"] for r in cpu}
-    d = "decode 16x8K"
+    d = decode_label(context)
     ratios = []
     if (d, "token top-k (ours, general)") in by:
-        ratios.append(("general / decode fast path (ours), decode 16x8K",
+        ratios.append((f"general / decode fast path (ours), {d}",
                        by[(d, "token top-k (ours, general)")]
                        / by[(d, "token top-k (ours, decode fast path)")]))
         for shape in [x for x in dict.fromkeys(r["shape"] for r in cpu) if "MLA" not in x]:
@@ -195,9 +210,9 @@ def markdown(cpu: list[dict], aot: list[dict]) -> str:
                 ratios.append((f"seed / ours, {kind} top-k (general), {shape}",
                                by[(shape, f"{kind} top-k (seed, general) [baseline]")]
                                / by[(shape, f"{kind} top-k (ours, general)")]))
-    m = "decode 16x8K (MLA H=16, k=2048)"
+    m = f"{d} (MLA H=16, k={min(TOPK, context // 2)})"
     if (m, "sparse_mla (ours)") in by:
-        ratios.append(("seed sparse_mla / ours (speed-up), decode 16x8K H=16",
+        ratios.append((f"seed sparse_mla / ours (speed-up), {d} H=16",
                        by[(m, "sparse_mla (seed) [baseline]")] / by[(m, "sparse_mla (ours)")]))
     for shape in [x for x in dict.fromkeys(r["shape"] for r in cpu) if "MLA" in x and x != m]:
         ratios.append((f"seed sparse_mla / ours, {shape}",
@@ -217,14 +232,20 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true",
                    help=f"smaller prefill, {chip_specs.DEFAULT}-only AOT")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (median)")
+    p.add_argument("--context", type=int, default=CONTEXT,
+                   help=f"the CPU rows' context in tokens (default {CONTEXT}; top-k "
+                        f"min({TOPK}, context / 2))")
     p.add_argument("--out", default="out/bench", help="output folder for bench.md/bench.json")
     p.add_argument("--skip-aot", action="store_true", help="skip the TPU AOT memory rows")
     a = p.parse_args(argv)
     reps = a.reps or (3 if a.quick else 7)
     print(f"CPU timings (median of {reps}) ...", flush=True)
-    cpu = cpu_rows(a.quick, reps)
+    if a.context < 128 or a.context % 64:
+        p.error(f"--context must be a positive multiple of 64 (the page size) >= 128, "
+                f"got {a.context}")
+    cpu = cpu_rows(a.quick, reps, a.context)
     aot = [] if a.skip_aot else aot_rows(a.quick)
-    md = markdown(cpu, aot)
+    md = markdown(cpu, aot, a.context)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.md").write_text(md)
