@@ -33,6 +33,7 @@ import v4_bf16_oracle as oracle
 
 from reference import deepseek_v4 as dv
 from reference import v4_compressor as vc
+from reference.statements.deepseek_v4_layer import rope_tables
 
 B = 2
 OUT_ULPS = 3.0
@@ -56,16 +57,9 @@ def _x(config, n, b=B):
 
 
 def _tables(config, max_seq):
-    """The official f32 RoPE tables of the layer type, as float64 (the oracle's input)."""
-    c = config
-    if c.compress_ratio:
-        tables = vc.rope_tables(max_seq, c.rope_head_dim, theta=c.compress_rope_theta,
-                                factor=c.rope_factor, original_seq_len=c.original_seq_len,
-                                beta_fast=c.beta_fast, beta_slow=c.beta_slow)
-    else:
-        tables = vc.rope_tables(max_seq, c.rope_head_dim, theta=c.rope_theta,
-                                original_seq_len=0)
-    return tuple(np.asarray(t, np.float64) for t in tables)
+    """The official f32 RoPE tables of the layer type (the statement's own, public), as float64
+    (the oracle's input)."""
+    return tuple(np.asarray(t, np.float64) for t in rope_tables(config, max_seq))
 
 
 @functools.cache
