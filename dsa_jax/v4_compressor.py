@@ -20,15 +20,16 @@ from reference import v4_compressor as vc
 
 def compress_step(kv, score, ape, norm_weight, cos, sin, state: vc.CompressorState, state_slots,
                   kv_lens, cu_q_lens, distribution, *, ratio: int, eps: float = vc.NORM_EPS,
-                  backend: str | None = None, interpret=None,
+                  precision: str = "f32", backend: str | None = None, interpret=None,
                   vmem_limit_bytes: int | None = None
                   ) -> tuple[vc.CompressedEntries, vc.CompressorState]:
     """One step of the V4 compressor: ``(CompressedEntries, CompressorState)``.
 
     Args as ``reference.v4_compressor.compress_step`` (``kv`` / ``score f32|bf16[T, coff * d]``,
     ``ape f32[ratio, coff * d]``, ``norm_weight f32[d]``, the RoPE tables ``cos`` / ``sin``,
-    the state pool, ``state_slots i32[S]``, the ragged metadata; ``ratio`` 4 or 128, ``eps``),
-    plus:
+    the state pool, ``state_slots i32[S]``, the ragged metadata; ``ratio`` 4 or 128, ``eps``,
+    ``precision`` ``"f32"`` or ``"bf16"``: the official regime's rounding of the finished
+    entries, ``reference.v4_compressor.finish_entries``), plus:
 
     - ``backend``: ``"reference"``, ``"pallas"`` or ``None`` (``dsa_jax.backend``); an unknown
       name is a ``ValueError`` naming it;
@@ -44,4 +45,4 @@ def compress_step(kv, score, ape, norm_weight, cos, sin, state: vc.CompressorSta
              if v is not None}
     fn, extra = _backend.implementation("v4_compressor", backend, knobs)
     return fn(kv, score, ape, norm_weight, cos, sin, state, state_slots, kv_lens, cu_q_lens,
-              distribution, ratio=ratio, eps=eps, **extra)
+              distribution, ratio=ratio, eps=eps, precision=precision, **extra)

@@ -18,6 +18,7 @@ from test_v4_compressor import (
     _collect,
     _nan_state,
     _params,
+    _run,
     _split,
     _Step,
     _tokens,
@@ -33,13 +34,13 @@ pytestmark = pytest.mark.kernel_gate
 RTOL, ATOL = 1e-6, 1e-6
 
 
-def _both(step, params, state, slots, ratio):
+def _both(step, params, state, slots, ratio, precision="f32"):
     """``(pallas, reference)`` results of one step."""
     ape, weight, cos, sin = params
     args = (*step.args, ape, weight, cos, sin, state, slots, step.kv_lens, step.cu_q_lens,
             step.distribution)
-    return (pvc.compress_step(*args, ratio=ratio, interpret=True),
-            vc.compress_step(*args, ratio=ratio))
+    return (pvc.compress_step(*args, ratio=ratio, interpret=True, precision=precision),
+            vc.compress_step(*args, ratio=ratio, precision=precision))
 
 
 def _check_step(got, want):
@@ -111,6 +112,26 @@ def test_group_zero_and_a_step_with_nothing_complete():
     assert np.asarray(got[0].entry)[0] == 1
 
 
+def test_bf16_precision_rounds_the_entries_as_the_reference():
+    """``precision="bf16"`` (the official regime: the pooled row rounded before its norm, the
+    norm and the RoPE outputs rounded): the Pallas entries equal the reference's bf16 entries
+    (values bf16-exact) and the state is the f32 state of both (the pooling stays f32); the
+    entries differ from the f32 regime's."""
+    rng = np.random.default_rng(17)
+    d = 128
+    params = _params(rng, 4, d, 64)
+    seqs = [_tokens(rng, n, 4, d) for n in (9, 6)]
+    state, slots = _nan_state(2, 4, d), jnp.asarray([1, 0], jnp.int32)
+    step = _Step(seqs, [(0, 9), (0, 6)], 16)
+    got, want = _both(step, params, state, slots, 4, precision="bf16")
+    _check_step(got, want)
+    rows = np.asarray(got[0].rows)
+    np.testing.assert_array_equal(rows, rows.astype(jnp.bfloat16).astype(np.float32))
+    f32_entries, f32_state = _run(step, params, state, slots, 4)  # the reference's, f32
+    assert not np.array_equal(rows, np.asarray(f32_entries.rows))
+    np.testing.assert_array_equal(np.asarray(got[1].kv), np.asarray(f32_state.kv))
+
+
 @pytest.mark.parametrize("ratio,d,n,cut", [(4, 16, 13, 5), (128, 16, 140, 128)])
 def test_decode_steps_give_the_bits_of_one_prefill(ratio, d, n, cut):
     """A prefill chunk then single-token decode steps (T = S = 1) against one prefill of the
@@ -175,6 +196,8 @@ def test_bad_input_is_refused_naming_the_numbers():
         pvc.compress_step(*args, ratio=8, interpret=True)
     with pytest.raises(ValueError, match=r"kv must have shape \(5, 32\)"):
         pvc.compress_step(jnp.zeros((5, 16)), *args[1:], ratio=4, interpret=True)
+    with pytest.raises(ValueError, match=r"precision=.bf8."):
+        pvc.compress_step(*args, ratio=4, interpret=True, precision="bf8")
     with pytest.raises(ValueError, match=r"vmem_limit_bytes=-1"):
         pvc.compress_step(*args, ratio=4, interpret=True, vmem_limit_bytes=-1)
     with pytest.raises(ValueError, match=r"kv has T = 0 rows.*at least one row"):  # empty step

@@ -62,6 +62,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import tpu
 from pallas_kernels.v4_compressor import blocks, traffic
 from reference import v4_compressor as vc
+from reference.quant.bf16 import check_precision
 
 # words of one output slot's facts (``entry_facts``)
 _VALID, _BASE, _KS, _KC, _SLOT, _OFF, ENTRY_WORDS = range(7)
@@ -357,9 +358,10 @@ def state_call(facts, kv, score, ape, dep, state: vc.CompressorState, *, ratio: 
 # ----------------------------------------------------------------------------- the entry
 
 
-@functools.partial(jax.jit, static_argnames=("ratio", "eps", "vmem_limit_bytes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("ratio", "eps", "precision", "vmem_limit_bytes",
+                                             "interpret"))
 def _compress(kv, score, ape, norm_weight, cos, sin, state, state_slots, kv_lens, cu_q_lens,
-              distribution, *, ratio, eps, vmem_limit_bytes, interpret):
+              distribution, *, ratio, eps, precision, vmem_limit_bytes, interpret):
     num_rows, num_seqs = kv.shape[0], kv_lens.shape[0]
     s = vc.seq_facts(kv_lens, cu_q_lens, distribution, state_slots, num_rows, state.kv.shape[0])
     seq, entry, valid = vc.enumerate_entries(s, vc.max_entries(num_rows, num_seqs, ratio), ratio,
@@ -368,7 +370,7 @@ def _compress(kv, score, ape, norm_weight, cos, sin, state, state_slots, kv_lens
     pooled = pool_call(entry_facts(s, seq, entry, valid, ratio), kv, score, ape, state, **knobs)
     new_state = state_call(write_facts(s, ratio), kv, score, ape, pooled, state, **knobs)
     entries = vc.finish_entries(pooled[:, 0], norm_weight, cos, sin, seq, entry, valid,
-                                ratio=ratio, eps=eps)
+                                ratio=ratio, eps=eps, precision=precision)
     return entries, new_state
 
 
@@ -387,21 +389,24 @@ def compress_step(
     *,
     ratio: int,
     eps: float = vc.NORM_EPS,
+    precision: str = "f32",
     vmem_limit_bytes: int | None = None,
     interpret=False,
 ) -> tuple[vc.CompressedEntries, vc.CompressorState]:
     """One step of the V4 compressor (``reference.v4_compressor.compress_step``'s arguments and
     results; module docstring for the kernels).
 
-    Args (beyond the reference's): ``vmem_limit_bytes`` overrides the scoped VMEM limit
-    (``pallas_kernels.tpu.vmem_limit``); ``interpret``: False compiles with Mosaic, True runs
-    the strict interpreter (``pallas_kernels.tpu.interpret_params``), or a
+    ``precision`` as the reference's (``"bf16"``: ``finish_entries``' rounding, in the same
+    glue after the kernels). Args beyond the reference's: ``vmem_limit_bytes`` overrides the
+    scoped VMEM limit (``pallas_kernels.tpu.vmem_limit``); ``interpret``: False compiles with
+    Mosaic, True runs the strict interpreter (``pallas_kernels.tpu.interpret_params``), or a
     ``pltpu.InterpretParams``.
 
     Returns ``(CompressedEntries rows f32[E, d], seq / entry i32[E]; CompressorState)`` with
     ``E = max_entries(T, S, ratio)``; the pool is updated in place when the caller's jit
     donates it. Bad shapes, dtypes or ratio: ``ValueError`` naming the numbers (the
     reference's ``check_step_args``)."""
+    check_precision(precision)
     vc.check_step_args(kv, score, ape, norm_weight, cos, sin, state, state_slots, kv_lens,
                        cu_q_lens, distribution, ratio)
     tpu.check_vmem_limit(vmem_limit_bytes)
@@ -409,5 +414,5 @@ def compress_step(
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     return _compress(f32(kv), f32(score), f32(ape), f32(norm_weight), f32(cos), f32(sin), state,
                      i32(state_slots), i32(kv_lens), i32(cu_q_lens), i32(distribution),
-                     ratio=ratio, eps=float(eps), vmem_limit_bytes=vmem_limit_bytes,
-                     interpret=interpret)
+                     ratio=ratio, eps=float(eps), precision=precision,
+                     vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
