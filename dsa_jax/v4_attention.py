@@ -42,6 +42,7 @@ from reference import v4_attention as v4
 from reference.core import batch
 from reference.formats import model1 as v4_cache
 from reference.formats import packed_cache, stacked
+from reference.quant.bf16 import check_precision
 
 V4_CACHE_FORMATS = ("plain", "packed", "fp8")  # fp8: MODEL1, reference.v4_cache.Fp8V4Cache
 RESERVED_FORMATS = ()  # kept for callers that tested membership
@@ -275,13 +276,18 @@ def v4_attention(q, window: v4.PagedKV, kv_lens, cu_q_lens, distribution, *, lay
                  compressed: v4.PagedKV | None = None, compressed_indices=None, attn_sink=None,
                  sm_scale: float | None = None, return_lse: bool = False,
                  backend: str | None = None, validate: bool = False,
-                 kernel_options: dict | None = None, layer=None):
+                 kernel_options: dict | None = None, layer=None, precision: str = "f32"):
     """DeepSeek-V4 attention: ``q.dtype[T, H, 512]`` (and the sink-free LSE ``f32[T, H]``).
 
     Args as ``reference.v4_attention.v4_attention_ref`` with the statics read from ``layout``
     (window size, ratio, pages per sequence; the caches are checked against it), plus
     ``sm_scale`` (default ``512 ** -0.5``), ``backend`` / ``validate`` / ``kernel_options``
-    (``dsa_jax.dispatch``) and ``layer`` (both caches stacked, read in place).
+    (``dsa_jax.dispatch``), ``layer`` (both caches stacked, read in place) and ``precision``:
+    ``"f32"`` (default) or ``"bf16"``, the official ``sparse_attn`` rounding (bf16 q and rows,
+    f32 logits, P rounded to bf16 for ``P @ V``, bf16 output in ``q.dtype``;
+    ``reference.v4_attention``'s module docstring), passed to either backend (the Pallas
+    two-pass form, ``kernel_options={"fused": False}``, refuses ``"bf16"``). Anything else:
+    ValueError naming ``precision``.
     """
     if not isinstance(layout, V4Layout):
         raise TypeError(f"layout must be a V4Layout, got {type(layout).__name__}")
@@ -289,12 +295,13 @@ def v4_attention(q, window: v4.PagedKV, kv_lens, cu_q_lens, distribution, *, lay
                             ("compressed.cache", compressed, "compressed")):
         if kv is not None:
             layout.check_cache(name, kv.cache, which)
+    check_precision(precision)
     fn, extra = _backend.implementation("v4_attention", backend, kernel_options)
     statics = dict(sm_scale=float(v4.HEAD_DIM ** -0.5 if sm_scale is None else sm_scale),
                    window_size=layout.window_size, compress_ratio=layout.compress_ratio,
                    window_pages_per_seq=layout.window_pages_per_seq,
                    compressed_pages_per_seq=layout.compressed_pages_per_seq or 0,
-                   return_lse=return_lse, **extra)
+                   return_lse=return_lse, precision=precision, **extra)
     call = dict(compressed=compressed, compressed_indices=compressed_indices,
                 attn_sink=attn_sink)
     if not validate:

@@ -15,6 +15,9 @@ only): each token's 2 DMAs move 1024 B against the 640 B stored (1.6x on those b
 (Flash CSA), 1.29x (Flash HCA), 1.45x (Pro CSA) of the fp8 minimum; the same bytes moved as
 packed bf16 (q, out and the tables dominate the rest), in 2x the DMAs. Numbers per chip:
 ``python scripts/cost/v4_cost.py`` (BENCHMARKS.md, "DeepSeek-V4 attention (issue 20)").
+The bf16 regime (``precision="bf16"``, issue 27; ``bf16_regime_cases``): the fused
+kernel at the V4-Flash CSA shape on packed caches (1.00x, the packed case's program) and on f32
+caches (2048 B rows against the 1024 B of their bf16 values: 1.84x).
 
 The Pallas compressor (``pallas_kernels.v4_compressor``, issue 21) compiles at the V4 dims
 (d 512 ratio 4 and 128, d 128 ratio 4; 64 decode sequences and an 8192-token prefill) with its
@@ -32,6 +35,7 @@ import pytest
 from pallas_kernels import aot, chips, xla_cost
 from pallas_kernels.v4 import compile_cases as v4cases
 from pallas_kernels.v4.fused import INFO_WORDS
+from pallas_kernels.v4_attention.compile_cases import bf16_regime_cases
 from pallas_kernels.v4_compressor import compile_cases as v4ccases
 from pallas_kernels.v4_compressor import traffic as v4ctraffic
 from reference import v4_compressor as vc
@@ -42,10 +46,13 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 CASES = [(case, chip) for fused, fmt in ((False, "packed"), (True, "packed"), (True, "fp8"))
          for case in v4cases.compile_cases(fused, fmt) for chip in aot.CHIPS]
+CASES += [(case, chip) for case in bf16_regime_cases() for chip in aot.CHIPS]
 # the model's bytes per decode row over the minimum, per path and shape (module docstring)
 MAX_RATIO = {"v4_attention": {"flash_csa": 1.45, "flash_hca": 2.05, "pro_csa": 1.5},
              "v4_attention_fused": {"flash_csa": 1.01, "flash_hca": 1.01, "pro_csa": 1.01},
-             "v4_attention_fused_fp8": {"flash_csa": 1.46, "flash_hca": 1.3, "pro_csa": 1.45}}
+             "v4_attention_fused_fp8": {"flash_csa": 1.46, "flash_hca": 1.3, "pro_csa": 1.45},
+             "v4_attention_fused_packed_precision_bf16": {"flash_csa": 1.01},
+             "v4_attention_fused_f32_precision_bf16": {"flash_csa": 1.84}}
 
 
 @pytest.mark.parametrize("case,chip", CASES,

@@ -6,7 +6,9 @@ compressed pages of 64 entries; V4-Flash H=64 with the ratio-4 top-512 (CSA) and
 layer (HCA: every visible entry, 64 at 8192); V4-Pro H=128 with top-1024. Cache formats
 (``FORMATS``): packed bf16 (``u32[P, 64, 256]``, both paths) and fp8 MODEL1 (``Fp8V4Cache``:
 ``nope u32[P, 64, 128]``, ``rope u32[P, 16, 128]``; the fused kernel only, the two-pass path
-refuses it).
+refuses it). The bf16 regime (``precision="bf16"``, ``bf16_regime_cases``): the fused kernel at
+the V4-Flash CSA decode shape on packed caches (the serving format) and on f32 caches
+(``f32[P, 64, 512]``: the one bf16-mode kernel program the cases above do not compile).
 """
 
 from __future__ import annotations
@@ -40,11 +42,14 @@ SHAPES = (("flash_csa_decode64x8192_h64_k512", 64, 8192, 64, 4, 512),
           ("flash_hca_decode64x8192_h64", 64, 8192, 64, 128, None),
           ("pro_csa_decode64x8192_h128_k1024", 64, 8192, 128, 4, 1024))
 FORMATS = ("packed", "fp8")
+BF16_REGIME_FORMATS = ("packed", "f32")  # bf16_regime_cases: the serving format, f32 rows
 
 
 def _cache_spec(pages: int, fmt: str):
     """A window / compressed cache struct of ``pages`` pages of ``PAGE`` rows in ``fmt``."""
     sd = jax.ShapeDtypeStruct
+    if fmt == "f32":
+        return sd((pages, PAGE, HEAD_DIM), jnp.float32)
     if fmt == "fp8":
         return v4_cache.Fp8V4Cache(sd((pages, PAGE, v4_cache.LANES), jnp.uint32),
                                    sd((pages, v4_cache.rope_rows(PAGE), v4_cache.LANES),
@@ -56,7 +61,7 @@ def specs(*, rows: int, context: int, heads: int, ratio: int, k: int | None,
           fmt: str = "packed"):
     """ShapeDtypeStructs of ``(q, window, kv_lens, cu_q_lens, distribution, compressed,
     compressed_indices)`` (the last two ``None`` where the ratio takes none); both caches in
-    ``fmt`` (``FORMATS``)."""
+    ``fmt`` (``FORMATS``, or ``"f32"``); q bf16."""
     sd = jax.ShapeDtypeStruct
     w_pages = rows * (context // PAGE)
     window = PagedKV(_cache_spec(w_pages, fmt), sd((w_pages,), jnp.int32),
@@ -110,17 +115,39 @@ def fused_v4_traffic(chip: str, *, rows: int, context: int, heads: int, ratio: i
                      k: int | None, fmt: str = "packed") -> aot.Traffic:
     """``kernel.fused_traffic`` at a compile shape (every row gathers its whole window and
     every selected / visible entry); fp8: 1024 B moved per gathered token (2 DMAs) against a
-    minimum of the 640 B stored per token; the block is the table's for ``chip``."""
+    minimum of the 640 B stored per token; f32: 2048 B rows against the 1024 B of their bf16
+    values (as the kernel's own call); the block is the table's for ``chip``."""
     entries = 0 if not ratio else (k if ratio == 4 else context // ratio)
     pages = rows * (context // PAGE) + (rows * -(-(context // ratio) // PAGE) if ratio else 1)
     fp8 = fmt == "fp8"
+    row_bytes = FP8_ROW_BYTES if fp8 else 4 * (HEAD_DIM if fmt == "f32" else WORDS)
     t = fused_traffic(rows=rows, heads=heads, gathered_rows=WINDOW + entries,
                       meta_words=k or 1, table_words=pages,
-                      block=v4_blocks.block(chip, fmt, heads),
-                      q_itemsize=2, row_bytes=FP8_ROW_BYTES if fp8 else 4 * WORDS,
+                      block=v4_blocks.block(chip, "fp8" if fp8 else "packed", heads),
+                      q_itemsize=2, row_bytes=row_bytes,
                       min_row_bytes=FP8_STORED_BYTES if fp8 else 2 * HEAD_DIM, fp8=fp8)
     return aot.Traffic(t.bytes_moved + rows * INFO_WORDS * 4, t.bytes_min, t.flops,
                        t.vmem_bytes)  # + row_info written by XLA
+
+
+def _case(kernel: str, name: str, dims: dict, *, fused: bool, fmt: str,
+          precision: str = "f32") -> aot.CompileCase:
+    """One ``CompileCase`` of ``v4_attention(..., fused=fused, precision=precision)`` at
+    ``dims`` (a ``SHAPES`` row) with both caches in ``fmt``."""
+    ratio, context = dims["ratio"], dims["context"]
+    c_pages = -(-(context // ratio) // PAGE) if ratio else 0
+
+    def fn_for_chip(chip):
+        f = functools.partial(v4_attention, sm_scale=SCALE, window_size=WINDOW,
+                              compress_ratio=ratio, window_pages_per_seq=context // PAGE,
+                              compressed_pages_per_seq=c_pages, fused=fused,
+                              precision=precision)
+        return lambda q, w, kv, cu, d, c, i: f(q, w, kv, cu, d, compressed=c,
+                                               compressed_indices=i)
+
+    traffic = (functools.partial(fused_v4_traffic, fmt=fmt) if fused else v4_traffic)
+    return aot.CompileCase(kernel, name, fn_for_chip, specs(**dims, fmt=fmt),
+                           functools.partial(traffic, **dims), tags=("decode",))
 
 
 def compile_cases(fused: bool = False, fmt: str = "packed") -> list[aot.CompileCase]:
@@ -132,19 +159,19 @@ def compile_cases(fused: bool = False, fmt: str = "packed") -> list[aot.CompileC
                          f"fmt={fmt!r}, fused={fused}")
     kernel = ("v4_attention_fused" if fused else "v4_attention") + ("_fp8" if fmt == "fp8"
                                                                     else "")
-    cases = []
-    for name, rows, context, heads, ratio, k in SHAPES:
-        dims = dict(rows=rows, context=context, heads=heads, ratio=ratio, k=k)
-        c_pages = -(-(context // ratio) // PAGE) if ratio else 0
+    return [_case(kernel, name, dict(rows=rows, context=context, heads=heads, ratio=ratio, k=k),
+                  fused=fused, fmt=fmt)
+            for name, rows, context, heads, ratio, k in SHAPES]
 
-        def fn_for_chip(chip, ratio=ratio, c_pages=c_pages, context=context):
-            f = functools.partial(v4_attention, sm_scale=SCALE, window_size=WINDOW,
-                                  compress_ratio=ratio, window_pages_per_seq=context // PAGE,
-                                  compressed_pages_per_seq=c_pages, fused=fused)
-            return lambda q, w, kv, cu, d, c, i: f(q, w, kv, cu, d, compressed=c,
-                                                   compressed_indices=i)
 
-        traffic = (functools.partial(fused_v4_traffic, fmt=fmt) if fused else v4_traffic)
-        cases.append(aot.CompileCase(kernel, name, fn_for_chip, specs(**dims, fmt=fmt),
-                                     functools.partial(traffic, **dims), tags=("decode",)))
-    return cases
+def bf16_regime_cases() -> list[aot.CompileCase]:
+    """The fused kernel with ``precision="bf16"`` (the official ``sparse_attn`` rounding) at the
+    V4-Flash CSA decode shape (``SHAPES[0]``, bf16 q), one case per ``BF16_REGIME_FORMATS``:
+    packed caches (how the official code stores its bf16 ``kv_cache``: the serving case; with
+    a bf16 q its kernel is the f32-precision one, and the case keeps it compiling should that
+    change) and f32 caches (f32 rows gathered and rounded to bf16 operands in VMEM: the
+    bf16-mode program no ``compile_cases`` case compiles)."""
+    name, rows, context, heads, ratio, k = SHAPES[0]
+    dims = dict(rows=rows, context=context, heads=heads, ratio=ratio, k=k)
+    return [_case(f"v4_attention_fused_{fmt}_precision_bf16", name, dims, fused=True, fmt=fmt,
+                  precision="bf16") for fmt in BF16_REGIME_FORMATS]

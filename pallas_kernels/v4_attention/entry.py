@@ -8,10 +8,11 @@ one of two implementations by ``fused=`` (a public contract):
   "milestone 1"), the token-sparse MLA kernel run once per source, the two states merged in XLA
   (1.43x at V4-Flash decode; packed / plain caches only, an fp8 ``Fp8V4Cache`` is refused).
 
-Math: ``reference.v4_attention`` is the definition. Shapes: ``q f32|bf16[T, H, 512]``; caches
-``f32[P, ps, 512]``, packed ``u32[P, ps, 256]`` (``reference.packed_cache``) or (fused only)
-``Fp8V4Cache`` (``reference.v4_cache``), stacked ``[L, ...]`` read in place at ``layer=``. Out
-``q.dtype[T, H, 512]``, LSE ``f32[T, H]``.
+Math: ``reference.v4_attention`` is the definition, ``precision="f32"`` or ``"bf16"`` (the
+official ``sparse_attn`` rounding; fused only, the two-pass form refuses it). Shapes:
+``q f32|bf16[T, H, 512]``; caches ``f32[P, ps, 512]``, packed ``u32[P, ps, 256]``
+(``reference.packed_cache``) or (fused only) ``Fp8V4Cache`` (``reference.v4_cache``), stacked
+``[L, ...]`` read in place at ``layer=``. Out ``q.dtype[T, H, 512]``, LSE ``f32[T, H]``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from reference.formats import model1 as v4_cache
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "window_size", "compress_ratio", "window_pages_per_seq",
     "compressed_pages_per_seq", "return_lse", "tokens_per_block", "blocks", "vmem_limit_bytes",
-    "interpret", "fused"))
+    "interpret", "fused", "precision"))
 def v4_attention(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array, cu_q_lens: jax.Array,
                  distribution: jax.Array, *, sm_scale: float, window_size: int,
                  compress_ratio: int, window_pages_per_seq: int,
@@ -43,7 +44,7 @@ def v4_attention(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array, cu_q_lens
                  tokens_per_block: int | None = None,
                  blocks: mla_blocks.MlaBlocks | None = None,
                  vmem_limit_bytes: int | None = None, interpret=False, fused: bool = True,
-                 layer=None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                 layer=None, precision: str = "f32") -> jax.Array | tuple[jax.Array, jax.Array]:
     """DeepSeek-V4 attention (Pallas TPU); same semantics as ``reference.v4_attention_ref``.
 
     Args:
@@ -59,6 +60,9 @@ def v4_attention(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array, cu_q_lens
         softmax over both sources, q read once, no partial outputs; packed, f32 or fp8 caches,
         both in one format). False: two passes of the MLA kernel merged in XLA
         (``two_pass.v4_attention_two_pass``, once "milestone 1"; no fp8 caches).
+      precision: ``"f32"`` (default) or ``"bf16"`` (``reference.v4_attention``'s module
+        docstring; the fused kernel runs on q cast to bf16: ``kernel``'s "Precision"); static.
+        ``fused=False`` refuses ``"bf16"`` (NotImplementedError); any other value: ValueError.
 
     Returns:
       ``q.dtype[T, H, 512]``; with ``return_lse`` also the sink-free ``f32[T, H]``.
@@ -75,9 +79,10 @@ def v4_attention(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array, cu_q_lens
                                   compressed=compressed, compressed_indices=compressed_indices,
                                   attn_sink=attn_sink, return_lse=return_lse, block=block,
                                   vmem_limit_bytes=vmem_limit_bytes, interpret=interpret,
-                                  layer=layer)
+                                  layer=layer, precision=precision)
     return two_pass(q, window, kv_lens, cu_q_lens, distribution, **statics,
                     compressed=compressed, compressed_indices=compressed_indices,
                     attn_sink=attn_sink, return_lse=return_lse,
                     tokens_per_block=tokens_per_block, blocks=blocks,
-                    vmem_limit_bytes=vmem_limit_bytes, interpret=interpret, layer=layer)
+                    vmem_limit_bytes=vmem_limit_bytes, interpret=interpret, layer=layer,
+                    precision=precision)

@@ -43,6 +43,16 @@ the minimum; fp8: 1024 B moved by the 2 DMAs against 640 B stored, 1.6x on those
 read once, out written once, ``4 k`` bytes of the row's list into SMEM, the tables once.
 Versus the two-pass path (``two_pass``, ``fused=False``): q is not read twice, and no partial
 outputs are written, read back and merged.
+
+Precision: the matmul operands are in ``cdt``, bf16 for a bf16 q (f32 cache rows are rounded to
+bf16 in VMEM; packed and fp8 rows are bf16-exact) and f32 for an f32 q; ``P`` is cast to ``cdt``
+before ``P @ V`` (rounded for a bf16 q) while ``l`` sums the f32 ``P``; the output is written in
+q's dtype. ``precision="bf16"`` (the official ``sparse_attn`` regime, ``reference.v4_attention``)
+runs the kernel on ``q`` cast to bf16, so the operands are bf16 and ``P`` is rounded whatever the
+cache, and casts the bf16 output back to q's dtype: the kernel itself has no precision switch.
+``P`` is rounded relative to the running max of each gathered block (as the official kernel's
+blocks of 64), the reference relative to each part's max: 1 bf16 ulp apart at most per ``P``.
+``"f32"`` leaves the call as it was (with a bf16 q it is the same bf16 computation).
 """
 
 from __future__ import annotations
@@ -91,7 +101,7 @@ def _format(cache) -> str:
 
 def check_fused_args(q, window: v4.PagedKV, kv_lens, cu_q_lens, distribution,
                      compressed: v4.PagedKV | None, compressed_indices, attn_sink, *,
-                     block: int, layer, **statics):
+                     block: int, layer, precision: str = "f32", **statics):
     """Validate a fused call (``block`` a positive multiple of 8, ``reference.v4_attention``'s
     argument checks, both caches in one format) and return ``(window read, compressed read or
     None, window kernel cache, compressed kernel cache)`` (``_kernel_cache``; without a
@@ -102,7 +112,8 @@ def check_fused_args(q, window: v4.PagedKV, kv_lens, cu_q_lens, distribution,
     c_read = None if compressed is None else stacked.resolve("compressed.cache",
                                                             compressed.cache, layer)
     v4.check_v4_args(q, w_read.one, kv_lens, cu_q_lens, distribution, window, compressed,
-                     c_read and c_read.one, compressed_indices, attn_sink, **statics)
+                     c_read and c_read.one, compressed_indices, attn_sink, precision,
+                     **statics)
     w_cache = _kernel_cache(w_read.stacked)
     c_cache = (jax.tree_util.tree_map(lambda x: x[:, :1], w_cache) if c_read is None
                else _kernel_cache(c_read.stacked))
@@ -474,7 +485,8 @@ def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn
 @v4.checks_layers
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "window_size", "compress_ratio", "window_pages_per_seq",
-    "compressed_pages_per_seq", "return_lse", "block", "vmem_limit_bytes", "interpret"))
+    "compressed_pages_per_seq", "return_lse", "block", "vmem_limit_bytes", "interpret",
+    "precision"))
 def v4_attention_fused(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array,
                        cu_q_lens: jax.Array, distribution: jax.Array, *, sm_scale: float,
                        window_size: int, compress_ratio: int, window_pages_per_seq: int,
@@ -483,19 +495,20 @@ def v4_attention_fused(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array,
                        compressed_indices: jax.Array | None = None,
                        attn_sink: jax.Array | None = None, return_lse: bool = False,
                        block: int = DEFAULT_BLOCK, vmem_limit_bytes: int | None = None,
-                       interpret=False, layer=None):
+                       interpret=False, layer=None, precision: str = "f32"):
     """``reference.v4_attention_ref``'s semantics in one kernel (module docstring).
 
     Args as ``pallas_kernels.v4_attention.v4_attention`` (both caches packed u32, or both f32;
     a plain bf16 cache is packed per call, a full copy: the slow path), plus ``block``: cache
-    rows per gathered block (a positive multiple of 8; ``blocks.py`` holds the table).
+    rows per gathered block (a positive multiple of 8; ``blocks.py`` holds the table), and
+    ``precision`` (``"f32"`` | ``"bf16"``: module docstring, "Precision").
     """
     statics = dict(sm_scale=sm_scale, window_size=window_size, compress_ratio=compress_ratio,
                    window_pages_per_seq=window_pages_per_seq,
                    compressed_pages_per_seq=compressed_pages_per_seq)
     w_read, c_read, w_cache, c_cache = check_fused_args(
         q, window, kv_lens, cu_q_lens, distribution, compressed, compressed_indices, attn_sink,
-        block=block, layer=layer, **statics)
+        block=block, layer=layer, precision=precision, **statics)
     rows = batch.row_facts(q.shape[0], kv_lens, cu_q_lens, distribution)
     wb = batch.RaggedBatch.of(w_read.one, kv_lens, window.page_indices, cu_q_lens,
                               window.cu_lens, distribution, pages_per_seq=window_pages_per_seq)
@@ -508,10 +521,11 @@ def v4_attention_fused(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array,
     info = row_info(rows, wb, cb, compressed_indices, window_size=window_size,
                     compress_ratio=compress_ratio)
     selected = compressed_indices.shape[1] if compress_ratio == 4 else capacity
-    out, lse = fused_call(q, w_cache, c_cache, w_read.layer, compressed_indices, info,
+    q_in = q.astype(jnp.bfloat16) if precision == "bf16" else q  # f32 q: rounded to bf16
+    out, lse = fused_call(q_in, w_cache, c_cache, w_read.layer, compressed_indices, info,
                           window.page_indices, c_table, attn_sink,
                           gathered_rows=window_size + selected, block=block, sm_scale=sm_scale,
                           vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
-    lse = lse[..., 0]
+    out, lse = (out.astype(q.dtype) if precision == "bf16" else out), lse[..., 0]
     return (out, lse) if return_lse else out
 

@@ -23,7 +23,9 @@ per-element gather or scatter):
 Each call returns its sink-free state (``return_lse=True``); ``reference.sinks.merge_states``
 then ``apply_sink`` finish in XLA: two f32 ``[T, H, 512]`` reads, one write, elementwise.
 With a bf16 ``q`` each part's output is rounded to bf16 before the merge (two roundings: within
-two bf16 steps of the f32 result).
+two bf16 steps of the f32 result). That extra rounding of each part is not a rounding point of
+the official ``sparse_attn`` (one softmax, one bf16 output), so ``precision="bf16"`` is refused
+here (NotImplementedError naming it; the fused kernel serves it); ``"f32"`` is the default.
 
 Shapes: ``q f32|bf16[T, H, 512]``; caches ``f32[P, ps, 512]`` or packed ``u32[P, ps, 256]``
 (``reference.packed_cache``; a plain bf16 cache is packed per call by the MLA entry, a full copy:
@@ -49,10 +51,11 @@ from reference import v4_attention as v4
 from reference.core import batch
 from reference.formats import model1 as v4_cache
 from reference.formats import stacked
+from reference.quant.bf16 import check_precision
 
 STATIC_ARGNAMES = ("sm_scale", "window_size", "compress_ratio", "window_pages_per_seq",
                    "compressed_pages_per_seq", "return_lse", "tokens_per_block", "blocks",
-                   "vmem_limit_bytes", "interpret")
+                   "vmem_limit_bytes", "interpret", "precision")
 
 
 def _part(q, kv: v4.PagedKV, idx, kv_lens, cu_q_lens, distribution, *, pages_per_seq,
@@ -69,9 +72,16 @@ def two_pass(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array, cu_q_lens: ja
              compressed: v4.PagedKV | None = None, compressed_indices: jax.Array | None = None,
              attn_sink: jax.Array | None = None, return_lse: bool = False,
              tokens_per_block: int | None = None, blocks: mla_blocks.MlaBlocks | None = None,
-             vmem_limit_bytes: int | None = None, interpret=False, layer=None):
+             vmem_limit_bytes: int | None = None, interpret=False, layer=None,
+             precision: str = "f32"):
     """The two-pass computation (module docstring), unjitted: what ``v4_attention(...,
-    fused=False)`` traces inside its own jit, and ``v4_attention_two_pass`` jits."""
+    fused=False)`` traces inside its own jit, and ``v4_attention_two_pass`` jits.
+    ``precision``: ``"f32"`` only (``"bf16"``: NotImplementedError; other values: ValueError)."""
+    if check_precision(precision) != "f32":
+        raise NotImplementedError(
+            f"precision={precision!r}: the two-pass form (fused=False) rounds each part's "
+            f"output to bf16 before the merge, which the official regime does not; the fused "
+            f"kernel (fused=True, the default) serves precision='bf16'")
     statics = dict(sm_scale=sm_scale, window_size=window_size, compress_ratio=compress_ratio,
                    window_pages_per_seq=window_pages_per_seq,
                    compressed_pages_per_seq=compressed_pages_per_seq)

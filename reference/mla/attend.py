@@ -27,6 +27,7 @@ import numpy as np
 
 from reference.core import batch
 from reference.formats import fp8_cache, model1, packed_cache, stacked
+from reference.quant.bf16 import rounding
 
 GATHER_BLOCK_BYTES = 64 * 1024 * 1024
 
@@ -68,10 +69,18 @@ def token_slots(idx, rows: batch.RowFacts, b: batch.RaggedBatch, *, causal: bool
     return jnp.where(valid, flat, b.num_pages * b.page_size).astype(jnp.int32), valid
 
 
-def _attend_rows(q, rows_kv, valid, *, sm_scale: float, v_dim: int):
-    """q f[R, H, D], rows_kv f32[R, n, D] (zeros where invalid), valid bool[R, n]."""
+def _attend_rows(q, rows_kv, valid, *, sm_scale: float, v_dim: int, precision: str = "f32"):
+    """q f[R, H, D], rows_kv f32[R, n, D] (zeros where invalid), valid bool[R, n].
+
+    ``precision="bf16"`` (``reference.quant.bf16``): q and the rows are rounded to bf16 values
+    first, and the probabilities ``P = exp(s - m)`` (``m`` this call's max) are rounded to bf16
+    before ``P @ V`` while the denominator sums them unrounded; logits and sums stay f32 and
+    the output is not rounded here (the caller merges parts, then rounds). ``"f32"``: no
+    rounding (the traced program is the same as without the argument)."""
+    rb = rounding(precision)
     prec = jax.lax.Precision.HIGHEST
-    logits = jnp.einsum("rhd,rnd->rhn", q.astype(jnp.float32), rows_kv, precision=prec)
+    rows_kv = rb(rows_kv)
+    logits = jnp.einsum("rhd,rnd->rhn", rb(q.astype(jnp.float32)), rows_kv, precision=prec)
     logits = jnp.where(valid[:, None, :], logits * sm_scale, -jnp.inf)
     m = jnp.max(logits, axis=-1, keepdims=True)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -79,7 +88,7 @@ def _attend_rows(q, rows_kv, valid, *, sm_scale: float, v_dim: int):
     denom = jnp.sum(p, axis=-1, keepdims=True)
     # Contract over the whole latent row and slice after: slicing rows_kv first costs a copy of
     # the gathered rows (measured 6x slower on CPU than the extra v_dim..D columns).
-    out = jnp.einsum("rhn,rnd->rhd", p, rows_kv, precision=prec)[..., :v_dim]
+    out = jnp.einsum("rhn,rnd->rhd", rb(p), rows_kv, precision=prec)[..., :v_dim]
     out = out / jnp.where(denom > 0, denom, 1.0)
     lse = jnp.where(denom[..., 0] > 0, m_safe[..., 0] + jnp.log(denom[..., 0]), -jnp.inf)
     return out, lse
@@ -98,13 +107,15 @@ def _decode_rows(cache, kv, dim: int):
     return kv
 
 
-def attend_selected(q, cache, slots, valid, *, sm_scale: float, v_dim: int, layer=None):
+def attend_selected(q, cache, slots, valid, *, sm_scale: float, v_dim: int, layer=None,
+                    precision: str = "f32"):
     """Attend every row of ``q: f[T, H, D]`` over its ``slots i32[T, n]`` of the flattened
     ``cache: f[num_pages, page_size, D]``, the packed bf16 cache ``u32[num_pages, page_size,
     packed_words(D)]`` of ``reference.formats.packed_cache``, an ``Fp8LatentCache`` or an
     ``Fp8V4Cache`` (rows are decoded after the gather); with ``layer``, of that layer of a
-    stacked cache, read in place (``reference.formats.stacked``). Returns (out f32[T, H, v_dim], lse
-    f32[T, H])."""
+    stacked cache, read in place (``reference.formats.stacked``). ``precision``: ``"f32"`` or
+    ``"bf16"`` (``_attend_rows``: q and rows as bf16 values, P rounded to bf16 for ``P @ V``).
+    Returns (out f32[T, H, v_dim], lse f32[T, H])."""
     num_rows, heads, _ = q.shape
     n = slots.shape[1]
     read = stacked.resolve("cache", cache, layer)
@@ -138,7 +149,7 @@ def attend_selected(q, cache, slots, valid, *, sm_scale: float, v_dim: int, laye
         kv = take(sl.reshape(-1))
         kv = _decode_rows(cache, kv, q.shape[-1]).reshape(chunk, n, -1).astype(jnp.float32)
         o, l_ = _attend_rows(jax.lax.dynamic_slice_in_dim(q, s0, chunk, 0), kv, ok,
-                             sm_scale=sm_scale, v_dim=v_dim)
+                             sm_scale=sm_scale, v_dim=v_dim, precision=precision)
         return (jax.lax.dynamic_update_slice_in_dim(out, o, s0, 0),
                 jax.lax.dynamic_update_slice_in_dim(lse, l_, s0, 0))
 

@@ -15,6 +15,20 @@ Math, per query row ``t`` of sequence ``i`` at absolute position ``p`` (the pack
 and with ``attn_sink`` the FlashMLA rule ``out *= 1 / (1 + exp(sink - lse))``, applied once,
 after the two parts are merged (``reference.mla.sinks``); the returned LSE stays sink-free.
 
+Precision (``precision=``, ``reference.quant.bf16``): ``"f32"`` (the default) computes the above
+in f32 on the values given. ``"bf16"`` is the official ``sparse_attn`` regime (docs/
+V4_OFFICIAL_REGIME.md step 27): q and every cache row are used as bf16 values (f32 inputs are
+rounded to bf16 first; packed, bf16 and fp8 rows already are), the logits are f32 (f32 sums of
+exact bf16 products, times ``sm_scale``), each part's probabilities ``P = e^(s - m)`` are rounded
+to bf16 before ``P @ V`` while its denominator sums the unrounded f32 ``P``, and the output is
+rounded to bf16 (returned in ``q.dtype``: for an f32 q, bf16 values held in f32). The sink is
+the denominator term ``e^(sink - m)`` of the official kernel, applied by the rule above (the same
+value). Where it rounds: the reference rounds ``P`` relative to each part's max (window, then
+compressed) and merges the two f32 parts by their LSE; the official kernel walks one list
+(window then compressed) in blocks of 64 and rounds relative to its running max at each block,
+so a rounded ``P`` may differ by 1 bf16 ulp between the two (and the merge of two parts
+likewise), a difference well inside 2 bf16 ulps of each output row's largest value.
+
 Two paged caches, each a ``PagedKV`` (cache, packed page table, cu_lens) with the package's slot
 rule (``reference.core.batch``) in its own unit:
 
@@ -53,6 +67,7 @@ from reference.core import batch
 from reference.core import checks as _checks
 from reference.formats import model1, packed_cache, stacked
 from reference.mla import attend, sinks
+from reference.quant.bf16 import check_precision, rounding
 
 HEAD_DIM = model1.V4_DIM  # one KV head of 448 nope + 64 rope features; K = V = the whole row
 ROPE_DIM = model1.V4_ROPE
@@ -147,10 +162,12 @@ def _check_compressed(compressed, compressed_indices, *, compress_ratio, num_row
 
 
 def check_v4_args(q, window_one, kv_lens, cu_q_lens, distribution, window, compressed,
-                  compressed_one, compressed_indices, attn_sink, **statics) -> None:
+                  compressed_one, compressed_indices, attn_sink, precision="f32",
+                  **statics) -> None:
     """Every static check of ``v4_attention_ref`` (also the Pallas entry's). ``*_one``: one
     layer's cache structs (``stacked.resolve``). Raises ValueError/TypeError naming the
     argument and the numbers."""
+    check_precision(precision)
     _checks.rank("q", q, 3)
     _checks.floating("q", q)
     num_rows, heads, dim = np.shape(q)
@@ -207,10 +224,11 @@ def compressed_lens(kv_lens, compress_ratio: int):
     return batch.entries_of_tokens(jnp.maximum(kv_lens.astype(jnp.int32), 0), compress_ratio)
 
 
-def finish(outs, lses, attn_sink, dtype, return_lse: bool):
-    """Merge the parts' sink-free states, apply the sink once, cast to ``dtype``."""
+def finish(outs, lses, attn_sink, dtype, return_lse: bool, precision: str = "f32"):
+    """Merge the parts' sink-free states, apply the sink once, round the output to bf16 under
+    ``precision="bf16"``, cast to ``dtype``."""
     out, lse = sinks.merge_states(outs, lses)
-    out = sinks.apply_sink(out, lse, attn_sink).astype(dtype)
+    out = rounding(precision)(sinks.apply_sink(out, lse, attn_sink)).astype(dtype)
     return (out, lse) if return_lse else out
 
 
@@ -233,27 +251,27 @@ def checks_layers(fn):
 
 
 def _part(q, kv: PagedKV, idx, kv_lens, rows, cu_q_lens, distribution, *, pages_per_seq,
-          sm_scale, layer):
+          sm_scale, layer, precision):
     """One part's sink-free state over ``idx i32[T, n]`` (sequence-local, this cache's unit)."""
     read = stacked.resolve("cache", kv.cache, layer)
     b = batch.RaggedBatch.of(read.one, kv_lens, stacked.mask_table(kv.page_indices, read),
                              cu_q_lens, kv.cu_lens, distribution, pages_per_seq=pages_per_seq)
     slots, valid = attend.token_slots(idx, rows, b, causal=False)
     return attend.attend_selected(q, kv.cache, slots, valid, sm_scale=sm_scale, v_dim=HEAD_DIM,
-                                  layer=layer)
+                                  layer=layer, precision=precision)
 
 
 @checks_layers
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "window_size", "compress_ratio", "window_pages_per_seq",
-    "compressed_pages_per_seq", "return_lse"))
+    "compressed_pages_per_seq", "return_lse", "precision"))
 def v4_attention_ref(q: jax.Array, window: PagedKV, kv_lens: jax.Array, cu_q_lens: jax.Array,
                      distribution: jax.Array, *, sm_scale: float, window_size: int,
                      compress_ratio: int, window_pages_per_seq: int,
                      compressed_pages_per_seq: int = 0, compressed: PagedKV | None = None,
                      compressed_indices: jax.Array | None = None,
-                     attn_sink: jax.Array | None = None, return_lse: bool = False, layer=None
-                     ) -> jax.Array | tuple[jax.Array, jax.Array]:
+                     attn_sink: jax.Array | None = None, return_lse: bool = False, layer=None,
+                     precision: str = "f32") -> jax.Array | tuple[jax.Array, jax.Array]:
     """DeepSeek-V4 attention over the window and compressed caches (module docstring).
 
     Args:
@@ -273,6 +291,9 @@ def v4_attention_ref(q: jax.Array, window: PagedKV, kv_lens: jax.Array, cu_q_len
       attn_sink: f32[H] or None.
       return_lse: also return the sink-free LSE f32[T, H].
       layer: read both (stacked) caches at this layer, in place.
+      precision: ``"f32"`` (default) or ``"bf16"``, the official ``sparse_attn`` rounding
+        (module docstring: bf16 q and rows, f32 logits, P rounded to bf16 for ``P @ V`` with
+        the denominator from the unrounded P, bf16 output); static. Anything else: ValueError.
 
     Returns:
       ``q.dtype[T, H, 512]``; with ``return_lse`` also ``f32[T, H]`` (``-inf`` for an empty row).
@@ -285,12 +306,12 @@ def v4_attention_ref(q: jax.Array, window: PagedKV, kv_lens: jax.Array, cu_q_len
     if compressed is not None:
         c_one = stacked.resolve("compressed.cache", compressed.cache, layer).one
     check_v4_args(q, w_read.one, kv_lens, cu_q_lens, distribution, window, compressed, c_one,
-                  compressed_indices, attn_sink, **statics)
+                  compressed_indices, attn_sink, precision, **statics)
     rows = batch.row_facts(q.shape[0], kv_lens, cu_q_lens, distribution)
     outs, lses = [], []
     o, lse = _part(q, window, window_indices(rows.abs_pos, window_size), kv_lens, rows,
                    cu_q_lens, distribution, pages_per_seq=window_pages_per_seq,
-                   sm_scale=sm_scale, layer=layer)
+                   sm_scale=sm_scale, layer=layer, precision=precision)
     outs.append(o)
     lses.append(lse)
     if compress_ratio:
@@ -299,7 +320,7 @@ def v4_attention_ref(q: jax.Array, window: PagedKV, kv_lens: jax.Array, cu_q_len
                                    compress_ratio=compress_ratio, capacity_entries=capacity)
         o, lse = _part(q, compressed, idx, compressed_lens(kv_lens, compress_ratio), rows,
                        cu_q_lens, distribution, pages_per_seq=compressed_pages_per_seq,
-                       sm_scale=sm_scale, layer=layer)
+                       sm_scale=sm_scale, layer=layer, precision=precision)
         outs.append(o)
         lses.append(lse)
-    return finish(outs, lses, attn_sink, q.dtype, return_lse)
+    return finish(outs, lses, attn_sink, q.dtype, return_lse, precision)
