@@ -4,7 +4,8 @@ prefill and a mixed batch, with the traffic model of the blocks each chip picks;
 DeepSeek-V4 compressed-key indexer (``compression_ratio=4``: H=64, D=128, pages of 64 entries,
 k=512 Flash / 1024 Pro entries; ``V4_SHAPES``), also with DeepSeek-V4's FP4 index simulation
 (``index_quant="fp4_sim"``: the Hadamard rotation and FP4 rounding of each key tile in the
-kernel; ``V4_FP4_SHAPES``)."""
+kernel; ``V4_FP4_SHAPES``), and with DeepSeek-V4's official bf16 scoring (``precision="bf16"``:
+the dots, products and head sums rounded to bf16 in the kernel; ``V4_BF16_SHAPES``)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,14 @@ V4_FP4_SHAPES = {
     "V4-Flash mixed 60x1@8192 + 512@32768 k=512 fp4_sim": (*_MIXED, False, 512, False, False),
     "V4-Flash decode 64x8192 (2048 entries) k=512 f32 keys fp4_sim":  # the HIGHEST rotation
         (*V4_SHAPES["V4-Flash decode 64x8192 (2048 entries) k=512"], False, False),
+}
+
+# precision="bf16" (bf16 q and keys, the official rounding in the stage's epilogue): the Flash
+# decode on the token entry, in the quick gate. The rounding is per score, independent of the
+# blocks, so one shape shows Mosaic lowers it. name -> (as V4_FP4_SHAPES).
+V4_BF16_SHAPES = {
+    "V4-Flash decode 64x8192 (2048 entries) k=512 bf16 scores":
+        (*V4_SHAPES["V4-Flash decode 64x8192 (2048 entries) k=512"], False, True),
 }
 
 
@@ -137,28 +146,35 @@ def page_cases(quick: bool) -> list[aot.CompileCase]:
 def v4_cases(quick: bool) -> list[aot.CompileCase]:
     """``streamindex_topk(compression_ratio=4)`` at ``V4_SHAPES`` with bf16 keys, plus the fp8
     index cache at the Flash decode (quick: the long prefill is left out), plus
-    ``index_quant="fp4_sim"`` at ``V4_FP4_SHAPES`` (page entry: ``k_pages = k / 64``)."""
-    shapes = {name: (*v, None, False) for name, v in V4_SHAPES.items()
+    ``index_quant="fp4_sim"`` at ``V4_FP4_SHAPES`` (page entry: ``k_pages = k / 64``), plus
+    ``precision="bf16"`` at ``V4_BF16_SHAPES``."""
+    shapes = {name: (*v, None, False, "f32") for name, v in V4_SHAPES.items()
               if not (quick and name.startswith("V4-Pro prefill"))}
     flash = next(iter(V4_SHAPES))
-    shapes[flash + " fp8 keys"] = (*V4_SHAPES[flash], None, False)
-    shapes.update({name: (*v[:4], "fp4_sim", v[4]) for name, v in V4_FP4_SHAPES.items()
+    shapes[flash + " fp8 keys"] = (*V4_SHAPES[flash], None, False, "f32")
+    shapes.update({name: (*v[:4], "fp4_sim", v[4], "f32") for name, v in V4_FP4_SHAPES.items()
+                   if v[5] or not quick})
+    shapes.update({name: (*v[:4], None, v[4], "bf16") for name, v in V4_BF16_SHAPES.items()
                    if v[5] or not quick})
     cases = []
-    for name, (q_lens, kv_lens, otp, k, quant, page_mode) in shapes.items():
+    for name, (q_lens, kv_lens, otp, k, quant, page_mode, precision) in shapes.items():
         key_dtype = (fp8.FP8_DTYPE if "fp8 keys" in name else jnp.float32 if "f32 keys" in name
                      else jnp.bfloat16)
         specs, pps = gate_specs(q_lens, kv_lens, key_dtype=key_dtype, compression_ratio=V4_RATIO)
         entry, k_kw = ((streamindex_page_topk, {"k_pages": k // GATE_PAGE}) if page_mode
                        else (streamindex_topk, {"k": k}))
 
-        def fn_for_chip(chip, pps=pps, otp=otp, entry=entry, k_kw=k_kw, quant=quant):
+        def fn_for_chip(chip, pps=pps, otp=otp, entry=entry, k_kw=k_kw, quant=quant,
+                        precision=precision):
+            # precision only when not the default: the f32 cases' calls stay as they were
+            extra = {} if precision == "f32" else {"precision": precision}
             return functools.partial(entry, **k_kw, pages_per_seq=pps, one_token_per_seq=otp,
-                                     compression_ratio=V4_RATIO, index_quant=quant, chip=chip)
+                                     compression_ratio=V4_RATIO, index_quant=quant, chip=chip,
+                                     **extra)
 
         def model(chip, q_lens=q_lens, kv_lens=kv_lens, otp=otp, pps=pps, key_dtype=key_dtype,
-                  specs=specs, quant=quant, page_mode=page_mode):
-            compute, _, lanes = compute_dtypes(specs[0], specs[2], chip, quant)
+                  specs=specs, quant=quant, page_mode=page_mode, precision=precision):
+            compute, _, lanes = compute_dtypes(specs[0], specs[2], chip, quant, precision)
             blocks = resolve_blocks(None, block_rows=None, block_pages=None, chip=chip,
                                     one_token_per_seq=otp, pages_per_seq=pps,
                                     page_size=GATE_PAGE, page_mode=page_mode, mosaic=True)
@@ -169,7 +185,8 @@ def v4_cases(quick: bool) -> list[aot.CompileCase]:
                            compression_ratio=V4_RATIO, index_quant=quant)
 
         tags = ("decode",) if otp else ("mixed",) if "mixed" in name else ("prefill",)
-        tags += ("v4",) + (("fp4_sim",) if quant else ())
+        tags += ("v4",) + (("fp4_sim",) if quant else ()) + (("bf16",) if precision == "bf16"
+                                                             else ())
         kernel = "streamindex_page_topk r=4" if page_mode else "streamindex_topk r=4"
         cases.append(aot.CompileCase(kernel, name, fn_for_chip, specs, model, tags))
     return cases

@@ -68,6 +68,11 @@ Design.
   (``fp4``). The keys stay as stored (no pass over the cache); HBM bytes are those of plain
   keys. The simulated values are exact in bf16, so the score matmul runs in bf16 with exact
   products (``compute_dtypes``).
+- ``precision="bf16"`` (DeepSeek-V4's official scoring, ``reference.indexer.scores``): q is cast
+  to bf16 and the weights rounded to bf16 in the glue (``scoring``), each key tile is cast to
+  bf16 in VMEM (a no-op for a bf16 cache), the bf16 matmul accumulates in f32; the stage then
+  rounds each dot to bf16, each ``relu(dot) * w`` to bf16, and the f32 head sum once. Same
+  bytes and MXU work as the plain bf16 path; a few VPU converts per score.
 
 Traffic (``traffic``): keys ``sum over items of pages_needed * page_size * D * itemsize`` (each
 sequence's causal keys ``ceil(n / R_max)`` times; decode once); q and the lane-padded weight
@@ -121,6 +126,7 @@ class ScoreConfig:
     num_layers: int = 1  # L of the stacked cache the kernel reads in place
     compression_ratio: int = 1  # r: keys are entries of r tokens (``reference.batch``)
     index_quant: str | None = None  # "fp4_sim": keys rotated and FP4-rounded in VMEM (``fp4``)
+    precision: str = "f32"  # "bf16": the official rounding of dots, products and head sums
 
     @property
     def capacity(self) -> int:
@@ -151,14 +157,15 @@ class ScoreConfig:
 def make_configs(q, cache_kv, *, rows: int, num_seqs: int, pages_per_seq: int,
                  blocks: IndexerBlocks, page_mode: bool, one_token_per_seq: bool,
                  chip: str | None = None, compression_ratio: int = 1,
-                 index_quant: str | None = None) -> list[ScoreConfig]:
+                 index_quant: str | None = None, precision: str = "f32") -> list[ScoreConfig]:
     """Static configs of one chunk of ``rows`` query rows: one per ladder level, ascending.
-    ``cache_kv``: the stacked cache ``[L, P, ps, D]`` (``reference.stacked``) or one layer.
+    ``cache_kv``: the stacked cache ``[L, P, ps, D]`` (``reference.stacked``) or one layer;
+    ``precision``: ``"f32"`` or ``"bf16"`` (checked by the entries; module docstring).
     """
     total_rows, heads, dim = q.shape
     *lead, num_pages, page_size, _ = cache_kv.shape
     num_layers = lead[0] if lead else 1
-    compute, key_dtype, lanes = compute_dtypes(q, cache_kv, chip, index_quant)
+    compute, key_dtype, lanes = compute_dtypes(q, cache_kv, chip, index_quant, precision)
     ladder = row_ladder(blocks.block_rows, rows, one_token_per_seq)
     return [ScoreConfig(page_mode=page_mode, rows=rows, total_rows=total_rows, block_rows=size,
                         block_pages=blocks.block_pages,
@@ -166,19 +173,22 @@ def make_configs(q, cache_kv, *, rows: int, num_seqs: int, pages_per_seq: int,
                         page_size=page_size, pages_per_seq=pages_per_seq, num_pages=num_pages,
                         compute_dtype=compute, key_dtype=key_dtype, chip=chip,
                         scale_lanes=lanes, num_layers=num_layers,
-                        compression_ratio=compression_ratio, index_quant=index_quant)
+                        compression_ratio=compression_ratio, index_quant=index_quant,
+                        precision=precision)
             for i, size in enumerate(ladder)]
 
 
-def compute_dtypes(q, cache_kv, chip: str | None,
-                   index_quant: str | None = None) -> tuple[jnp.dtype, jnp.dtype, int]:
+def compute_dtypes(q, cache_kv, chip: str | None, index_quant: str | None = None,
+                   precision: str = "f32") -> tuple[jnp.dtype, jnp.dtype, int]:
     """``(compute dtype, key dtype, scale lanes)`` of a call. Plain keys: the promotion of q's
     and the keys' dtypes (f32 or bf16). An ``Fp8IndexCache``: e4m3 keys upcast in VMEM to bf16
     (f32 for an f32 query): every e4m3 value is exact in bf16, so products are exact; an fp8
     query stays fp8 on tpu7x (the fp8 MXU path, twice the bf16 rate) and is upcast to bf16
     elsewhere (v5e has no fp8 MXU; v6e runs fp8 at the bf16 rate). ``index_quant="fp4_sim"``:
     bf16, whatever q's and the keys' dtypes (q and keys are then e2m1 values times powers of
-    two, exact in bf16: the products are exact and accumulate in f32)."""
+    two, exact in bf16: the products are exact and accumulate in f32). ``precision="bf16"``
+    (f32/bf16 keys only: the entries refuse an fp8 cache): bf16, q and the key tiles cast to
+    it (the official operands)."""
     if isinstance(cache_kv, fp8_cache.Fp8IndexCache):
         if q.dtype == fp8.FP8_DTYPE:
             fp8_mxu = chip is not None and chips.get(chip).fp8_mxu
@@ -186,7 +196,7 @@ def compute_dtypes(q, cache_kv, chip: str | None,
         else:
             compute = jnp.dtype(jnp.promote_types(q.dtype, jnp.bfloat16))
         return jnp.dtype(compute), fp8.FP8_DTYPE, fp8_cache.scale_lanes(cache_kv.page_size)
-    if index_quant is not None:
+    if index_quant is not None or precision == "bf16":
         return jnp.dtype(jnp.bfloat16), jnp.dtype(cache_kv.dtype), 0
     compute = jnp.promote_types(q.dtype, cache_kv.dtype)
     if compute not in (jnp.float32, jnp.bfloat16):
@@ -258,13 +268,22 @@ def _wait(copies):
         pl.when(ok)(desc.wait)
 
 
+def _round_bf16(x):
+    """``f32 -> f32``, each value rounded to bf16: ``reference.quant.bf16.round_bf16``'s rule,
+    written as the convert pair Mosaic lowers (it has no ``reduce_precision``, the form the
+    reference takes because XLA may drop the pair). In the interpreter the pair does round
+    (``tests/test_indexer_bf16.py`` compares the kernel's scores with the oracle's exactly)."""
+    return x.astype(jnp.bfloat16).astype(jnp.float32)
+
+
 def _stage_scores(cfg: ScoreConfig, q, wcol, keys, scales, blk, pos0, kv_eff, page_ok,
                   hadamard=None):
     """Masked scores ``f32[R, P*page]`` of one stage (``page_ok``: P traced bools); with an fp8
     cache ``scales f32[P, scale_lanes]`` scale each key's column after the head sum (the
     reference's order, ``reference.index_scores.scaled_scores``); with ``index_quant`` the key
     tile is first rotated by ``hadamard [D, D]`` and FP4-rounded (``fp4.rotate_and_round``;
-    q arrives simulated)."""
+    q arrives simulated). ``precision="bf16"``: ``wcol`` arrives bf16-valued; each dot, each
+    ``relu(dot) * w`` and each head sum is rounded to bf16 (``_round_bf16``)."""
     nb = cfg.block_tokens
     k = keys.reshape(nb, cfg.dim)
     if cfg.index_quant is not None:
@@ -274,8 +293,12 @@ def _stage_scores(cfg: ScoreConfig, q, wcol, keys, scales, blk, pos0, kv_eff, pa
             else jax.lax.Precision.DEFAULT)
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
                             preferred_element_type=jnp.float32)  # [R*H, nb]
-    s = jnp.maximum(s, 0.0) * wcol
-    s = s.reshape(cfg.block_rows, cfg.heads, nb).sum(axis=1)  # [R, nb]
+    if cfg.precision == "bf16":
+        s = _round_bf16(jnp.maximum(_round_bf16(s), 0.0) * wcol)
+        s = _round_bf16(s.reshape(cfg.block_rows, cfg.heads, nb).sum(axis=1))  # [R, nb]
+    else:
+        s = jnp.maximum(s, 0.0) * wcol
+        s = s.reshape(cfg.block_rows, cfg.heads, nb).sum(axis=1)  # [R, nb]
     if scales is not None:  # page p's scales are lanes [0, page) of its row -> lanes of s
         s = s * jnp.concatenate([scales[p:p + 1, :cfg.page_size]
                                  for p in range(cfg.block_pages)], axis=1)

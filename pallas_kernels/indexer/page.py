@@ -19,12 +19,16 @@ from pallas_kernels.indexer.blocks import IndexerBlocks, check_kernel_knobs, ent
 from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, select_rows
 from reference.formats import stacked
 from reference.indexer import selection
-from reference.indexer.args import check_index_quant, check_topk_args
+from reference.indexer.args import (
+    check_index_precision,
+    check_index_quant,
+    check_topk_args,
+)
 
 _STATICS = ("k_pages", "pages_per_seq", "one_token_per_seq", "num_segments", "fill",
             "refuse_full_overwrite", "recall_target", "exact", "block_rows", "block_pages",
             "blocks", "chip", "score_chunk_bytes", "vmem_limit_bytes", "interpret",
-            "compression_ratio", "index_quant")
+            "compression_ratio", "index_quant", "precision")
 
 
 @stacked.checks_layer(cache_pos=2)
@@ -41,7 +45,7 @@ def streamindex_page_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array,
                           chip: str | None = None, score_chunk_bytes: int = SCORE_CHUNK_BYTES,
                           vmem_limit_bytes: int | None = None, interpret=False,
                           compression_ratio: int = 1, index_quant: str | None = None,
-                          layer=None) -> jax.Array:
+                          layer=None, precision: str = "f32") -> jax.Array:
     """Page top-k of the lightning indexer over a ragged paged batch (Pallas page scores).
 
     Shapes: ``q``: f32|bf16[T, H, D] (fp8 with an fp8 cache); ``weights``: f32|bf16[T, H];
@@ -52,7 +56,8 @@ def streamindex_page_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array,
     witnesses use the row's causal page count as its context length; ``compression_ratio > 1``:
     pages of compressed entries, a page's score the max over its visible entries;
     ``index_quant="fp4_sim"``: q simulated in the glue, key tiles in the kernel, as
-    ``streamindex_topk``.
+    ``streamindex_topk``; ``precision`` (``"f32"`` or ``"bf16"``) as ``streamindex_topk``, a
+    page's score the max of its visible entries' bf16-valued scores.
 
     Returns: what ``reference.streamindex_page_topk_ref`` returns (``i32[T, k_pages]``).
     """
@@ -64,6 +69,7 @@ def streamindex_page_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array,
                     recall_target=recall_target, exact=exact,
                     compression_ratio=compression_ratio)
     check_index_quant(index_quant, int(q.shape[2]), one_layer)
+    check_index_precision(precision, index_quant, one_layer)
     chip, blocks = entry_blocks(chip, blocks, block_rows, block_pages,
                                 one_token_per_seq=one_token_per_seq, pages_per_seq=pages_per_seq,
                                 page_size=cache_kv.shape[-2], page_mode=True, interpret=interpret)
@@ -76,5 +82,6 @@ def streamindex_page_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array,
                        chip=chip,
                        chunk_bytes=score_chunk_bytes, vmem_limit_bytes=vmem_limit_bytes,
                        interpret=interpret, layer=layer,
-                       compression_ratio=compression_ratio, index_quant=index_quant)
+                       compression_ratio=compression_ratio, index_quant=index_quant,
+                       precision=precision)
 

@@ -15,6 +15,7 @@ from reference.formats import stacked
 from reference.indexer import scores as index_scores
 from reference.indexer import selection
 from reference.indexer.page_topk import causal_page_count
+from reference.quant.bf16 import round_bf16
 
 # ----------------------------------------------------------------------------- row chunks
 
@@ -37,13 +38,14 @@ def select_rows(q, weights, cache_kv, meta, *, k: int, page_mode: bool, pages_pe
                 exact: bool,
                 blocks: IndexerBlocks, chip: str | None, chunk_bytes: int,
                 vmem_limit_bytes: int | None, interpret, layer=None,
-                compression_ratio: int = 1, index_quant: str | None = None) -> jax.Array:
+                compression_ratio: int = 1, index_quant: str | None = None,
+                precision: str = "f32") -> jax.Array:
     """The token and page top-k entries after their checks: score in chunks, then select ``k``
     per row with the row's causal context (keys, or pages in page mode) as the witnesses'
     context length; rows outside every sequence all ``-1``. ``meta``: the five batch arrays;
     ``layer``: the layer of a stacked ``cache_kv`` to read (``reference.stacked``);
     ``compression_ratio``: keys are entries of that many tokens (``reference.batch``);
-    ``index_quant``: as ``score_and_select``."""
+    ``index_quant``, ``precision``: as ``score_and_select``."""
     b = batch.RaggedBatch.of(cache_kv, *meta, pages_per_seq=pages_per_seq,
                              compression_ratio=compression_ratio)
 
@@ -59,14 +61,14 @@ def select_rows(q, weights, cache_kv, meta, *, k: int, page_mode: bool, pages_pe
                             page_mode=page_mode, blocks=blocks, chunk_bytes=chunk_bytes,
                             vmem_limit_bytes=vmem_limit_bytes, interpret=interpret, chip=chip,
                             out_width=k, out_dtype=jnp.int32, finish=finish, layer=layer,
-                            index_quant=index_quant)
+                            index_quant=index_quant, precision=precision)
 
 
 def score_and_select(q, weights, cache_kv, b: batch.RaggedBatch, *, one_token_per_seq: bool,
                      page_mode: bool, blocks: IndexerBlocks, chunk_bytes: int,
                      vmem_limit_bytes: int | None, interpret, out_width: int, out_dtype,
                      finish, chip: str | None = None, layer=None,
-                     index_quant: str | None = None) -> jax.Array:
+                     index_quant: str | None = None, precision: str = "f32") -> jax.Array:
     """Score the rows in chunks of ``C`` rows (one kernel call each, inside a ``fori_loop``) and
     hand each chunk to ``finish(scores f32[C, N], row_ok bool[C], key_pos i32[C],
     kv_eff i32[C]) -> [C, out_width]`` (``key_pos``: the row's last visible key, its absolute
@@ -76,7 +78,9 @@ def score_and_select(q, weights, cache_kv, b: batch.RaggedBatch, *, one_token_pe
     (``reference.stacked``: the kernel gets the stack and the layer as a scalar).
     ``index_quant`` (checked by the entry): q ``[T, H, D]`` goes through the reference's map
     here (``reference.index_scores.INDEX_QUANT_MAPS``), the keys through the same rule in the
-    kernel, tile by tile after their DMA (``pallas_kernels.indexer.fp4``)."""
+    kernel, tile by tile after their DMA (``pallas_kernels.indexer.fp4``). ``precision``
+    (checked by the entry): ``"bf16"`` casts q to bf16 and rounds the weights to bf16 here, the
+    kernel casts the key tiles and rounds as ``reference.indexer.scores.index_scores``."""
     read = stacked.resolve("cache_kv", cache_kv, layer)
     cache_kv = read.stacked
     total_rows, pages_per_seq = q.shape[0], b.pages_per_seq
@@ -85,13 +89,17 @@ def score_and_select(q, weights, cache_kv, b: batch.RaggedBatch, *, one_token_pe
     cfgs = make_configs(q, cache_kv, rows=c, num_seqs=b.num_seqs, pages_per_seq=pages_per_seq,
                         blocks=blocks, page_mode=page_mode,
                         one_token_per_seq=one_token_per_seq, chip=chip,
-                        compression_ratio=b.compression_ratio, index_quant=index_quant)
+                        compression_ratio=b.compression_ratio, index_quant=index_quant,
+                        precision=precision)
     q_map = index_scores.INDEX_QUANT_MAPS[index_quant]
     if q_map is not None:
         q = q_map(q)
     table = tpu.smem_page_table(b.page_indices)
     q_in = q.astype(cfgs[0].compute_dtype)  # a no-op unless q and keys differ in dtype
-    wcol = weights.astype(jnp.float32).reshape(total_rows, q.shape[1], 1)
+    wcol = weights.astype(jnp.float32)
+    if precision == "bf16":
+        wcol = round_bf16(wcol)
+    wcol = wcol.reshape(total_rows, q.shape[1], 1)
 
     def one_chunk(row0):
         items, row_slot, abs_pos, kv_eff = work_list(b, row0=row0, cfgs=cfgs,

@@ -25,6 +25,7 @@ from reference.formats import stacked
 from reference.indexer import selection
 from reference.indexer.args import (
     check_compression_ratio,
+    check_index_precision,
     check_index_quant,
     check_indexer_args,
     check_topk_args,
@@ -33,7 +34,7 @@ from reference.indexer.args import (
 _STATICS = ("k", "pages_per_seq", "one_token_per_seq", "num_segments", "fill",
             "refuse_full_overwrite", "recall_target", "exact", "block_rows", "block_pages",
             "blocks", "chip", "score_chunk_bytes", "vmem_limit_bytes", "interpret",
-            "compression_ratio", "index_quant")
+            "compression_ratio", "index_quant", "precision")
 
 
 @stacked.checks_layer(cache_pos=2)
@@ -49,7 +50,7 @@ def streamindex_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, seq_
                      score_chunk_bytes: int = SCORE_CHUNK_BYTES,
                      vmem_limit_bytes: int | None = None, interpret=False,
                      compression_ratio: int = 1, index_quant: str | None = None,
-                     layer=None) -> jax.Array:
+                     layer=None, precision: str = "f32") -> jax.Array:
     """Token top-k of the lightning indexer over a ragged paged batch (Pallas scores).
 
     Shapes: ``q``: f32|bf16[T, H, D] indexer query heads; ``weights``: f32|bf16[T, H] per-head
@@ -83,6 +84,12 @@ def streamindex_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, seq_
         each key tile in the kernel after its DMA (Hadamard matmul plus the FP4 rounding,
         ``pallas_kernels.indexer.fp4``; the cache is read as stored, f32/bf16, same bytes as
         plain keys). Refused as the reference refuses (``D != 128``, an fp8 cache, a name).
+      precision: ``"f32"`` (default, the program unchanged) or ``"bf16"``: DeepSeek-V4's official
+        scoring, as ``streamindex_topk_ref`` (q f32|bf16[T, H, D] cast to bf16 and the weights
+        rounded to bf16 in the glue, each key tile cast to bf16 in VMEM; each dot, each
+        ``relu(dot) * w`` and each f32 head sum rounded to bf16 in the kernel; the cache read
+        as stored, so the HBM bytes are the f32 mode's with a bf16 q). Refused as the
+        reference refuses (a name; ``"bf16"`` with ``index_quant`` or an fp8 cache).
 
     Returns:
       i32[T, k]: sequence-local token offsets (entry numbers when ``compression_ratio > 1``) by
@@ -96,6 +103,7 @@ def streamindex_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, seq_
                     recall_target=recall_target, exact=exact,
                     compression_ratio=compression_ratio)
     check_index_quant(index_quant, int(q.shape[2]), one_layer)
+    check_index_precision(precision, index_quant, one_layer)
     chip, blocks = entry_blocks(chip, blocks, block_rows, block_pages,
                                 one_token_per_seq=one_token_per_seq, pages_per_seq=pages_per_seq,
                                 page_size=cache_kv.shape[-2], page_mode=False, interpret=interpret)
@@ -109,30 +117,34 @@ def streamindex_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, seq_
                        chip=chip,
                        chunk_bytes=score_chunk_bytes, vmem_limit_bytes=vmem_limit_bytes,
                        interpret=interpret, layer=layer,
-                       compression_ratio=compression_ratio, index_quant=index_quant)
+                       compression_ratio=compression_ratio, index_quant=index_quant,
+                       precision=precision)
 
 
 @functools.partial(jax.jit, static_argnames=("pages_per_seq", "one_token_per_seq", "page_mode",
                                              "block_rows", "block_pages", "blocks", "chip",
                                              "interpret", "compression_ratio",
-                                             "index_quant"))
+                                             "index_quant", "precision"))
 def streamindex_scores(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                        distribution, *, pages_per_seq: int, one_token_per_seq: bool = False,
                        page_mode: bool = False, block_rows: int | None = None,
                        block_pages: int | None = None, blocks: IndexerBlocks | None = None,
                        chip: str | None = None, interpret=False,
-                       compression_ratio: int = 1, index_quant: str | None = None) -> jax.Array:
+                       compression_ratio: int = 1, index_quant: str | None = None,
+                       precision: str = "f32") -> jax.Array:
     """The kernel's scores alone (tests, debugging): token mode ``f32[T, pages_per_seq *
     page_size]``, page mode ``f32[T, pages_per_seq]``; ``-inf`` for non-candidates and rows
     outside every sequence. Materialises ``[T, capacity]``: not for long prefill.
-    ``compression_ratio`` and ``index_quant`` as ``streamindex_topk`` (columns are then
-    entries; with ``"fp4_sim"`` the scores of the simulated q heads and keys)."""
+    ``compression_ratio``, ``index_quant`` and ``precision`` as ``streamindex_topk`` (columns
+    are then entries; with ``"fp4_sim"`` the scores of the simulated q heads and keys; with
+    ``"bf16"`` the bf16-valued scores)."""
     check_indexer_args(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                        distribution, pages_per_seq=pages_per_seq,
                        one_token_per_seq=one_token_per_seq)
     check_compression_ratio(compression_ratio, page_size=int(cache_kv.shape[-2]),
                             pages_per_seq=pages_per_seq)
     check_index_quant(index_quant, int(q.shape[2]), cache_kv)
+    check_index_precision(precision, index_quant, cache_kv)
     chip, blocks = entry_blocks(chip, blocks, block_rows, block_pages,
                                 one_token_per_seq=one_token_per_seq, pages_per_seq=pages_per_seq,
                                 page_size=cache_kv.shape[-2], page_mode=page_mode,
@@ -145,5 +157,5 @@ def streamindex_scores(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, 
         q, weights, cache_kv, b, one_token_per_seq=one_token_per_seq, page_mode=page_mode,
         blocks=blocks, chunk_bytes=q.shape[0] * width * 4, vmem_limit_bytes=None,
         interpret=interpret, chip=chip, out_width=width, out_dtype=jnp.float32,
-        finish=lambda s, *_: s, index_quant=index_quant)
+        finish=lambda s, *_: s, index_quant=index_quant, precision=precision)
 

@@ -9,6 +9,7 @@ from reference.core import checks as _checks
 from reference.formats import fp8_cache
 from reference.indexer.selection import check_selection_args
 from reference.quant import fp8
+from reference.quant.bf16 import check_precision
 
 
 def _check_query(q, cache_kv) -> None:
@@ -95,3 +96,21 @@ def check_index_quant(index_quant, dim: int, cache_kv) -> None:
     if isinstance(cache_kv, fp8_cache.Fp8IndexCache):
         raise ValueError(f"index_quant={index_quant!r} simulates FP4 on f32/bf16 keys; an fp8 "
                          "index cache (Fp8IndexCache) is the other format")
+
+
+def check_index_precision(precision, index_quant, cache_kv) -> str:
+    """The scoring ``precision`` of a top-k entry (``reference.quant.bf16.check_precision``:
+    ``"f32"`` or ``"bf16"``, else ``ValueError`` naming ``precision``). ``"bf16"`` (DeepSeek-V4's
+    official rounding, ``scores.index_scores``) is defined on f32/bf16 q and keys only: with
+    ``index_quant`` set or an fp8 index cache it is refused (``ValueError`` naming both).
+    Returns ``precision``."""
+    check_precision(precision)
+    if precision == "f32":
+        return precision
+    if index_quant is not None:
+        raise ValueError(f"precision={precision!r} with index_quant={index_quant!r} is not "
+                         "defined (the bf16 scores take f32/bf16 q and keys as given)")
+    if isinstance(cache_kv, fp8_cache.Fp8IndexCache):
+        raise ValueError(f"precision={precision!r} with an fp8 index cache (Fp8IndexCache) is "
+                         "not defined (the bf16 scores take f32/bf16 q and keys as given)")
+    return precision

@@ -10,11 +10,15 @@ import jax.numpy as jnp
 from reference.formats import stacked
 from reference.indexer import scores as index_scores
 from reference.indexer import selection
-from reference.indexer.args import check_index_quant, check_topk_args
+from reference.indexer.args import (
+    check_index_precision,
+    check_index_quant,
+    check_topk_args,
+)
 
 _STATICS = ("k_pages", "pages_per_seq", "one_token_per_seq", "num_segments", "fill",
             "refuse_full_overwrite", "recall_target", "exact", "compression_ratio",
-            "index_quant")
+            "index_quant", "precision")
 
 
 def page_max(scores: jax.Array, token_ok: jax.Array, page_size: int) -> jax.Array:
@@ -41,7 +45,8 @@ def streamindex_page_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Ar
                               refuse_full_overwrite: bool = False,
                               recall_target: float = selection.DEFAULT_RECALL_TARGET,
                               exact: bool = False, compression_ratio: int = 1,
-                              index_quant: str | None = None, layer=None) -> jax.Array:
+                              index_quant: str | None = None, layer=None,
+                              precision: str = "f32") -> jax.Array:
     """Page-level lightning-indexer top-k over a ragged paged batch.
 
     Shapes: ``q``: f32|bf16[T, H, D]; ``weights``: f32|bf16[T, H]; ``cache_kv``: f32|bf16[num_pages,
@@ -56,6 +61,8 @@ def streamindex_page_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Ar
     entries and a page's score is the max over its visible entries. ``index_quant`` as
     ``streamindex_topk_ref`` (``"fp4_sim"``: the token scores, hence the page maxima, are those
     of the rotated, FP4-simulated q heads and keys; same map, ``scores.INDEX_QUANT_MAPS``).
+    ``precision`` as ``streamindex_topk_ref`` (``"bf16"``: a page's score is the max over its
+    visible entries of the bf16-valued token scores; not with ``index_quant`` or an fp8 cache).
 
     Returns:
       i32[T, k_pages]: sequence-local page numbers by descending page score, ``-1`` padding;
@@ -69,6 +76,7 @@ def streamindex_page_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Ar
                     recall_target=recall_target, exact=exact,
                     compression_ratio=compression_ratio)
     check_index_quant(index_quant, int(q.shape[2]), one_layer)
+    check_index_precision(precision, index_quant, one_layer)
     key_map = index_scores.INDEX_QUANT_MAPS[index_quant]
     if key_map is not None:
         q = key_map(q)
@@ -83,4 +91,5 @@ def streamindex_page_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Ar
     return index_scores.score_and_select(
         q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,
         pages_per_seq=pages_per_seq, out_width=k_pages, one_token_per_seq=one_token_per_seq,
-        finish=finish, layer=layer, compression_ratio=compression_ratio, key_map=key_map)
+        finish=finish, layer=layer, compression_ratio=compression_ratio, key_map=key_map,
+        precision=precision)

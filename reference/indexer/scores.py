@@ -2,6 +2,11 @@
 
     score[t, s] = sum_h w[t, h] * relu(q[t, h, :] . k[s, :])        (f32 accumulate)
 
+``precision="bf16"`` (DeepSeek-V4's official inference code, docs/V4_OFFICIAL_REGIME.md steps
+20-25): q, keys and weights rounded to bf16, then ``dot = bf16(q_h . k_s)`` (f32 accumulation,
+one rounding), ``prod = bf16(relu(dot) * w_h)``, ``score = bf16(sum_h prod)`` (f32 accumulation
+over heads, one rounding); scores are bf16 values held in f32.
+
 Cost model of the general (ragged) path. For each active sequence the driver gathers the
 sequence's own keys once (``[capacity_tokens, D]``) and scores that sequence's rows in windows of
 ``w`` rows, ``w`` drawn greedily (largest first) from a static ladder ``w_max, w_max/4, ..., 1``.
@@ -26,23 +31,35 @@ import jax.numpy as jnp
 from reference.core import batch
 from reference.formats import fp8_cache, stacked
 from reference.quant import qat
+from reference.quant.bf16 import round_bf16
 
 SCORE_BLOCK_BYTES = 64 * 1024 * 1024
 MAX_WINDOW_ROWS = 256
 
 
-def index_scores(q: jax.Array, w: jax.Array, keys: jax.Array) -> jax.Array:
+def index_scores(q: jax.Array, w: jax.Array, keys: jax.Array, precision: str = "f32") -> jax.Array:
     """Indexer scores of ``q: f[R, H, D]`` (weights ``w: f[R, H]``) against ``keys: f[N, D]``.
 
     Returns f32[R, N]. Inputs may be bf16 or f32; products accumulate in f32.
+    ``precision="bf16"`` (checked by the entries): the official rounding (module docstring):
+    q and keys are cast to bf16 (the mode always means bf16 operands; bf16 inputs are used as
+    given), ``w`` is rounded to bf16, each head's dot and each ``relu(dot) * w`` product is
+    rounded to bf16, the head sum accumulates in f32 and is rounded once. ``"f32"``: the traced
+    program is the one without the argument.
     """
     rows, heads, _ = q.shape
     n = keys.shape[0]
     w = w.astype(jnp.float32)
     prec = jax.lax.Precision.HIGHEST
+    bf16 = precision == "bf16"
+    if bf16:
+        q, keys, w = q.astype(jnp.bfloat16), keys.astype(jnp.bfloat16), round_bf16(w)
     if rows * heads * n * 4 <= SCORE_BLOCK_BYTES:
         s = jnp.einsum("rhd,nd->rhn", q, keys, preferred_element_type=jnp.float32,
                        precision=prec)
+        if bf16:
+            prod = round_bf16(jax.nn.relu(round_bf16(s)) * w[:, :, None])
+            return round_bf16(jnp.sum(prod, axis=1))
         return jnp.einsum("rh,rhn->rn", w, jax.nn.relu(s), precision=prec)
 
     def head_step(h, acc):
@@ -50,9 +67,12 @@ def index_scores(q: jax.Array, w: jax.Array, keys: jax.Array) -> jax.Array:
         w_h = jax.lax.dynamic_index_in_dim(w, h, axis=1, keepdims=True)
         s_h = jnp.einsum("rd,nd->rn", q_h, keys, preferred_element_type=jnp.float32,
                          precision=prec)
+        if bf16:
+            return acc + round_bf16(jax.nn.relu(round_bf16(s_h)) * w_h)
         return acc + jax.nn.relu(s_h) * w_h
 
-    return jax.lax.fori_loop(0, heads, head_step, jnp.zeros((rows, n), jnp.float32))
+    acc = jax.lax.fori_loop(0, heads, head_step, jnp.zeros((rows, n), jnp.float32))
+    return round_bf16(acc) if bf16 else acc
 
 
 def fp4_sim(x: jax.Array) -> jax.Array:
@@ -104,18 +124,20 @@ def gather_keys(cache, page_ids, layer=None) -> tuple[jax.Array, jax.Array | Non
     return stacked.take(st, lay, page_ids).reshape(-1, st.shape[-1]), None
 
 
-def scaled_scores(q, w, keys, key_scale) -> jax.Array:
+def scaled_scores(q, w, keys, key_scale, precision: str = "f32") -> jax.Array:
     """``index_scores``, times each key's scale (fp8 cache): ``s[t, s] = scale[s] * sum_h w[t, h]
     * relu(q[t, h] . k8[s])`` (DeepGEMM's order: the positive scale commutes with relu). An fp8
-    ``q`` is upcast to f32 exactly (its own scale is folded into ``w`` by the caller)."""
+    ``q`` is upcast to f32 exactly (its own scale is folded into ``w`` by the caller).
+    ``precision``: as ``index_scores`` (``"bf16"`` comes without key scales: the entries refuse
+    it with an fp8 cache)."""
     if q.dtype == fp8_cache.fp8.FP8_DTYPE:
         q = q.astype(jnp.float32)
-    s = index_scores(q, w, keys)
+    s = index_scores(q, w, keys, precision)
     return s if key_scale is None else s * key_scale[None, :]
 
 
 def _score_window(width_rows, q, w, keys, key_scale, pages, start, q_start, q_end, kv_len, out,
-                  finish: Finish, compression_ratio: int = 1):
+                  finish: Finish, compression_ratio: int = 1, precision: str = "f32"):
     """Score rows ``[start, start + width_rows)`` (clamped into ``[0, T)``) of one sequence and
     write the rows that lie in ``[start, q_end)`` into ``out``. ``kv_len``: the sequence's
     length in tokens (row positions are tokens; keys are entries when ``compression_ratio >
@@ -130,7 +152,8 @@ def _score_window(width_rows, q, w, keys, key_scale, pages, start, q_start, q_en
     cap = pages.token_ok.shape[0]
     causal = jnp.arange(cap, dtype=jnp.int32)[None, :] <= key_pos[:, None]
     token_ok = pages.token_ok[None, :] & causal
-    sel = finish(scaled_scores(q_w, w_w, keys, key_scale), token_ok, key_pos, pages.kv_len)
+    sel = finish(scaled_scores(q_w, w_w, keys, key_scale, precision), token_ok, key_pos,
+                 pages.kv_len)
     mine = (rows >= start) & (rows < q_end)
     old = jax.lax.dynamic_slice_in_dim(out, s0, width_rows, axis=0)
     return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine[:, None], sel, old), s0, 0)
@@ -139,12 +162,14 @@ def _score_window(width_rows, q, w, keys, key_scale, pages, start, q_start, q_en
 def score_and_select(q, weights, cache, kv_lens, page_indices, cu_q_lens, cu_kv_lens,
                      distribution, *, pages_per_seq: int, out_width: int,
                      one_token_per_seq: bool, finish: Finish, layer=None,
-                     compression_ratio: int = 1, key_map=None) -> jax.Array:
+                     compression_ratio: int = 1, key_map=None,
+                     precision: str = "f32") -> jax.Array:
     """Drive ``finish`` over every active sequence's rows; rows outside stay ``-1``.
     ``layer``: which layer of a stacked ``cache`` to read (``reference.formats.stacked``);
     ``compression_ratio``: the cache's keys are entries of that many tokens
     (``reference.core.batch``; ``kv_lens`` stay tokens); ``key_map``: applied to each sequence's
-    gathered keys ``f[N, D]`` before scoring (``INDEX_QUANT_MAPS``), or None.
+    gathered keys ``f[N, D]`` before scoring (``INDEX_QUANT_MAPS``), or None; ``precision``:
+    the scores' rounding (``index_scores``; checked by the entries).
 
     Returns i32[T, out_width].
     """
@@ -172,7 +197,7 @@ def score_and_select(q, weights, cache, kv_lens, page_indices, cu_q_lens, cu_kv_
         branches = [
             lambda start, out, wr=wr: _score_window(wr, q, weights, keys, key_scale, pages,
                                                     start, q_start, q_end, kv_lens[seq_id], out,
-                                                    finish, compression_ratio)
+                                                    finish, compression_ratio, precision)
             for wr in ladder
         ]
 

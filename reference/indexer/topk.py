@@ -10,11 +10,15 @@ import jax.numpy as jnp
 from reference.formats import stacked
 from reference.indexer import scores as index_scores
 from reference.indexer import selection
-from reference.indexer.args import check_index_quant, check_topk_args
+from reference.indexer.args import (
+    check_index_precision,
+    check_index_quant,
+    check_topk_args,
+)
 
 _STATICS = ("k", "pages_per_seq", "one_token_per_seq", "num_segments", "fill",
             "refuse_full_overwrite", "recall_target", "exact", "compression_ratio",
-            "index_quant")
+            "index_quant", "precision")
 
 
 @stacked.checks_layer(cache_pos=2)
@@ -26,7 +30,8 @@ def streamindex_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, 
                          fill: str = "tail", refuse_full_overwrite: bool = False,
                          recall_target: float = selection.DEFAULT_RECALL_TARGET,
                          exact: bool = False, compression_ratio: int = 1,
-                         index_quant: str | None = None, layer=None) -> jax.Array:
+                         index_quant: str | None = None, layer=None,
+                         precision: str = "f32") -> jax.Array:
     """Lightning-indexer token top-k over a ragged paged batch.
 
     Shapes: ``q``: f32|bf16[T, H, D] indexer query heads; ``weights``: f32|bf16[T, H] per-head
@@ -66,6 +71,16 @@ def streamindex_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, 
         entries run the same rule on the key tiles in the kernel). Refused
         (``args.check_index_quant``, ``ValueError``): another name, ``D != 128``, an
         fp8 index cache (the other format).
+      precision: static, ``"f32"`` (default: scores in f32, the traced program unchanged) or
+        ``"bf16"``: DeepSeek-V4's official scoring (docs/V4_OFFICIAL_REGIME.md steps 20-25,
+        ``scores.index_scores``): q f32|bf16[T, H, D] and the keys are cast to bf16 (bf16 inputs
+        are used as given; f32 ones are rounded first, so the mode always means bf16
+        operands), ``weights`` rounded to bf16, then ``dot = bf16(q_h . k_s)`` (f32
+        accumulation), ``prod = bf16(relu(dot) * w_h)``, ``score = bf16(sum_h prod)`` (f32
+        accumulation, one rounding); the top-k runs on those bf16-valued scores (``exact``:
+        ties go to the lower entry, as ``lax.top_k`` and the official CUDA top-k). Refused
+        (``args.check_index_precision``, ``ValueError``): another name; ``"bf16"`` with
+        ``index_quant`` or an fp8 index cache (that combination is not defined).
 
     Returns:
       i32[T, k]: sequence-local token offsets (entry numbers when ``compression_ratio > 1``) by
@@ -79,6 +94,7 @@ def streamindex_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, 
                     recall_target=recall_target, exact=exact,
                     compression_ratio=compression_ratio)
     check_index_quant(index_quant, int(q.shape[2]), one_layer)
+    check_index_precision(precision, index_quant, one_layer)
     key_map = index_scores.INDEX_QUANT_MAPS[index_quant]
     if key_map is not None:
         q = key_map(q)
@@ -92,4 +108,5 @@ def streamindex_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, 
     return index_scores.score_and_select(
         q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,
         pages_per_seq=pages_per_seq, out_width=k, one_token_per_seq=one_token_per_seq,
-        finish=finish, layer=layer, compression_ratio=compression_ratio, key_map=key_map)
+        finish=finish, layer=layer, compression_ratio=compression_ratio, key_map=key_map,
+        precision=precision)

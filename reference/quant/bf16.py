@@ -24,8 +24,15 @@ def check_precision(precision) -> str:
 
 def round_bf16(x: jax.Array) -> jax.Array:
     """``f32[...] -> f32[...]``: each value rounded to the nearest bf16 (ties to even; +-inf and
-    NaN kept), still held in f32."""
-    return jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
+    NaN kept), still held in f32.
+
+    Written as ``lax.reduce_precision`` (8 exponent, 7 mantissa bits: bf16's), not as the convert
+    pair ``f32 -> bf16 -> f32``: XLA may drop such a pair as excess precision, and XLA:CPU's
+    YNNPACK fusion (a dot fused with its elementwise consumers and a reduce, jax 0.10.2) does,
+    so ``round(dot)`` and ``round(relu(.) * w)`` came back unrounded under ``jit`` on CPU.
+    ``reduce_precision`` is the op XLA keeps (and rounds the same: RNE, inf and NaN kept)."""
+    return jax.lax.reduce_precision(jnp.asarray(x, jnp.float32), exponent_bits=8,
+                                    mantissa_bits=7)
 
 
 def _identity(x: jax.Array) -> jax.Array:
