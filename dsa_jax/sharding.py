@@ -45,6 +45,7 @@ from dsa_jax.v4_model import (
 from dsa_jax.v4_step import v4_step_body
 from pallas_kernels import IndexerBlocks, MlaBlocks
 from reference.indexer.selection import DEFAULT_RECALL_TARGET
+from reference.quant.bf16 import check_precision
 
 
 def _shard_map(fn, mesh, in_specs, out_specs):
@@ -171,7 +172,8 @@ def _sharded(mesh, data_axis, model_axis, ctx_axis, statics, has_sink=False):
 def sharded_v4_step(mesh: Mesh, inputs, params, caches, states, meta, *, layout,
                     sm_scale: float | None = None, qat: bool = False, exact: bool = True,
                     data_axis: str = "data", model_axis: str | None = "model",
-                    backend: str | None = None, kernel_options: dict | None = None):
+                    backend: str | None = None, kernel_options: dict | None = None,
+                    precision: str = "f32"):
     """``dsa_jax.v4_step`` on ``mesh``: sequences, their pages and their compressor state
     slots on ``data_axis`` (every array of ``inputs``, ``caches``, ``states`` and ``meta``
     gets a leading axis ``D = mesh.shape[data_axis]``: local batch ``d`` is ``x[d]``, page ids
@@ -191,15 +193,16 @@ def sharded_v4_step(mesh: Mesh, inputs, params, caches, states, meta, *, layout,
     on the shard owning the sequence's current group (tokens of one group can straddle a page
     boundary, hence two shards): a state exchange per step that the V3.2 step does not have.
 
-    Returns a ``V4StepResult`` with the same leading axis (``out`` split over heads on the
-    model axis)."""
+    ``precision`` as ``v4_step``'s. Returns a ``V4StepResult`` with the same leading axis
+    (``out`` split over heads on the model axis)."""
     inputs = V4StepInputs(*inputs)
     num_local, heads = int(np.shape(inputs.q)[0]), int(np.shape(inputs.q)[3])
     check_mesh(mesh, data_axis, model_axis, num_local=num_local, heads=heads)
     statics = dict(layout=layout, sm_scale=None if sm_scale is None else float(sm_scale),
                    qat=bool(qat), exact=bool(exact),
                    backend=_backend.resolve_backend(backend),
-                   kernel_options=tuple(sorted((kernel_options or {}).items())))
+                   kernel_options=tuple(sorted((kernel_options or {}).items())),
+                   precision=check_precision(precision))
     fn = _sharded_v4(mesh, data_axis, model_axis, tuple(sorted(statics.items())),
                      inputs.attn_sink is not None)
     return fn(inputs, V4StepParams(*params), V4Caches(*caches), V4States(*states),

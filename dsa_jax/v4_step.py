@@ -54,6 +54,7 @@ from dsa_jax.v4_model import (
 )
 from dsa_jax.v4_step_checks import check_v4_step_args
 from dsa_jax.v4_step_writes import compress_all, write_windows
+from reference.quant.bf16 import check_precision
 from reference.v4_attention import COMPRESS_RATIOS, PagedKV
 
 # Names this module had before the split (the declarations, checks and writes moved out); they
@@ -74,7 +75,7 @@ def _after(x, dep):
 def v4_step_body(inputs: V4StepInputs, params: V4StepParams, caches: V4Caches,
                  states: V4States, meta: V4BatchMeta, *, layout: V4ModelLayout,
                  sm_scale: float | None, qat: bool, exact: bool, backend: str,
-                 kernel_options: tuple) -> V4StepResult:
+                 kernel_options: tuple, precision: str = "f32") -> V4StepResult:
     """The step, unjitted (``v4_step`` jits it; ``sharded_v4_step`` runs it per shard);
     ``backend`` resolved, ``kernel_options`` a sorted tuple of items."""
     num_slots = check_v4_step_args(inputs, params, caches, states, meta, layout)
@@ -83,7 +84,8 @@ def v4_step_body(inputs: V4StepInputs, params: V4StepParams, caches: V4Caches,
     caches = write_windows(caches, inputs, meta, layout)
     caches, states = compress_all(caches, states, inputs, params, meta, layout, num_slots, qat,
                                   functools.partial(v4_compress_step, backend=backend,
-                                                    **comp_opts))
+                                                    precision=precision, **comp_opts),
+                                  precision=precision)
     # Every write above, every read below.
     topks, dep = [], None
     for s in range(layout.count(4)):
@@ -91,8 +93,8 @@ def v4_step_body(inputs: V4StepInputs, params: V4StepParams, caches: V4Caches,
             _after(inputs.index_q[s], dep), inputs.index_weights[s], caches.csa_index,
             meta.kv_lens, meta.csa_page_indices, meta.cu_q_lens, meta.csa_cu_lens,
             meta.distribution, k=layout.index_topk, pages_per_seq=layout.csa_pages_per_seq,
-            compression_ratio=4, exact=exact, backend=backend, kernel_options=topk_opts,
-            layer=s))
+            compression_ratio=4, exact=exact, precision=precision, backend=backend,
+            kernel_options=topk_opts, layer=s))
         dep = topks[-1]
     outs = []
     for layer, r in enumerate(layout.compress_ratios):
@@ -107,21 +109,22 @@ def v4_step_body(inputs: V4StepInputs, params: V4StepParams, caches: V4Caches,
             meta.cu_q_lens, meta.distribution, layout=layout.layout_for(r),
             compressed=compressed, compressed_indices=topks[s] if r == 4 else None,
             attn_sink=None if inputs.attn_sink is None else inputs.attn_sink[layer],
-            sm_scale=sm_scale, backend=backend, kernel_options=attn_opts, layer=s))
+            sm_scale=sm_scale, precision=precision, backend=backend, kernel_options=attn_opts,
+            layer=s))
     t = inputs.q.shape[1]
     topk = (jnp.stack(topks) if topks
             else jnp.zeros((0, t, layout.index_topk), jnp.int32))
     return V4StepResult(jnp.stack(outs), topk, caches, states)
 
 
-_STATICS = ("layout", "sm_scale", "qat", "exact", "backend", "kernel_options")
+_STATICS = ("layout", "sm_scale", "qat", "exact", "backend", "kernel_options", "precision")
 _v4_step = jax.jit(v4_step_body, static_argnames=_STATICS, donate_argnames=("caches", "states"))
 
 
 def v4_step(inputs: V4StepInputs, params: V4StepParams, caches: V4Caches, states: V4States,
             meta: V4BatchMeta, *, layout: V4ModelLayout, sm_scale: float | None = None,
             qat: bool = False, exact: bool = True, backend: str | None = None,
-            kernel_options: dict | None = None) -> V4StepResult:
+            kernel_options: dict | None = None, precision: str = "f32") -> V4StepResult:
     """One DeepSeek-V4 attention step over all layers (module docstring); jitted, caches and
     states donated.
 
@@ -138,12 +141,20 @@ def v4_step(inputs: V4StepInputs, params: V4StepParams, caches: V4Caches, states
       kernel_options: Pallas knobs, routed to the indexer, the V4 attention and the
         compressor entries by name (``dsa_jax.backend.split_kernel_options``; ``interpret`` to
         all).
+      precision: ``"f32"`` (the default: every op in f32) or ``"bf16"``, the official
+        regime of ``reference.statements.deepseek_v4`` (``precision=``) through every op: the
+        compressors' finished entries rounded (``reference.v4_compressor.finish_entries``),
+        the index entries' Hadamard output rounded before the fp4 QAT, the indexer's bf16
+        scores (``dsa_jax.indexer_topk``'s ``precision``), the attention's bf16 ``P @ V`` and
+        bf16 output (``dsa_jax.v4_attention``'s). The inputs are ``v4_project``'s in the same
+        regime (bf16 values, in f32 or bf16 arrays).
 
     Returns ``V4StepResult(out [L, T, H, 512], topk [Lc, T, index_topk], caches, states)``.
     Bad shapes, a missing family argument or one given for a type the model lacks raise
     ``ValueError`` naming the argument and the numbers."""
     statics = dict(layout=layout, sm_scale=None if sm_scale is None else float(sm_scale),
                    qat=bool(qat), exact=bool(exact), backend=_backend.resolve_backend(backend),
-                   kernel_options=tuple(sorted((kernel_options or {}).items())))
+                   kernel_options=tuple(sorted((kernel_options or {}).items())),
+                   precision=check_precision(precision))
     return _v4_step(V4StepInputs(*inputs), V4StepParams(*params), V4Caches(*caches),
                     V4States(*states), V4BatchMeta(*meta), **statics)

@@ -16,6 +16,8 @@ fp8).
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 
 from dsa_jax import cache as _cache
@@ -25,6 +27,7 @@ from reference import v4_compressor as vc
 from reference.formats import fp8_cache, packed_cache
 from reference.formats import model1 as v4_cache
 from reference.quant import qat as _qat
+from reference.quant.bf16 import rounding
 from reference.v4_attention import PagedKV
 
 
@@ -67,9 +70,10 @@ def _nope_fp8(rows):
     return jnp.concatenate([_qat.act_quant_sim(rows[:, :448]), rows[:, 448:]], axis=-1)
 
 
-def _index_fp4(rows):
-    """The official QAT of an index entry: Hadamard rotation, then fp4 block 32."""
-    return _qat.fp4_act_quant_sim(_qat.hadamard_rotate(rows))
+def _index_fp4(rows, rb=lambda x: x):
+    """The official QAT of an index entry: Hadamard rotation (its output rounded by ``rb``:
+    bf16 in the bf16 regime, as the official ``rotate_activation``), then fp4 block 32."""
+    return _qat.fp4_act_quant_sim(rb(_qat.hadamard_rotate(rows)))
 
 
 def _compress_family(cache, state, kv, score, ape, norm, cos, sin, meta: V4BatchMeta, *,
@@ -98,9 +102,12 @@ def _compress_family(cache, state, kv, score, ape, norm, cos, sin, meta: V4Batch
     return cache, state
 
 
-def compress_all(caches, states, inputs, params, meta, layout, num_slots, qat, compress):
-    """Every compressor of the step (CSA: attention + indexer; HCA), each by ``compress``."""
+def compress_all(caches, states, inputs, params, meta, layout, num_slots, qat, compress,
+                 precision: str = "f32"):
+    """Every compressor of the step (CSA: attention + indexer; HCA), each by ``compress``;
+    ``precision`` rounds the index entries' rotation in the bf16 regime (``_index_fp4``)."""
     ident = lambda x: x  # noqa: E731
+    index_fp4 = functools.partial(_index_fp4, rb=rounding(precision))
     fmt = layout.compressed_cache_format
     if layout.count(4):
         table = (meta.csa_page_indices, meta.csa_cu_lens)
@@ -115,7 +122,7 @@ def compress_all(caches, states, inputs, params, meta, layout, num_slots, qat, c
                                     params.cos, params.sin, meta,
                                     fmt="fp8" if isinstance(caches.csa_index,
                                                             fp8_cache.Fp8IndexCache) else "plain",
-                                    finish=_index_fp4 if qat else ident, **kw)
+                                    finish=index_fp4 if qat else ident, **kw)
         caches = caches._replace(csa_compressed=comp, csa_index=idx)
         states = states._replace(csa=st, index=ist)
     if layout.count(128):

@@ -28,16 +28,16 @@ def configs(ratios, **overrides):
     return [dv4.tiny_config(**kw, layer_id=i) for i in range(len(ratios))]
 
 
-def project(params, x, pos, cfg, max_seq_len, qat):
+def project(params, x, pos, cfg, max_seq_len, qat, precision="f32"):
     """The step's per-layer inputs for tokens ``x f32[S, dim]`` at positions ``pos i32[S]``:
     ``dsa_jax.v4_project`` (the statement's own ``project_layer_inputs``)."""
-    return v4_project(params, x, pos, cfg, max_seq_len=max_seq_len, qat=qat)
+    return v4_project(params, x, pos, cfg, max_seq_len=max_seq_len, qat=qat, precision=precision)
 
 
-def finish(params, o, pos, cfg, max_seq_len):
+def finish(params, o, pos, cfg, max_seq_len, precision="f32"):
     """The statement's output side on ``o f32[S, H, 512]``: ``dsa_jax.v4_output`` (inverse
     RoPE, ``wo_a``, ``wo_b``; the statement's own ``layer_output``)."""
-    return v4_output(params, o, pos, cfg, max_seq_len=max_seq_len)
+    return v4_output(params, o, pos, cfg, max_seq_len=max_seq_len, precision=precision)
 
 
 def step_params(cfgs, params, max_seq_len) -> V4StepParams:
