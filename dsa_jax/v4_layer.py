@@ -35,24 +35,23 @@ def v4_rope_tables(config: V4AttentionConfig, max_seq_len: int):
     """``(cos, sin) f32[max_seq_len, rope_head_dim // 2]`` (NumPy) of ``config``'s layer type:
     compressed layers ``compress_rope_theta`` with YaRN, window-only layers ``rope_theta``
     without. (``V4StepParams.cos`` / ``sin`` are the compressed layers' tables.)"""
-    _check_config(config)
-    if not isinstance(max_seq_len, int | np.integer) or max_seq_len < 1:
-        raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
+    _check_config(config, max_seq_len)
     return rope_tables(config, int(max_seq_len))
 
 
-def _check_config(config):
+def _check_config(config, max_seq_len):
+    """``config`` a ``V4AttentionConfig`` (TypeError), ``max_seq_len`` a positive int."""
     if not isinstance(config, V4AttentionConfig):
         raise TypeError(f"config must be a V4AttentionConfig, got {type(config).__name__}")
+    if not isinstance(max_seq_len, int | np.integer) or max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
 
 
 def _check(params, x, positions, config, max_seq_len, precision, x_name, x_rank, x_dims):
     """The shared refusals: config, precision, params (``check_params``), ``x``'s trailing dims,
     ``positions i32[S]`` matching ``x``'s token axis and inside the RoPE tables."""
-    _check_config(config)
+    _check_config(config, max_seq_len)
     check_precision(precision)
-    if not isinstance(max_seq_len, int | np.integer) or max_seq_len < 1:
-        raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
     check_params(params, config)
     _checks.rank(x_name, x, x_rank)
     _checks.floating(x_name, x)
