@@ -20,8 +20,8 @@ from reference import v4_compressor as vc
 
 def compress_step(kv, score, ape, norm_weight, cos, sin, state: vc.CompressorState, state_slots,
                   kv_lens, cu_q_lens, distribution, *, ratio: int, eps: float = vc.NORM_EPS,
-                  precision: str = "f32", backend: str | None = None, interpret=None,
-                  vmem_limit_bytes: int | None = None
+                  backend: str | None = None, interpret=None,
+                  vmem_limit_bytes: int | None = None, precision: str = "f32"
                   ) -> tuple[vc.CompressedEntries, vc.CompressorState]:
     """One step of the V4 compressor: ``(CompressedEntries, CompressorState)``.
 

@@ -112,7 +112,7 @@ def check_fused_args(q, window: v4.PagedKV, kv_lens, cu_q_lens, distribution,
     c_read = None if compressed is None else stacked.resolve("compressed.cache",
                                                             compressed.cache, layer)
     v4.check_v4_args(q, w_read.one, kv_lens, cu_q_lens, distribution, window, compressed,
-                     c_read and c_read.one, compressed_indices, attn_sink, precision,
+                     c_read and c_read.one, compressed_indices, attn_sink, precision=precision,
                      **statics)
     w_cache = _kernel_cache(w_read.stacked)
     c_cache = (jax.tree_util.tree_map(lambda x: x[:, :1], w_cache) if c_read is None

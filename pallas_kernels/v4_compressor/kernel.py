@@ -389,9 +389,9 @@ def compress_step(
     *,
     ratio: int,
     eps: float = vc.NORM_EPS,
-    precision: str = "f32",
     vmem_limit_bytes: int | None = None,
     interpret=False,
+    precision: str = "f32",
 ) -> tuple[vc.CompressedEntries, vc.CompressorState]:
     """One step of the V4 compressor (``reference.v4_compressor.compress_step``'s arguments and
     results; module docstring for the kernels).

@@ -162,12 +162,13 @@ def _check_compressed(compressed, compressed_indices, *, compress_ratio, num_row
 
 
 def check_v4_args(q, window_one, kv_lens, cu_q_lens, distribution, window, compressed,
-                  compressed_one, compressed_indices, attn_sink, precision="f32",
-                  **statics) -> None:
+                  compressed_one, compressed_indices, attn_sink, **statics) -> None:
     """Every static check of ``v4_attention_ref`` (also the Pallas entry's). ``*_one``: one
-    layer's cache structs (``stacked.resolve``). Raises ValueError/TypeError naming the
+    layer's cache structs (``stacked.resolve``); ``statics`` the op's static arguments,
+    ``precision`` among them (default ``"f32"``). Raises ValueError/TypeError naming the
     argument and the numbers."""
-    check_precision(precision)
+    statics = dict(statics)
+    check_precision(statics.pop("precision", "f32"))
     _checks.rank("q", q, 3)
     _checks.floating("q", q)
     num_rows, heads, dim = np.shape(q)
@@ -306,7 +307,7 @@ def v4_attention_ref(q: jax.Array, window: PagedKV, kv_lens: jax.Array, cu_q_len
     if compressed is not None:
         c_one = stacked.resolve("compressed.cache", compressed.cache, layer).one
     check_v4_args(q, w_read.one, kv_lens, cu_q_lens, distribution, window, compressed, c_one,
-                  compressed_indices, attn_sink, precision, **statics)
+                  compressed_indices, attn_sink, precision=precision, **statics)
     rows = batch.row_facts(q.shape[0], kv_lens, cu_q_lens, distribution)
     outs, lses = [], []
     o, lse = _part(q, window, window_indices(rows.abs_pos, window_size), kv_lens, rows,

@@ -10,20 +10,14 @@ The tiny model of the step tests (``tests/v4_step_model.py``: head 512, 2 heads,
 window 128, random weights), QAT on, the reference backend (the Pallas backend equals it step
 for step: ``tests/test_v4_step.py``). CPU only; about 2 minutes on 2 cores.
 
-    python -m scripts.experiments.v4_chunk_consistency
+    python -m scripts.experiments.v4_chunk_consistency    (from the repository root)
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 RATIOS = (0, 4, 128)
 MAX_SEQ = 288
