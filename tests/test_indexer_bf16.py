@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from batches import scenario
-from oracle import row_sequences, token_keys
+from oracle import page_candidates, row_sequences, token_keys
 from test_compressed_indexer import STRICT, compressed_batch
 
 import dsa_jax
@@ -70,20 +70,6 @@ def oracle_candidates(b, ratio: int = 1) -> list:
                                       b.pages_per_seq)
         out.append({j: oracle_score(b.q[r], b.weights[r], key)
                     for j, key in keys_of[seq].items() if j < (pos + 1) // ratio})
-    return out
-
-
-def oracle_pages(cands, page_size: int) -> list:
-    """Per row: ``{page: max of its candidates' scores}``."""
-    out = []
-    for cand in cands:
-        if cand is None:
-            out.append(None)
-            continue
-        pages = {}
-        for j, v in cand.items():
-            pages[j // page_size] = max(pages.get(j // page_size, -np.inf), v)
-        out.append(pages)
     return out
 
 
@@ -167,7 +153,7 @@ def test_reference_token_topk_selects_the_oracles_bf16_top_k(name):
 def test_reference_page_topk_max_pools_the_bf16_scores(name):
     b, ratio, otp = BATCHES[name](21)
     b = on_grid(b, 21)
-    pages = oracle_pages(oracle_candidates(b, ratio), b.page_size)
+    pages = page_candidates(oracle_candidates(b, ratio), b.page_size)
     check_by_score(_ref(streamindex_page_topk_ref, b, ratio, otp, k_pages=3, exact=True, **BF16),
                    pages, 3)
 
