@@ -65,6 +65,8 @@ STRICT = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan",
 #   row-block crossings: with block_rows=4 a prefill chunk of up to 8 rows spans two blocks.
 # - the step: 2 examples per backend (the multi-layer step with three kernels compiles in ~8 s
 #   in strict interpret mode).
+# Shrinking is off for the kernel and step tests (a shrink pass re-runs the slow interpreter
+# hundreds of times); print_blob prints the failing example for @reproduce_failure.
 _COMMON = dict(deadline=None, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 REFERENCE_SETTINGS = settings(max_examples=30, **_COMMON)
