@@ -28,28 +28,34 @@ def _run(args, tmp_path, timeout=600):
 
 @pytest.mark.slow
 def test_bench_quick(tmp_path):
-    # at a 2K context (the default 8K is the benchmark's): a smoke run of the whole script,
-    # every row and ratio; the seed's general paths cost O(S * T * context)
-    stdout = _run(["-m", "scripts.bench.bench", "--quick", "--reps", "2", "--context", "2048",
+    # at a 2K context (the default 8K is the benchmark's; 2K is the smallest that keeps the
+    # rows' 32 pages) and one timed repetition: a smoke run of the whole script, every row and
+    # ratio; the seed's general paths cost O(S * T * context)
+    stdout = _run(["-m", "scripts.bench.bench", "--quick", "--reps", "1", "--context", "2048",
                    "--out", str(tmp_path)], tmp_path)
     assert (tmp_path / "bench.json").exists() and "seed sparse_mla / ours" in stdout
 
 
 @pytest.mark.slow
 def test_tpu_compile_report_quick(tmp_path):
-    # one chip and the first 2 cases of each kernel: every quick case compiles on every chip in
-    # tests/test_compile_{indexer,mla}.py; this checks the report itself
+    # one chip and the first case of each kernel (6 kernels: token/page top-k, their r=4 forms,
+    # sparse/page-sparse MLA; 6 AOT compiles, was 11 with --limit 2): every quick case compiles
+    # on every chip in tests/test_compile_{indexer,mla}.py; this checks the report itself
     _run(["-m", "scripts.cost.tpu_compile_report", "--quick", "--chips", chips.DEFAULT,
-          "--limit", "2", "--out", str(tmp_path)], tmp_path)
+          "--limit", "1", "--out", str(tmp_path)], tmp_path)
     text = (tmp_path / "tpu_compile_report.md").read_text()
     assert "FAILED" not in text and "Not reported" not in text
 
 
 @pytest.mark.slow
 def test_witness_experiment_quick(tmp_path):
-    _run(["-m", "scripts.experiments.witness_experiment", "--quick", "--no-docs",
+    # the script end to end on its tiny grid (tests/test_witness_experiment.py's: both sources,
+    # every selection, table, JSON and both plots); --quick's L=2048 grid is the notebook's
+    _run(["-m", "scripts.experiments.witness_experiment", "--tiny", "--no-docs",
           "--out", str(tmp_path)], tmp_path)
     assert (tmp_path / "witness.json").exists()
+    for name in ("witness.md", "witness_synthetic.png", "witness_indexer.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
 
 
 def test_bench_witness_merge_quick(tmp_path):

@@ -699,9 +699,11 @@ def test_cost_is_linear_in_topk_plus_segments_squared_with_no_scatter_gather_or_
     assert not {p for p in prims if "scatter" in p or "gather" in p or "callback" in p}
 
 
-def _scatter_merge(learned, witnesses, keep: int, budget: int):
+@jax.jit
+def _scatter_merge(learned, witnesses, keep, budget):
     """The merge as it was written before issue 13 (a per-element scatter): kept here only to
-    show that the scatter-free merge is bitwise the same function."""
+    show that the scatter-free merge is bitwise the same function. Jitted with ``keep`` and
+    ``budget`` traced, as ``_merge`` is: one program per shape, not an eager compile of each op."""
     rows, topk = learned.shape
     valid = witnesses >= 0
     rank = jnp.cumsum(valid.astype(jnp.int32), axis=1) - 1

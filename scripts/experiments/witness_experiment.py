@@ -25,7 +25,8 @@ averaged over rows, on a grid of ``k`` and ``S`` (``S <= k``), for two sources:
 Nothing here measures model quality: the attention rows are synthetic or a proxy, and the
 numbers only say how the selections cover segments and mass on these rows.
 
-Usage: ``python -m scripts.experiments.witness_experiment [--quick] [--out DIR] [--write-notebook]``
+Usage: ``python -m scripts.experiments.witness_experiment [--quick | --tiny] [--out DIR]
+[--write-notebook]``
 Writes ``DIR/witness.md``, ``DIR/witness.json`` and ``DIR/witness_<source>.png``;
 ``DIR/witness_synthetic.png`` is also copied to ``docs/witness_coverage.png`` (unless
 ``--no-docs``). ``--write-notebook`` regenerates ``scripts/experiments/witness_experiment.ipynb``.
@@ -460,6 +461,8 @@ def build_notebook(path: Path = NOTEBOOK) -> Path:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="L=2048, k<=256 (about a minute)")
+    p.add_argument("--tiny", action="store_true",
+                   help="L=256, k<=32: the tests' seconds-long grid (tiny_config), every output")
     p.add_argument("--out", default="out/witness", help="output folder")
     p.add_argument("--no-docs", action="store_true", help="do not copy docs/witness_coverage.png")
     p.add_argument("--write-notebook", action="store_true",
@@ -468,8 +471,9 @@ def main(argv=None) -> int:
     if a.write_notebook:
         print(build_notebook())
         return 0
-    cfg = quick_config() if a.quick else full_config()
-    print(f"witness experiment ({'quick' if a.quick else 'full'}): L={cfg.context_len} "
+    cfg = tiny_config() if a.tiny else quick_config() if a.quick else full_config()
+    size = "tiny" if a.tiny else "quick" if a.quick else "full"
+    print(f"witness experiment ({size}): L={cfg.context_len} "
           f"k={list(cfg.ks)} S={list(cfg.segments)} on {jax.default_backend()}", flush=True)
     result = run_experiment(cfg)
     paths = write_outputs(result, Path(a.out), docs=not a.no_docs)
