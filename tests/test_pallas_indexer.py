@@ -113,9 +113,10 @@ def test_equals_reference_exactly_with_segment_witnesses(op, ref, kw, fill):
 
 
 def test_row_chunks_inside_a_loop_give_the_same_result():
-    # score_chunk_bytes of 5 rows: the 53 prefill rows run as 11 kernel calls in a fori_loop,
-    # the last chunk clamped back over rows already done.
-    b = _batch("prefill", 6)
+    # score_chunk_bytes of 5 rows: the 9 MTP rows run as 2 kernel calls in a fori_loop, the
+    # last chunk clamped back over a row already done (rows 4..8). The same loop and clamp as
+    # the 53 prefill rows' 11 calls, at a fifth of the interpreter's kernel calls.
+    b = _batch("mtp", 6)
     cap = PAGES_PER_SEQ * b.page_size
     got = streamindex_topk(*b.args(), k=16, pages_per_seq=PAGES_PER_SEQ, exact=True,
                            score_chunk_bytes=5 * 4 * cap, block_rows=4, interpret=True)

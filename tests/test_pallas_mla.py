@@ -183,7 +183,11 @@ def test_duplicates_count_once_per_occurrence():
 
 
 def test_selection_wider_than_block_and_not_a_multiple():
-    b = batches.scenario("prefill", 10, num_heads=2, dim=128)
+    """k = 37 over blocks of 8: four full blocks and a ragged fifth, on every row. The MTP
+    scenario (9 rows, kv_lens 12/40/64, so rows hold up to 33 valid entries spread over all five
+    blocks) carries the same crossing as the 53-row prefill batch did, at a sixth of the strict
+    interpreter's grid steps."""
+    b = batches.scenario("mtp", 10, num_heads=2, dim=128)
     rng = np.random.default_rng(10)
     sel = junk_token_topk(rng, b, 37, dup=False)
     run_token(b, sel, dtype=jnp.float32, fmt="f32", v_dim=128, block=8)
@@ -195,7 +199,14 @@ def test_bad_page_ids_and_slots_are_skipped_inside_the_kernel():
     with valid entries before, between and after the skipped ones in one block."""
     import dataclasses
 
-    b = batches.scenario("mixed_padding", 13, num_heads=4, dim=128)
+    from reference.synthetic import make_ragged_batch
+
+    # mixed_padding's sequences with the last one 3 rows long, not 17 (12 rows, not 26): the
+    # same page table crossings (table entries 1 and 4 inside sequence 0's five pages, sequence
+    # 3's slots off the table, padding rows, inactive slots) at half the interpreter's steps.
+    b = make_ragged_batch(np.random.default_rng(13), q_lens=[1, 1, 4, 3], kv_lens=[33, 5, 20, 60],
+                          page_size=batches.PAGE_SIZE, pages_per_seq=batches.PAGES_PER_SEQ,
+                          num_heads=4, dim=128, pad_rows=3, pad_seqs=2)
     table = np.array(b.page_indices)
     table[1], table[4] = -3, b.cache.shape[0] + 5
     cu_kv = np.array(b.cu_kv_lens)
@@ -224,9 +235,11 @@ def test_reference_gather_accepts_packed_cache():
     rb = batch.RaggedBatch.of(cache, *(jnp.asarray(x) for x in b.meta()),
                               pages_per_seq=b.pages_per_seq)
     slots, valid = attend.token_slots(sel, rb.rows(q.shape[0]), rb, causal=False)
-    want = attend.attend_selected(q, cache, slots, valid, sm_scale=SCALE, v_dim=200)
-    got = attend.attend_selected(q, packed_cache.pack_cache(cache), slots, valid,
-                                 sm_scale=SCALE, v_dim=200)
+    # jitted: one XLA:CPU compile per cache format instead of op-by-op dispatch
+    attend_selected = jax.jit(attend.attend_selected, static_argnames=("sm_scale", "v_dim"))
+    want = attend_selected(q, cache, slots, valid, sm_scale=SCALE, v_dim=200)
+    got = attend_selected(q, packed_cache.pack_cache(cache), slots, valid, sm_scale=SCALE,
+                          v_dim=200)
     for w, g in zip(want, got, strict=True):
         np.testing.assert_array_equal(np.asarray(w), np.asarray(g))
 

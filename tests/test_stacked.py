@@ -19,6 +19,7 @@ import dsa_jax
 import pallas_kernels as pk
 import reference as ref
 from reference import fp8_cache, packed_cache
+from reference.synthetic import make_ragged_batch
 from tests import batches
 from tests.oracle import mla_oracle
 
@@ -51,11 +52,20 @@ def _topk(op, b, cache, backend, **kw):
                             **extra))
 
 
+def _small_mixed(seed, num_heads):
+    """A small mixed batch, mixed_padding's kinds of rows at a third of its 26 rows: two decode
+    rows, a 4-row chunk, 2 padding rows, an inactive sequence slot, a 60-token sequence over 8
+    pages, NaN in every unowned cache slot (the strict interpreter's cost is per row step)."""
+    return make_ragged_batch(np.random.default_rng(seed), q_lens=[1, 1, 4], kv_lens=[33, 5, 60],
+                             page_size=batches.PAGE_SIZE, pages_per_seq=batches.PAGES_PER_SEQ,
+                             num_heads=num_heads, dim=128, pad_rows=2, pad_seqs=1)
+
+
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
 @pytest.mark.parametrize("op", sorted(TOPK))
 @pytest.mark.parametrize("layer", [1, 2])
 def test_topk_reads_the_given_layer_of_the_stack_in_place(op, backend, layer):
-    b = batches.scenario("mixed_padding", seed=31, num_heads=2, dim=128)
+    b = _small_mixed(31, num_heads=2)
     stack = jnp.asarray(_stack(b.cache, seed=layer))
     want = _topk(op, b, stack[layer], backend)
     got = _topk(op, b, stack, backend, layer=jnp.int32(layer))  # traced: one trace per shape
@@ -200,7 +210,9 @@ def test_one_call_for_every_layer_equals_the_per_layer_calls(op, fmt):
     layer, index for index (strict interpreter; distinct layers, NaN in unowned slots)."""
     from pallas_kernels.mla import layers
 
-    b = batches.scenario("mixed_padding", seed=38, num_heads=4, dim=128)
+    # _small_mixed, not mixed_padding: padding rows at the end of each layer's T rows (the
+    # grid's layer boundary), NaN unowned slots, at a third of the interpreter's steps.
+    b = _small_mixed(38, num_heads=4)
     stack = _stack(b.cache, seed=8)
     sel = jnp.stack([_selection(op, b, jnp.asarray(stack[i])) for i in range(LAYERS)])
     q = jnp.stack([jnp.asarray(b.q) * (i + 1) for i in range(LAYERS)])
