@@ -3,26 +3,76 @@ for v5e, v6e and tpu7x at the DeepSeek-V3.2 indexer shapes (H=64, D=128, page 64
 DeepSeek-V4's compressed-key indexer (``compression_ratio=4``, pages of 64 entries, k=512 Flash /
 1024 Pro; ``compile_cases.V4_SHAPES``), on a CPU-only machine (libtpu topologies). A failure
 names the chip, the shape and Mosaic's message. Also: the traffic model's decode shapes move
-<= 1.15x the minimum HBM bytes."""
+<= 1.15x the minimum HBM bytes.
+
+Compile time is XLA's TPU top-k in the selection stage (k = 2048 over thousands of columns:
+15-40 s a program on this machine), not Mosaic. A kernel variant of a shape (fp8 keys, an fp8
+q, ``fp4_sim``, bf16 scores) has the selection stage of its base case (same entry, shape and k:
+the stage sees f32 scores of the same shape), so the variant compiles its entry's scoring
+program (``streamindex_scores``: the glue before the kernel, the kernel, its score layout) on
+every chip, and the base case compiles the whole entry, selection included, on every chip. A
+variant without a base case (the V4 page entry's fp4_sim mixed batch) compiles whole."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 
 from pallas_kernels import aot, chips, streamindex_topk
 from pallas_kernels.indexer import blocks as iblocks
 from pallas_kernels.indexer import compile_cases as icases
+from pallas_kernels.indexer.page import streamindex_page_topk
+from pallas_kernels.indexer.token import streamindex_scores
 
 pytestmark = pytest.mark.kernel_gate  # also run on the newest jax (README)
 
 CASES = icases.compile_cases(quick=True)
+VARIANTS = (" fp8 keys", " fp8 q", " fp4_sim", " bf16 scores")  # kernel-side variants of a shape
+
+
+def _base_shape(shape: str) -> str:
+    for suffix in VARIANTS:
+        shape = shape.replace(suffix, "")
+    return shape
+
+
+_WHOLE = {(c.kernel, c.shape) for c in CASES if _base_shape(c.shape) == c.shape}
+
+
+def _scores_only(case) -> bool:
+    """A kernel variant whose base case (same entry and shape, so the same selection stage)
+    compiles the whole entry."""
+    return case.shape != _base_shape(case.shape) and (case.kernel,
+                                                      _base_shape(case.shape)) in _WHOLE
+
+
+def compile_gate(case, chip, fn=None):
+    """The whole entry, or (``_scores_only``) its scoring program: the same knobs and blocks,
+    without the selection stage its base case compiles."""
+    fn = fn or case.fn_for_chip(chip)
+    if not _scores_only(case):
+        return aot.aot_compile(fn, case.specs, chip, f"{case.kernel} {case.shape}")
+    kw = {k: v for k, v in fn.keywords.items() if k not in ("k", "k_pages")}
+    scores = functools.partial(streamindex_scores, page_mode=fn.func is streamindex_page_topk,
+                               **kw)
+    return aot.aot_compile(scores, case.specs, chip, f"{case.kernel} {case.shape} (scores)")
+
+
+def test_every_variant_without_a_base_case_compiles_whole():
+    scored = [c for c in CASES if _scores_only(c)]
+    assert len(scored) >= 10 and all(c.shape != _base_shape(c.shape) for c in scored)
+    whole_variants = {c.shape for c in CASES if c.shape != _base_shape(c.shape)} - {
+        c.shape for c in scored}
+    assert whole_variants == {"V4-Pro mixed 60x1@8192 + 512@32768 k=1024 pages fp4_sim"}
+    assert {c.kernel for c in CASES if not _scores_only(c)} == {c.kernel for c in CASES}
 
 
 @pytest.mark.parametrize("chip", sorted(aot.CHIPS))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.kernel}[{c.shape}]")
 def test_compiles_for_tpu(case, chip):
     try:
-        case.compile(chip)
+        compile_gate(case, chip)
     except aot.CompileError as e:  # chip, shape and Mosaic's message, whole
         pytest.fail(str(e), pytrace=False)
 
@@ -76,18 +126,22 @@ def test_compile_error_names_chip_shape_and_mosaic_message():
 # Small pages on a mixed batch (the CLI's `--quick --dsa-use-pallas` uses page 16): token-mode
 # stages narrower than 128 lanes failed Mosaic on every chip (scripts/cost/compile_grid.py); the
 # entry widens them (pallas_kernels.indexer.blocks.resolve_blocks), so every block choice compiles.
+# Every choice has 512 score columns (64 pages of 8 ... 8 of 64) and k = 128, so one selection
+# stage: the first choice compiles the whole entry on each chip, the others its scoring program
+# (``streamindex_scores``: the same knobs, blocks and kernel, without the stage).
 SMALL_PAGES = [(8, None), (16, None), (16, 2), (32, 1), (64, 1)]
 
 
 @pytest.mark.parametrize("chip", sorted(aot.CHIPS))
 @pytest.mark.parametrize("page_size,block_pages", SMALL_PAGES)
 def test_token_topk_with_small_pages_compiles_on_a_mixed_batch(chip, page_size, block_pages):
-    import functools
-
     q_lens, kv_lens = [1, 1, 1, 32], [300, 77, 512, 512]
     specs, pps = icases.gate_specs(q_lens, kv_lens, heads=8, page_size=page_size)
-    fn = functools.partial(streamindex_topk, k=128, pages_per_seq=pps,
-                           block_pages=block_pages, chip=chip)
+    assert pps * page_size == 512
+    kw = dict(pages_per_seq=pps, block_pages=block_pages, chip=chip)
+    whole = (page_size, block_pages) == SMALL_PAGES[0]
+    fn = (functools.partial(streamindex_topk, k=128, **kw) if whole
+          else functools.partial(streamindex_scores, **kw))
     try:
         aot.aot_compile(fn, specs, chip, f"page {page_size} block_pages {block_pages}")
     except aot.CompileError as e:

@@ -172,8 +172,13 @@ def test_indexer_with_an_empty_tail_work_item_moves_only_modelled_bytes():
     assert n.bytes(lane_padded=True) == case.model_kernel_bytes
 
 
-def test_script_quick_writes_labelled_tables(tmp_path):
-    assert hbm_traffic_script.main(["--quick", "--out", str(tmp_path)]) == 0
+def test_script_quick_writes_labelled_tables(tmp_path, counted, counted_fp8):
+    """The report of ``--quick`` (the decode and fp8 cases: the fixtures' counts, not run
+    again in the interpreter)."""
+    done = {(c.kernel, c.shape): n for c, n in [*counted.values(), *counted_fp8.values()]}
+    assert len(done) == len(ht.all_cases(quick=True))
+    assert hbm_traffic_script.main(["--quick", "--out", str(tmp_path)],
+                                   count_case=lambda c: done[(c.kernel, c.shape)]) == 0
     md = (tmp_path / "hbm_traffic.md").read_text()
     assert ht.LABEL in md
     data = (tmp_path / "hbm_traffic.json").read_text()

@@ -74,9 +74,10 @@ def witness_programs() -> list[Program]:
     return [
         Program("copy", "witness merge", "copy of the buffer [reference]", f"i32[{rows},{topk}]",
                 _fixed(jnp.copy, buf), rows, quick=True),
+        # --quick: the copy and the donated tail fill (the gated serving call); the other two
+        # (12-15 s a compile each) are compiled by tests/test_whole_op_cost.py's witness gate
         Program("witness", "witness merge", "scatter_topology_witnesses", shape,
-                _fixed(merge, buf + [_s((rows,), I32)]), rows, _xla_of("copy", "copy"),
-                quick=True),
+                _fixed(merge, buf + [_s((rows,), I32)]), rows, _xla_of("copy", "copy")),
         # As its docstring says serving calls it: buffer donated, updated in place (the gate).
         Program("witness_donated", "witness merge", "scatter_topology_witnesses (donated)",
                 shape, _fixed(merge, buf + [_s((rows,), I32)], (0,)), rows,
@@ -84,14 +85,16 @@ def witness_programs() -> list[Program]:
         Program("witness_lowest_donated", "witness merge",
                 'scatter_topology_witnesses(fill="lowest") (donated)', shape,
                 _fixed(functools.partial(merge, fill="lowest"), buf + [_s((rows,), I32)], (0,)),
-                rows, _xla_of("copy", "copy"), quick=True),
+                rows, _xla_of("copy", "copy")),
     ]
 
 
 def selection_programs() -> list[Program]:
     out = []
     for n in (4096, 131072):
-        spec, shape, q = [_s((64, n), F32)], f"f32[64,{n}] k={K}", n == 4096
+        # not in --quick: XLA's TPU top-k at k = 2048 compiles for 15-40 s a program, and
+        # tests/test_whole_op_cost.py's test_selection_gate compiles these programs already
+        spec, shape, q = [_s((64, n), F32)], f"f32[64,{n}] k={K}", False
         amk = functools.partial(jax.lax.approx_max_k, k=K, recall_target=RECALL,
                                 aggregate_to_topk=True)
         out += [
@@ -160,7 +163,7 @@ def indexer_programs(quick: bool) -> list[Program]:
     shapes["MTP 16x4@4096"] = MTP
     out = []
     for name, (q_lens, kv_lens, otp) in shapes.items():
-        is_quick = name == "decode 64x4096"
+        is_quick = name == "decode 64x4096"  # --quick: page_topk only (below)
         if quick and not is_quick:
             continue
         specs, pps = icases.gate_specs(q_lens, kv_lens)
@@ -168,7 +171,11 @@ def indexer_programs(quick: bool) -> list[Program]:
         for op, page_mode in (("indexer_topk", False), ("page_topk", True)):
             k = min(K_PAGES, pps) if page_mode else K
             cols = pps if page_mode else pps * icases.GATE_PAGE
-            stage = stage_program(sum(q_lens), cols, k, is_quick)
+            # --quick keeps the page top-k (its stage selects 32 of 64 pages: a quick compile);
+            # the token top-k's stage is a k = 2048 top-k of 4096 columns (XLA's TPU top-k:
+            # 20-30 s a compile), gated by tests/test_whole_op_cost.py's test_indexer_gate
+            op_quick = is_quick and page_mode
+            stage = stage_program(sum(q_lens), cols, k, op_quick)
             loop_free = otp or name.startswith("MTP")
             if loop_free:
                 out.append(stage)
@@ -188,7 +195,7 @@ def indexer_programs(quick: bool) -> list[Program]:
 
                 out.append(Program(f"{op}/{backend}/{name}", op, backend, name, build, rows, ref,
                                    stage.key if loop_free else None,
-                                   quick=is_quick and backend == "pallas"))
+                                   quick=op_quick and backend == "pallas"))
     return out
 
 
@@ -375,7 +382,8 @@ def step_programs(quick: bool, layer_counts=STEP_LAYERS) -> list[Program]:
     """``dsa_step`` body at ``layer_counts`` layers x {packed, fp8} x {token, page} x
     {pallas, reference}, decode 64 x 4096, H=128, caches donated; the reference quantity is
     the kernels' own estimates (XLA / ref = XLA-side / kernel bytes). ``--quick`` keeps the
-    2-layer Pallas token fp8 row."""
+    2-layer Pallas page fp8 row (the token row's indexer stage is a k = 2048 top-k of 4096
+    columns, 20-30 s of XLA compile; tests/test_whole_op_cost.py gates both rows)."""
     out = []
     for layers in layer_counts:
         for fmt in STEP_FORMATS:
@@ -387,7 +395,7 @@ def step_programs(quick: bool, layer_counts=STEP_LAYERS) -> list[Program]:
                         f"{layers} layers, decode {STEP_SEQS}x{STEP_CTX}, H={STEP_HEADS}",
                         step_build(layers, gran, backend, fmt), STEP_SEQS,
                         functools.partial(_step_ref, key=key),
-                        quick=(layers, fmt, gran, backend) == (2, "fp8", "token", "pallas")))
+                        quick=(layers, fmt, gran, backend) == (2, "fp8", "page", "pallas")))
     return out
 
 

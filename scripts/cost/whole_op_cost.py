@@ -6,16 +6,17 @@ XLA ops (``pallas_kernels.xla_cost.analyze``), XLA's ``optimal_seconds``, whethe
 has a ``while`` loop, the XLA bytes over a reference quantity, and every gather / scatter HLO op
 left in the program with its shapes, index count and verdict.
 
-Programs (DeepSeek-V3.2 shapes of the compile gates; ``--quick`` keeps the starred ones):
+Programs (DeepSeek-V3.2 shapes of the compile gates; ``--quick`` keeps the starred ones: one
+program per part, none with a k = 2048 top-k, which XLA's TPU compile takes 15-40 s over):
 
 - loop-free XLA parts: the witness merge (``scatter_topology_witnesses``, i32[512, 2048],
-  S = 64)* beside a plain copy of the buffer*, and donated (in place, as serving calls it); the
-  selection (``select_topk``, default and exact) on f32[64, N], N = 4096* and 131072, beside
-  ``approx_max_k(aggregate_to_topk=True)`` alone and ``lax.top_k`` alone; the indexers'
-  selection stage (``select_and_merge``) at their decode score shapes*; the cache write
-  ``dsa_jax.update_kv_cache`` (donated)*;
+  S = 64) beside a plain copy of the buffer*, and donated (in place, as serving calls it: the
+  tail fill*); the selection (``select_topk``, default and exact) on f32[64, N], N = 4096 and
+  131072, beside ``approx_max_k(aggregate_to_topk=True)`` alone and ``lax.top_k`` alone; the
+  indexers' selection stage (``select_and_merge``) at their decode score shapes (page
+  top-k's*); the cache write ``dsa_jax.update_kv_cache`` (donated)*;
 - ``dsa_jax.indexer_topk`` / ``page_topk`` (backend ``"pallas"`` and ``"reference"``) at
-  decode 64x4096*, decode 8x131072, MTP 16x4@4096, prefill 2048@32768, mixed
+  decode 64x4096 (``page_topk``*), decode 8x131072, MTP 16x4@4096, prefill 2048@32768, mixed
   60x1@4096 + 512@32768 (``pallas_kernels.indexer.compile_cases.GATE_SHAPES`` plus MTP); the
   reference is the kernel's modelled key bytes, and "net" subtracts the selection stage's XLA bytes;
 - ``dsa_jax.sparse_mla`` / ``page_sparse_mla`` at decode 64x8192 H=128 and H=16*, MTP 16x4@4096
@@ -25,7 +26,7 @@ Programs (DeepSeek-V3.2 shapes of the compile gates; ``--quick`` keeps the starr
   (IndexShare pattern of ``python -m dsa_jax run``: ``glm_index_share_pattern(layers,
   leading_full=1)``), decode 64x4096, H=128, token and page granularity, packed bf16 latent +
   bf16 index caches and fp8 caches, backends ``"pallas"`` and ``"reference"`` (``--quick``: the
-  2-layer fp8 token Pallas row*), with the cache rows it writes and the XLA-side gate
+  2-layer fp8 page Pallas row*), with the cache rows it writes and the XLA-side gate
   (``XLA <= 0.10 x kernels + rows written``), temp memory, and 8 / 2 layers;
 - the real-size step (``--real-size``; in the full report): 61 layers (16 full), fp8 caches,
   decode 64x4096, H=128, Pallas, token: bytes against the sum of its kernels' traffic models
