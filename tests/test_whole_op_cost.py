@@ -420,10 +420,16 @@ def test_whole_op_cost_quick_report(tmp_path):
 # the stacked caches: copies show as XLA-side bytes (and temp memory) that grow with the cache.
 
 
-@functools.cache
 def _step(layers: int, fmt: str, gran: str,
           chip: str = CHIP) -> tuple[xla_cost.XlaCost, int | None]:
-    """XLA's cost and temp bytes of the Pallas step on ``chip``."""
+    """XLA's cost and temp bytes of the Pallas step on ``chip`` (compiled once per process,
+    however ``chip`` is passed)."""
+    return _compiled_step(layers, fmt, gran, chip)
+
+
+@functools.cache
+def _compiled_step(layers: int, fmt: str, gran: str,
+                   chip: str) -> tuple[xla_cost.XlaCost, int | None]:
     fn, specs, donate = report.step_build(layers, gran, "pallas", fmt)(chip)
     compiled = xla_cost.compile_program(fn, specs, chip, donate_argnums=donate)
     return xla_cost.analyze(compiled), report.temp_bytes(compiled)
