@@ -199,14 +199,10 @@ def test_bad_page_ids_and_slots_are_skipped_inside_the_kernel():
     with valid entries before, between and after the skipped ones in one block."""
     import dataclasses
 
-    from reference.synthetic import make_ragged_batch
-
     # mixed_padding's sequences with the last one 3 rows long, not 17 (12 rows, not 26): the
     # same page table crossings (table entries 1 and 4 inside sequence 0's five pages, sequence
     # 3's slots off the table, padding rows, inactive slots) at half the interpreter's steps.
-    b = make_ragged_batch(np.random.default_rng(13), q_lens=[1, 1, 4, 3], kv_lens=[33, 5, 20, 60],
-                          page_size=batches.PAGE_SIZE, pages_per_seq=batches.PAGES_PER_SEQ,
-                          num_heads=4, dim=128, pad_rows=3, pad_seqs=2)
+    b = batches.scenario("mixed_padding_short", 13, num_heads=4, dim=128)
     table = np.array(b.page_indices)
     table[1], table[4] = -3, b.cache.shape[0] + 5
     cu_kv = np.array(b.cu_kv_lens)

@@ -19,7 +19,6 @@ import dsa_jax
 import pallas_kernels as pk
 import reference as ref
 from reference import fp8_cache, packed_cache
-from reference.synthetic import make_ragged_batch
 from tests import batches
 from tests.oracle import mla_oracle
 
@@ -53,12 +52,11 @@ def _topk(op, b, cache, backend, **kw):
 
 
 def _small_mixed(seed, num_heads):
-    """A small mixed batch, mixed_padding's kinds of rows at a third of its 26 rows: two decode
-    rows, a 4-row chunk, 2 padding rows, an inactive sequence slot, a 60-token sequence over 8
-    pages, NaN in every unowned cache slot (the strict interpreter's cost is per row step)."""
-    return make_ragged_batch(np.random.default_rng(seed), q_lens=[1, 1, 4], kv_lens=[33, 5, 60],
-                             page_size=batches.PAGE_SIZE, pages_per_seq=batches.PAGES_PER_SEQ,
-                             num_heads=num_heads, dim=128, pad_rows=2, pad_seqs=1)
+    """``batches``' small_mixed: mixed_padding's kinds of rows at a third of its 26 rows (two
+    decode rows, a 4-row chunk, 2 padding rows, an inactive sequence slot, a 60-token sequence
+    over 8 pages, NaN in every unowned cache slot; the strict interpreter's cost is per row
+    step)."""
+    return batches.scenario("small_mixed", seed, num_heads=num_heads, dim=128)
 
 
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
