@@ -8,11 +8,10 @@ import pytest
 os.environ["JAX_PLATFORMS"] = "cpu"
 # pytest-xdist workers each load libtpu for the AOT compile gates.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-# 8 host devices; XLA:CPU's quick compile (no LLVM -O2, no expensive LLVM passes): the suite
-# compiles thousands of small CPU programs and runs most once, and these flags cut its CPU time
-# by ~18% (issue 26; BENCHMARKS.md). They change no TPU compile (the AOT gates' programs are
-# the same text either way) and no result the tests check (the interpreter and the references
-# round in the same IEEE order at any LLVM level; XLA:CPU's fast-math stays off).
+# 8 host devices, and XLA:CPU's quick compile (LLVM at -O0, its expensive passes off): the suite
+# compiles thousands of small CPU programs and runs most of them once; a 241-test subset took
+# 18% less time with these flags, passing the same (issue 26; BENCHMARKS.md, session 13). They
+# leave the TPU AOT compiles alone (same program text, same cost analysis) and fast-math off.
 _FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
           "--xla_llvm_disable_expensive_passes=true")
 for _flag in _FLAGS:
