@@ -29,11 +29,13 @@ def _run(args, tmp_path, timeout=600):
 @pytest.mark.slow
 def test_bench_quick(tmp_path):
     # at a 2K context (the default 8K is the benchmark's; 2K is the smallest that keeps the
-    # rows' 32 pages) and one timed repetition: a smoke run of the whole script, every row and
-    # ratio; the seed's general paths cost O(S * T * context)
+    # rows' 32 pages) and one timed repetition: a smoke run of the whole script, every CPU row
+    # and ratio; the seed's general paths cost O(S * T * context); one AOT row of the quick
+    # two (the page top-k at 4096 @128K: 10 s of XLA's TPU top-k vs 23 s for the token one)
     stdout = _run(["-m", "scripts.bench.bench", "--quick", "--reps", "1", "--context", "2048",
-                   "--out", str(tmp_path)], tmp_path)
+                   "--aot-op", "page top-k", "--out", str(tmp_path)], tmp_path)
     assert (tmp_path / "bench.json").exists() and "seed sparse_mla / ours" in stdout
+    assert "| chunked prefill 4096 @128K | page top-k (ours) | " in stdout
 
 
 @pytest.mark.slow

@@ -6,9 +6,11 @@ What each number is:
 - TPU temp memory: ``compiled.memory_analysis().temp_size_in_bytes`` of an AOT compile for a real
   TPU generation through libtpu on CPU (a compile result, not a run).
 
-Usage: ``python -m scripts.bench.bench [--quick] [--reps N] [--context N] [--out DIR] [--skip-aot]``
+Usage: ``python -m scripts.bench.bench [--quick] [--reps N] [--context N] [--out DIR] [--skip-aot]
+[--aot-op TEXT]``
 (``--context`` sets the CPU rows' context, 8192 by default; the test suite's smoke run takes a
-smaller one: the seed's general paths are O(S * T * context)).
+smaller one: the seed's general paths are O(S * T * context); ``--aot-op`` keeps the AOT rows
+whose op label contains TEXT: the smoke run compiles one, each is 10-25 s of XLA's TPU top-k).
 Writes ``DIR/bench.md`` and ``DIR/bench.json``.
 """
 
@@ -179,13 +181,14 @@ def aot_cases(quick: bool):
     return cases
 
 
-def aot_rows(quick: bool) -> list[dict]:
+def aot_rows(quick: bool, op: str = "") -> list[dict]:
+    """TPU temp memory of ``aot_cases(quick)`` whose op label contains ``op`` (all by default)."""
     from pallas_kernels.aot import aot_compile
 
     chips = [chip_specs.DEFAULT] if quick else list(chip_specs.NAMES)
     rows = []
     for chip in chips:
-        for label, name, fn, specs in aot_cases(quick):
+        for label, name, fn, specs in [c for c in aot_cases(quick) if op in c[1]]:
             t0 = time.perf_counter()
             mem = aot_compile(fn, specs, chip, name).memory_analysis()
             rows.append({"shape": label, "op": name, "chip": chip,
@@ -237,6 +240,8 @@ def main(argv=None) -> int:
                         f"min({TOPK}, context / 2))")
     p.add_argument("--out", default="out/bench", help="output folder for bench.md/bench.json")
     p.add_argument("--skip-aot", action="store_true", help="skip the TPU AOT memory rows")
+    p.add_argument("--aot-op", default="",
+                   help="only the AOT rows whose op label contains this text (default: all)")
     a = p.parse_args(argv)
     reps = a.reps or (3 if a.quick else 7)
     print(f"CPU timings (median of {reps}) ...", flush=True)
@@ -244,7 +249,10 @@ def main(argv=None) -> int:
         p.error(f"--context must be a positive multiple of 64 (the page size) >= 128, "
                 f"got {a.context}")
     cpu = cpu_rows(a.quick, reps, a.context)
-    aot = [] if a.skip_aot else aot_rows(a.quick)
+    aot = [] if a.skip_aot else aot_rows(a.quick, a.aot_op)
+    if not (aot or a.skip_aot):
+        p.error(f"--aot-op {a.aot_op!r} matches no AOT row (op labels: "
+                f"{sorted({c[1] for c in aot_cases(a.quick)})})")
     md = markdown(cpu, aot, a.context)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
