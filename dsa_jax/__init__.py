@@ -46,7 +46,8 @@ writer, the multi-layer DSA step (IndexShare), opt-in checkify validation, mesh 
 - The DeepSeek-V4 layer around the step (``dsa_jax.v4_layer``): ``v4_project`` (one layer's
   step inputs from its tokens ``x [T, dim]`` at ``positions``), ``v4_output`` (the layer output
   from the step's ``out[l]``), ``v4_rope_tables`` (a layer type's RoPE tables); the dense
-  statement's own pieces, ``precision="f32"|"bf16"``.
+  statement's own pieces, ``precision="bf16"`` (the official regime, the default of the V4
+  layer and step) or ``"f32"``.
 - The DeepSeek-V4 fp8 cache (``reference.v4_cache``: FlashMLA's MODEL1 rule, 448 e4m3 in 7
   ue8m0-scaled tiles of 64 + 64 bf16 rope; 640 B per token on TPU): ``Fp8V4Cache``,
   ``quantize_v4_cache`` / ``dequantize_v4_cache``, the row writer ``write_v4_rows``, and

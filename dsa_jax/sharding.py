@@ -45,7 +45,7 @@ from dsa_jax.v4_model import (
 from dsa_jax.v4_step import v4_step_body
 from pallas_kernels import IndexerBlocks, MlaBlocks
 from reference.indexer.selection import DEFAULT_RECALL_TARGET
-from reference.quant.bf16 import check_precision
+from reference.quant.bf16 import V4_DEFAULT_PRECISION, check_precision
 
 
 def _shard_map(fn, mesh, in_specs, out_specs):
@@ -173,7 +173,7 @@ def sharded_v4_step(mesh: Mesh, inputs, params, caches, states, meta, *, layout,
                     sm_scale: float | None = None, qat: bool = False, exact: bool = True,
                     data_axis: str = "data", model_axis: str | None = "model",
                     backend: str | None = None, kernel_options: dict | None = None,
-                    precision: str = "f32"):
+                    precision: str = V4_DEFAULT_PRECISION):
     """``dsa_jax.v4_step`` on ``mesh``: sequences, their pages and their compressor state
     slots on ``data_axis`` (every array of ``inputs``, ``caches``, ``states`` and ``meta``
     gets a leading axis ``D = mesh.shape[data_axis]``: local batch ``d`` is ``x[d]``, page ids

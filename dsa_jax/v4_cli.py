@@ -154,6 +154,8 @@ def run_v4(args, progress) -> int:
 
     from dsa_jax.v4_model import V4StepResult
     from dsa_jax.v4_step import v4_step  # the module's function (dsa_jax.v4_step is the same)
+    from reference.formats.fp8_cache import Fp8IndexCache
+    from reference.quant.bf16 import V4_DEFAULT_PRECISION
 
     if args.devices > 1:
         print("--model v4-flash runs on one device (dsa_jax.sharded_v4_step is the mesh form)",
@@ -165,8 +167,11 @@ def run_v4(args, progress) -> int:
     kv_lens = [int(rng.integers(max(q, 1), s["context"] + 1)) for q in q_lens]
     layout, inputs, params, caches, states, meta = build(rng, s, q_lens, kv_lens)
     types = {0: "SWA", 4: "CSA", 128: "HCA"}
+    # the official bf16 regime (v4_step's default) scores bf16 index keys; an fp8 index cache
+    # (V3.2's keys with f32 scales) runs the f32 regime
+    precision = "f32" if isinstance(caches.csa_index, Fp8IndexCache) else V4_DEFAULT_PRECISION
     print(f"model: DeepSeek-V4-Flash attention, {s['layers']} layers "
-          f"{[types[r] for r in layout.compress_ratios]}")
+          f"{[types[r] for r in layout.compress_ratios]}, precision {precision}")
     print(f"layout: window {layout.window_size} tokens, page {layout.window_page_size} tokens x "
           f"{layout.window_pages_per_seq}/seq; CSA pages {layout.csa_page_size} entries x "
           f"{layout.csa_pages_per_seq}/seq; HCA pages {layout.hca_page_size} entries x "
@@ -179,7 +184,8 @@ def run_v4(args, progress) -> int:
         with progress(f"{backend}: compile + first step"):
             t0 = time.perf_counter()
             res = jax.block_until_ready(v4_step(inputs, params, caches, states, meta,
-                                                layout=layout, backend=backend))
+                                                layout=layout, backend=backend,
+                                                precision=precision))
             t1 = time.perf_counter()
         results[backend] = jax.tree.map(np.asarray, (res.out, res.topk))
         out = results[backend][0]

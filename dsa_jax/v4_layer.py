@@ -6,10 +6,10 @@ own pieces (``reference.statements.deepseek_v4_layer``: ``project_layer_inputs``
 regimes they equal the statement's computation by construction.
 
 A whole layer on the paged step: ``v4_project`` per layer -> stack into ``V4StepInputs`` ->
-``v4_step`` -> ``v4_output`` per layer on ``result.out[l]``. Under ``precision="bf16"`` the
-projections and the output follow the official bf16 regime, but the paged step itself does not
-implement that regime yet (its attention and compressors run f32), so step + these functions
-equal the statement in f32 only.
+``v4_step`` -> ``v4_output`` per layer on ``result.out[l]``, in either precision regime:
+``"bf16"`` (the default of all three and of the statement: the official regime) or ``"f32"``;
+given the same regime throughout, step + these functions equal the statement
+(``tests/test_v4_step.py``, both backends).
 
 Positions index RoPE tables of ``max_seq_len`` rows: a concrete position outside ``[0,
 max_seq_len)`` raises ValueError; a traced one is the caller's business (``jnp.take`` clips it:
@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from reference.core import checks as _checks
-from reference.quant.bf16 import check_precision
+from reference.quant.bf16 import V4_DEFAULT_PRECISION, check_precision
 from reference.statements.deepseek_v4 import _check_qat
 from reference.statements.deepseek_v4_config import V4AttentionConfig, check_params
 from reference.statements.deepseek_v4_layer import layer_output, project_layer_inputs, rope_tables
@@ -90,7 +90,7 @@ def _f32(params):
 
 
 def v4_project(params, x, positions, config: V4AttentionConfig, *, max_seq_len: int,
-               qat: bool = False, precision: str = "f32"):
+               qat: bool = False, precision: str = V4_DEFAULT_PRECISION):
     """One layer's step inputs for the tokens ``x f32|bf16[T, dim]`` (after ``attn_norm``) at
     absolute positions ``positions i32[T]`` (any sequences, any order).
 
@@ -103,8 +103,8 @@ def v4_project(params, x, positions, config: V4AttentionConfig, *, max_seq_len: 
       max_seq_len: rows of the RoPE tables (static): every position must be below it.
       qat: the official QAT simulations on the window key (fp8 nope dims) and the indexer query
         (Hadamard, fp4) (static).
-      precision: ``"f32"`` or ``"bf16"`` (the official regime's rounding points, as the
-        statement's ``precision``; static).
+      precision: ``"bf16"`` (the default, the official regime's rounding points, as the
+        statement's ``precision``) or ``"f32"``; static.
 
     Returns a dict of f32 arrays (bf16 values under ``"bf16"``): ``q [T, n_heads, head_dim]``,
     ``window_kv [T, head_dim]``; compressed layers ``kv`` / ``score [T, head_dim]``; ratio 4
@@ -125,7 +125,7 @@ def v4_project(params, x, positions, config: V4AttentionConfig, *, max_seq_len: 
 
 
 def v4_output(params, o, positions, config: V4AttentionConfig, *, max_seq_len: int,
-              precision: str = "f32"):
+              precision: str = V4_DEFAULT_PRECISION):
     """The layer output from attention's ``o f32|bf16[T, n_heads, head_dim]`` (the step's
     ``result.out[l]``) at ``positions i32[T]``: inverse RoPE on the last ``rope_head_dim`` dims,
     the heads in ``o_groups`` groups each through its ``wo_a`` block, ``wo_b``.

@@ -54,7 +54,8 @@ from dsa_jax.v4_model import (
 )
 from dsa_jax.v4_step_checks import check_v4_step_args
 from dsa_jax.v4_step_writes import compress_all, write_windows
-from reference.quant.bf16 import check_precision
+from reference.formats.fp8_cache import Fp8IndexCache
+from reference.quant.bf16 import V4_DEFAULT_PRECISION, check_precision
 from reference.v4_attention import COMPRESS_RATIOS, PagedKV
 
 # Names this module had before the split (the declarations, checks and writes moved out); they
@@ -75,7 +76,8 @@ def _after(x, dep):
 def v4_step_body(inputs: V4StepInputs, params: V4StepParams, caches: V4Caches,
                  states: V4States, meta: V4BatchMeta, *, layout: V4ModelLayout,
                  sm_scale: float | None, qat: bool, exact: bool, backend: str,
-                 kernel_options: tuple, precision: str = "f32") -> V4StepResult:
+                 kernel_options: tuple,
+                 precision: str = V4_DEFAULT_PRECISION) -> V4StepResult:
     """The step, unjitted (``v4_step`` jits it; ``sharded_v4_step`` runs it per shard);
     ``backend`` resolved, ``kernel_options`` a sorted tuple of items."""
     num_slots = check_v4_step_args(inputs, params, caches, states, meta, layout)
@@ -124,7 +126,8 @@ _v4_step = jax.jit(v4_step_body, static_argnames=_STATICS, donate_argnames=("cac
 def v4_step(inputs: V4StepInputs, params: V4StepParams, caches: V4Caches, states: V4States,
             meta: V4BatchMeta, *, layout: V4ModelLayout, sm_scale: float | None = None,
             qat: bool = False, exact: bool = True, backend: str | None = None,
-            kernel_options: dict | None = None, precision: str = "f32") -> V4StepResult:
+            kernel_options: dict | None = None,
+            precision: str = V4_DEFAULT_PRECISION) -> V4StepResult:
     """One DeepSeek-V4 attention step over all layers (module docstring); jitted, caches and
     states donated.
 
@@ -141,8 +144,9 @@ def v4_step(inputs: V4StepInputs, params: V4StepParams, caches: V4Caches, states
       kernel_options: Pallas knobs, routed to the indexer, the V4 attention and the
         compressor entries by name (``dsa_jax.backend.split_kernel_options``; ``interpret`` to
         all).
-      precision: ``"f32"`` (the default: every op in f32) or ``"bf16"``, the official
-        regime of ``reference.statements.deepseek_v4`` (``precision=``) through every op: the
+      precision: ``"bf16"`` (the default, ``reference.quant.bf16.V4_DEFAULT_PRECISION``),
+        the official regime of ``reference.statements.deepseek_v4`` (``precision=``) through
+        every op, or ``"f32"`` (every op in f32, as before the default changed). ``"bf16"``: the
         compressors' finished entries rounded (``reference.v4_compressor.finish_entries``),
         the index entries' Hadamard output rounded before the fp4 QAT, the indexer's bf16
         scores (``dsa_jax.indexer_topk``'s ``precision``), the attention's bf16 ``P @ V`` and
@@ -151,10 +155,16 @@ def v4_step(inputs: V4StepInputs, params: V4StepParams, caches: V4Caches, states
 
     Returns ``V4StepResult(out [L, T, H, 512], topk [Lc, T, index_topk], caches, states)``.
     Bad shapes, a missing family argument or one given for a type the model lacks raise
-    ``ValueError`` naming the argument and the numbers."""
+    ``ValueError`` naming the argument and the numbers; so does ``"bf16"`` with an fp8 index
+    cache (``caches.csa_index`` an ``Fp8IndexCache``: V3.2's fp8 keys with f32 scales are not
+    the official regime's bf16 keys; that cache takes ``precision="f32"``)."""
     statics = dict(layout=layout, sm_scale=None if sm_scale is None else float(sm_scale),
                    qat=bool(qat), exact=bool(exact), backend=_backend.resolve_backend(backend),
                    kernel_options=tuple(sorted((kernel_options or {}).items())),
                    precision=check_precision(precision))
+    if precision == "bf16" and isinstance(V4Caches(*caches).csa_index, Fp8IndexCache):
+        raise ValueError("v4_step: precision='bf16' (the default: the official regime, bf16 "
+                         "index keys) cannot score caches.csa_index, an Fp8IndexCache (fp8 "
+                         "keys with f32 scales); pass precision='f32' or a bf16/f32 index cache")
     return _v4_step(V4StepInputs(*inputs), V4StepParams(*params), V4Caches(*caches),
                     V4States(*states), V4BatchMeta(*meta), **statics)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from dsa_jax.__main__ import _parser, main
 from pallas_kernels import chips
 
@@ -99,7 +101,11 @@ def test_v4_build_makes_fp8_caches():
         for f in caches._fields:
             want = fp8_cache.Fp8IndexCache if f == "csa_index" else v4_cache.Fp8V4Cache
             assert isinstance(getattr(caches, f), want), f
-    out = v4_step(inputs, params, caches, states, meta, layout=layout, backend="reference").out
+    with pytest.raises(ValueError, match=r"precision='bf16'.*caches\.csa_index, an "
+                                         r"Fp8IndexCache.*precision='f32'"):
+        v4_step(inputs, params, caches, states, meta, layout=layout)  # the default regime
+    out = v4_step(inputs, params, caches, states, meta, layout=layout, backend="reference",
+                  precision="f32").out  # an fp8 index cache: the f32 regime
     assert not np.isnan(np.asarray(out)).any()
     plain = v4_cli.build(np.random.default_rng(0), s, [1, 8], [100, 8])[3]
     assert all(isinstance(x, np.ndarray) for x in plain)

@@ -11,7 +11,8 @@ q, ``fp4_sim``, bf16 scores) has the selection stage of its base case (same entr
 the stage sees f32 scores of the same shape), so the variant compiles its entry's scoring
 program (``streamindex_scores``: the glue before the kernel, the kernel, its score layout) on
 every chip, and the base case compiles the whole entry, selection included, on every chip. A
-variant without a base case (the V4 page entry's fp4_sim mixed batch) compiles whole."""
+variant without a base case (the V4 page entry's fp4_sim mixed batch and bf16 decode) compiles
+whole."""
 
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ def test_every_variant_without_a_base_case_compiles_whole():
     assert len(scored) >= 10 and all(c.shape != _base_shape(c.shape) for c in scored)
     whole_variants = {c.shape for c in CASES if c.shape != _base_shape(c.shape)} - {
         c.shape for c in scored}
-    assert whole_variants == {"V4-Pro mixed 60x1@8192 + 512@32768 k=1024 pages fp4_sim"}
+    assert whole_variants == {"V4-Pro mixed 60x1@8192 + 512@32768 k=1024 pages fp4_sim",
+                              "V4-Flash decode 64x8192 (2048 entries) k=512 pages bf16 scores"}
     assert {c.kernel for c in CASES if not _scores_only(c)} == {c.kernel for c in CASES}
 
 

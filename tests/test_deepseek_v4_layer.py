@@ -29,6 +29,8 @@ CUT = 130  # prefill CUT tokens, then N - CUT one-token decodes
 MAX_SEQ = 264
 ATOL = 2e-5
 TIE_TOL = 1e-4  # index scores closer than this to the cut-off count as ties
+# The statement in the f32 regime (the default, bf16: tests/test_v4_bf16_regime.py)
+_layer = functools.partial(dv.attention_layer, precision="f32")
 
 
 @functools.cache
@@ -43,18 +45,18 @@ def _x(config, n=N, seed=1, b=B):
 @functools.cache
 def _one_prefill(config, qat=False, n=N, max_seq=MAX_SEQ):
     state = dv.init_state(config, B, max_seq)
-    return dv.attention_layer(_params(config), _x(config, n), 0, state, config, qat=qat,
+    return _layer(_params(config), _x(config, n), 0, state, config, qat=qat,
                               return_selection=True)
 
 
 def _prefill_then_decode(config, cut, qat=False, n=N, max_seq=MAX_SEQ):
     x = _x(config, n)
     state = dv.init_state(config, B, max_seq)
-    out, state, sel = dv.attention_layer(_params(config), x[:, :cut], 0, state, config,
+    out, state, sel = _layer(_params(config), x[:, :cut], 0, state, config,
                                          qat=qat, return_selection=True)
     outs, sels = [out], [sel]
     for t in range(cut, n):
-        out, state, sel = dv.attention_layer(_params(config), x[:, t:t + 1], jnp.int32(t),
+        out, state, sel = _layer(_params(config), x[:, t:t + 1], jnp.int32(t),
                                              state, config, qat=qat, return_selection=True)
         outs.append(out)
         sels.append(sel)
@@ -194,7 +196,7 @@ def test_future_tokens_do_not_change_earlier_outputs(ratio):
     out, _, _ = _one_prefill(config)
     x = np.array(_x(config))
     x[:, 200:] = _x(config, seed=5)[:, 200:]
-    out2, _ = dv.attention_layer(_params(config), x, 0, dv.init_state(config, B, MAX_SEQ),
+    out2, _ = _layer(_params(config), x, 0, dv.init_state(config, B, MAX_SEQ),
                                  config)
     np.testing.assert_array_equal(np.asarray(out2)[:, :200], np.asarray(out)[:, :200])
     assert not np.allclose(np.asarray(out2)[:, 200:], np.asarray(out)[:, 200:])
@@ -235,7 +237,7 @@ def test_the_sink_scales_each_token_by_the_rule():
 
     def run(sink):
         params["attn_sink"] = jnp.full((1,), sink, jnp.float32)
-        return np.asarray(dv.attention_layer(params, x, 0, state, config)[0], np.float64)
+        return np.asarray(_layer(params, x, 0, state, config)[0], np.float64)
 
     free, s1, s2 = run(-jnp.inf), run(0.5), run(2.0)
     fs = []
@@ -254,7 +256,7 @@ def test_qat_on_differs_and_off_is_the_default(ratio):
     config = dv.tiny_config(ratio)
     out, _, _ = _one_prefill(config)
     state = dv.init_state(config, B, MAX_SEQ)
-    off, _ = dv.attention_layer(_params(config), _x(config), 0, state, config, qat=False)
+    off, _ = _layer(_params(config), _x(config), 0, state, config, qat=False)
     np.testing.assert_array_equal(np.asarray(off), np.asarray(out))
     on, _, _ = _one_prefill(config, qat=True)
     diff = np.abs(np.asarray(on) - np.asarray(out))
@@ -428,16 +430,16 @@ def test_bad_params_are_refused_naming_the_key():
     state = dv.init_state(config, B, 16)
     missing = {k: v for k, v in params.items() if k != "indexer.compressor.ape"}
     with pytest.raises(ValueError, match="missing 'indexer.compressor.ape'"):
-        dv.attention_layer(missing, x, 0, state, config)
+        _layer(missing, x, 0, state, config)
     bad = dict(params, **{"wo_a.weight": jnp.zeros((32, 128))})
     with pytest.raises(ValueError, match=r"params\['wo_a.weight'\] must have shape \(32, 256\), "
                                          r"got \(32, 128\)"):
-        dv.attention_layer(bad, x, 0, state, config)
+        _layer(bad, x, 0, state, config)
     with pytest.raises(ValueError, match="unexpected key 'wq_a.scale'"):
-        dv.attention_layer(dict(params, **{"wq_a.scale": jnp.ones(1)}), x, 0, state, config)
+        _layer(dict(params, **{"wq_a.scale": jnp.ones(1)}), x, 0, state, config)
     hca = dv.tiny_config(128)
     with pytest.raises(ValueError, match="unexpected key 'indexer.compressor.ape'"):
-        dv.attention_layer(params, x, 0, dv.init_state(hca, B, 16), hca)
+        _layer(params, x, 0, dv.init_state(hca, B, 16), hca)
 
 
 def test_bad_inputs_and_states_are_refused_naming_the_numbers():
@@ -445,13 +447,13 @@ def test_bad_inputs_and_states_are_refused_naming_the_numbers():
     params, x = _params(config), _x(config, n=4)
     state = dv.init_state(config, B, 16)
     with pytest.raises(ValueError, match="start_pos=13 with S=4 tokens must fit max_seq_len=16"):
-        dv.attention_layer(params, x, 13, state, config)
+        _layer(params, x, 13, state, config)
     with pytest.raises(ValueError, match=r"x.shape\[2\] must equal config.dim = 64"):
-        dv.attention_layer(params, x[..., :32], 0, state, config)
+        _layer(params, x[..., :32], 0, state, config)
     with pytest.raises(ValueError, match=r"state.window must have shape \(3, 128, 128\)"):
-        dv.attention_layer(params, _x(config, n=4, b=3), 0, state, config)
+        _layer(params, _x(config, n=4, b=3), 0, state, config)
     with pytest.raises(ValueError, match=r"state.compressor must be absent \(None\)"):
-        dv.attention_layer(_params(dv.tiny_config(0)), x, 0, state, dv.tiny_config(0))
+        _layer(_params(dv.tiny_config(0)), x, 0, state, dv.tiny_config(0))
     csa = dv.tiny_config(4, index_head_dim=96)
     with pytest.raises(ValueError, match="index_head_dim=96 to be a power of two"):
-        dv.attention_layer(_params(csa), x, 0, dv.init_state(csa, B, 16), csa, qat=True)
+        _layer(_params(csa), x, 0, dv.init_state(csa, B, 16), csa, qat=True)

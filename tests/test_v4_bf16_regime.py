@@ -1,7 +1,7 @@
 """The V4 layer statement's official bf16 regime (``attention_layer(..., precision="bf16")``)
 against a float64 NumPy oracle of that regime (``tests/v4_bf16_oracle.py``), on every layer type
 (window only, CSA, HCA) over a prefill then one-token decodes that cross the window (128) or a
-group boundary; and ``"f32"`` as the default, bit for bit.
+group boundary; and ``"bf16"`` as the default, bit for bit (``"f32"`` on request).
 
 Tolerances. The oracle is exact between the official bf16 roundings; the statement computes there in
 f32. Where an exact value lies within f32 rounding of a bf16 rounding boundary the two round to
@@ -24,6 +24,7 @@ score are common); the outputs are then compared with the oracle fed the stateme
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +32,11 @@ import numpy as np
 import pytest
 import v4_bf16_oracle as oracle
 
+import dsa_jax
 from reference import deepseek_v4 as dv
 from reference import v4_compressor as vc
+from reference.quant.bf16 import V4_DEFAULT_PRECISION
+from reference.statements import deepseek_v4_layer as dl
 from reference.statements.deepseek_v4_layer import rope_tables
 
 B = 2
@@ -93,26 +97,14 @@ def _oracle(config, b, n, max_seq, qat, picks=None):
                         picks=picks)
 
 
-def _ulp(m):
-    """The bf16 ulp at magnitude ``m > 0``."""
-    return 2.0 ** (np.floor(np.log2(m)) - 7)
-
-
-def _out_error(got, want):
-    """``(max, mean, fraction >= 1)`` of the error in bf16 ulps of each row's largest
-    ``|want|``."""
-    err = np.abs(got - want) / _ulp(np.abs(want).max(axis=-1, keepdims=True))
-    return err.max(), err.mean(), (err >= 1).mean()
-
-
 def _out_close(got, want):
     """``(within the tolerance, mean error)`` of an output against the oracle's."""
-    worst, mean, flips = _out_error(got, want)
+    worst, mean, flips = oracle.out_error(got, want)
     return worst <= OUT_ULPS and mean <= OUT_MEAN_ULPS and flips <= OUT_FLIP_FRACTION, mean
 
 
 def _assert_out_close(got, want):
-    assert _out_close(got, want)[0], _out_error(got, want)
+    assert _out_close(got, want)[0], oracle.out_error(got, want)
 
 
 def _assert_rounded_close(name, got, want, step=2.0 ** -3, floor=2.0 ** -12):
@@ -124,20 +116,6 @@ def _assert_rounded_close(name, got, want, step=2.0 ** -3, floor=2.0 ** -12):
     assert (got != want).mean() <= FLIP_FRACTION, (name, (got != want).mean())
     bound = step * np.abs(want) + floor * np.abs(want).max(axis=-1, keepdims=True)
     assert (np.abs(got - want) <= bound).all(), (name, np.abs(got - want).max())
-
-
-def _assert_same_selection_by_score(topk, want_scores, want_picks, index_topk):
-    """Per row: the oracle's scores of the statement's picks, sorted, equal the oracle's top-k
-    scores within one ulp of the cut-off; returns the rows whose sets are identical."""
-    same = 0
-    for t, row in enumerate(topk):
-        pick = row[row >= 0]
-        mine, ref = np.sort(want_scores[t, pick]), np.sort(want_scores[t, want_picks[t]])
-        assert len(mine) == len(ref) == min(index_topk, (t + 1) // 4), t
-        if len(ref):
-            np.testing.assert_allclose(mine, ref, rtol=0, atol=_ulp(np.abs(ref).max()))
-        same += set(pick) == set(want_picks[t])
-    return same
 
 
 @pytest.mark.parametrize("ratio", [0, 4, 128])
@@ -161,7 +139,7 @@ def test_bf16_regime_matches_the_f64_oracle(ratio):
             np.testing.assert_array_equal(np.isfinite(scores[b, :, :n // 4]), seen)
             _assert_rounded_close("scores", scores[b, :, :n // 4][seen], want["scores"][seen],
                                   step=0.0, floor=2.0 ** -3)
-            same = _assert_same_selection_by_score(topk[b], want["scores"], want["picks"],
+            same = oracle.same_selection_by_score(topk[b], want["scores"], want["picks"],
                                                    config.index_topk)
             assert same >= 0.95 * n, same
             picks = [row[row >= 0] for row in topk[b]]
@@ -170,7 +148,7 @@ def test_bf16_regime_matches_the_f64_oracle(ratio):
 
 
 # ---------------------------------------------------------------------------------------------
-# Without QAT, "f32" as the default, the names.
+# Without QAT, "bf16" as the default, the names.
 
 PREFILL = 12  # one window-only prefill (cheap to compile)
 
@@ -183,14 +161,21 @@ def _prefill(precision=None):
                               dv.init_state(config, B, 16), config, **kwargs)
 
 
-def test_f32_is_the_default_bit_for_bit():
+def test_bf16_is_the_default_bit_for_bit():
+    """The statement's default is the official regime (issue 27), bit for bit; and the default
+    of every V4 layer entry is that one declaration (``V4_DEFAULT_PRECISION``)."""
     out, state = _prefill()
-    out32, state32 = _prefill("f32")
-    assert out.dtype == out32.dtype == jnp.float32
-    for a, b in zip(jax.tree.leaves((out, state)), jax.tree.leaves((out32, state32)),
+    out16, state16 = _prefill("bf16")
+    assert out.dtype == out16.dtype == jnp.bfloat16
+    for a, b in zip(jax.tree.leaves((out, state)), jax.tree.leaves((out16, state16)),
                     strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert np.asarray(a).dtype == np.asarray(b).dtype
+    assert V4_DEFAULT_PRECISION == "bf16"
+    for fn in (dv.attention_layer, dl.project_layer_inputs, dl.layer_output, dsa_jax.v4_project,
+               dsa_jax.v4_output, dsa_jax.v4_step, dsa_jax.sharded_v4_step):
+        default = inspect.signature(fn).parameters["precision"].default
+        assert default == V4_DEFAULT_PRECISION, (fn.__qualname__, default)
 
 
 def test_bf16_without_qat_matches_the_f64_oracle():

@@ -3,11 +3,11 @@
 
 f32: ``v4_project`` -> ``dsa_jax.v4_step`` (reference backend) -> ``v4_output`` reproduces the
 dense statement's ``attention_layer`` on all three layer types over a prefill and decodes (the
-tolerance of ``tests/test_v4_step.py``'s ``_drive``). bf16: the paged step does not implement
-the bf16 regime yet (its attention and compressors run f32), so step == statement is NOT
-expected there; ``v4_project`` / ``v4_output`` are compared with the statement's own pieces
-(``project_layer_inputs`` / ``layer_output`` as its layer calls them, batch axis included) and
-the window keys with the statement's own state after a bf16 run. Then the refusals."""
+tolerance of ``tests/test_v4_step.py``'s ``_drive``). bf16 (the default): ``v4_project`` /
+``v4_output`` are compared with the statement's own pieces (``project_layer_inputs`` /
+``layer_output`` as its layer calls them, batch axis included) and the window keys with the
+statement's own state after a bf16 run (step == statement in bf16, both backends:
+``tests/test_v4_step.py``). Then the defaults and the refusals."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _model(seed=0):
 
 def _project_batch(params, x, pos, c, qat):
     """One layer's step inputs over the sequences ``x[i]`` at ``pos[i]``, concatenated."""
-    per = [v4_project(params, xi, pi, c, max_seq_len=MAX_SEQ, qat=qat)
+    per = [v4_project(params, xi, pi, c, max_seq_len=MAX_SEQ, qat=qat, precision="f32")
            for xi, pi in zip(x, pos, strict=True)]
     return {k: jnp.concatenate([p[k] for p in per]) for k in per[0]}
 
@@ -64,16 +64,17 @@ def test_project_step_output_equal_statement_f32(qat=False):
                      for li, c in enumerate(cfgs)]
         meta = pm.meta(done + q_lens, q_lens, decode=max(q_lens) == 1)
         res = dsa_jax.v4_step(vm.step_inputs(cfgs, per_layer, sink), sp, caches, st, meta,
-                              layout=pm.layout, qat=qat, backend="reference")
+                              layout=pm.layout, qat=qat, backend="reference", precision="f32")
         caches, st = res.caches, res.states
         row = 0
         for i, q in enumerate(q_lens):
             for li, c in enumerate(cfgs):
                 start = int(done[i]) if n_step == 0 else jnp.int32(done[i])
                 want, states[li, i] = dv4.attention_layer(
-                    params[li], seq_x[i][None], start, states[li, i], c, qat=qat)
+                    params[li], seq_x[i][None], start, states[li, i], c, qat=qat,
+                    precision="f32")
                 got = v4_output(params[li], res.out[li, row:row + q], seq_pos[i], c,
-                                max_seq_len=MAX_SEQ)
+                                max_seq_len=MAX_SEQ, precision="f32")
                 np.testing.assert_allclose(
                     np.asarray(got), np.asarray(want[0]), rtol=2e-4, atol=2e-4,
                     err_msg=f"step {n_step} seq {i} layer {li} (ratio {c.compress_ratio})")

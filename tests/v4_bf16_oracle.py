@@ -172,3 +172,35 @@ def layer(params, x, c, cos, sin, *, qat, picks=None):
         out.append(_out_row(bf(bf(e) @ keys / den), t, p, c, cos, sin))
     res["out"] = np.array(out)
     return res
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparing a result with the oracle's (the bounds are each test's).
+
+
+def ulp(m):
+    """The bf16 ulp at magnitude ``m > 0``."""
+    return 2.0 ** (np.floor(np.log2(m)) - 7)
+
+
+def out_error(got, want):
+    """``(max, mean, fraction >= 1)`` of the error of ``got [n, dim]`` in bf16 ulps of each
+    row's largest ``|want|``."""
+    err = np.abs(np.asarray(got, np.float64) - want) / ulp(np.abs(want).max(axis=-1,
+                                                                           keepdims=True))
+    return err.max(), err.mean(), (err >= 1).mean()
+
+
+def same_selection_by_score(topk, want_scores, want_picks, index_topk):
+    """Per row ``t`` of ``topk i32[n, k]`` (a sequence's picks, ``-1`` after): the oracle's
+    scores of the picks, sorted, equal the oracle's top-k scores within one ulp of the cut-off
+    (ties at a bf16 score are common); returns the number of rows whose sets are identical."""
+    same = 0
+    for t, row in enumerate(topk):
+        pick = row[row >= 0]
+        mine, ref = np.sort(want_scores[t, pick]), np.sort(want_scores[t, want_picks[t]])
+        assert len(mine) == len(ref) == min(index_topk, (t + 1) // 4), t
+        if len(ref):
+            np.testing.assert_allclose(mine, ref, rtol=0, atol=ulp(np.abs(ref).max()))
+        same += set(pick) == set(want_picks[t])
+    return same

@@ -63,11 +63,14 @@ V4_FP4_SHAPES = {
 }
 
 # precision="bf16" (bf16 q and keys, the official rounding in the stage's epilogue): the Flash
-# decode on the token entry, in the quick gate. The rounding is per score, independent of the
-# blocks, so one shape shows Mosaic lowers it. name -> (as V4_FP4_SHAPES).
+# decode on each entry (the page entry's epilogue takes its page maxima of the rounded scores),
+# in the quick gate. The rounding is per score, independent of the blocks, so one shape per
+# entry shows Mosaic lowers it. name -> (as V4_FP4_SHAPES).
 V4_BF16_SHAPES = {
     "V4-Flash decode 64x8192 (2048 entries) k=512 bf16 scores":
         (*V4_SHAPES["V4-Flash decode 64x8192 (2048 entries) k=512"], False, True),
+    "V4-Flash decode 64x8192 (2048 entries) k=512 pages bf16 scores":
+        (*V4_SHAPES["V4-Flash decode 64x8192 (2048 entries) k=512"], True, True),
 }
 
 

@@ -10,9 +10,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["PRECISIONS", "check_precision", "round_bf16", "rounding"]
+__all__ = ["PRECISIONS", "V4_DEFAULT_PRECISION", "check_precision", "round_bf16", "rounding"]
 
 PRECISIONS = ("f32", "bf16")
+# The default regime of the DeepSeek-V4 layer: its statement and pieces
+# (``reference.statements``), ``dsa_jax.v4_project`` / ``v4_step`` / ``v4_output`` and the
+# sharded step: the official one (issue 27). The ops below them (indexer, V4 attention,
+# compressor) keep ``"f32"`` as theirs: their callers choose.
+V4_DEFAULT_PRECISION = "bf16"
 
 
 def check_precision(precision) -> str:

@@ -62,8 +62,9 @@ arithmetic). Not simulated: the fp8 activation quantization inside the fp8/fp4 G
 linear layers (``act_quant`` block 128 feeding ``fp8_gemm`` / ``fp4_gemm`` in the released fp8
 config), in either regime.
 
-Precision regimes (``precision``; ``reference.quant.bf16``). ``"f32"`` (the default): every
-activation and parameter f32, no rounding. ``"bf16"``: the official code's regime (its default
+Precision regimes (``precision``; ``reference.quant.bf16``). ``"f32"``: every activation and
+parameter f32, no rounding. ``"bf16"`` (the default, ``V4_DEFAULT_PRECISION``, since issue 27):
+the official code's regime (its default
 dtype is bf16; the ``args.dtype = "bf16"`` Linears, ``F.linear``), each value rounded to bf16
 (nearest even) at these points and held in f32 arrays between them:
 - the input ``x``; the weights ``BF16_WEIGHTS`` (``wq_a``, ``wq_b``, ``wkv``, ``wo_a``,
@@ -114,7 +115,7 @@ import numpy as np
 from jax import lax
 
 from reference.core import checks as _checks
-from reference.quant.bf16 import PRECISIONS, check_precision, rounding
+from reference.quant.bf16 import PRECISIONS, V4_DEFAULT_PRECISION, check_precision, rounding
 from reference.quant.qat import (
     QAT_FP4_BLOCK,
     QAT_FP8_BLOCK,
@@ -391,7 +392,8 @@ def _check_qat(config: V4AttentionConfig) -> None:
 
 
 def attention_layer(params, x, start_pos, state: V4LayerState, config: V4AttentionConfig, *,
-                    qat: bool = False, return_selection: bool = False, precision: str = "f32"):
+                    qat: bool = False, return_selection: bool = False,
+                    precision: str = V4_DEFAULT_PRECISION):
     """One DeepSeek-V4 attention layer over the chunk ``x f32|bf16[B, S, dim]`` at positions
     ``start_pos + t`` (module docstring).
 
@@ -405,9 +407,9 @@ def attention_layer(params, x, start_pos, state: V4LayerState, config: V4Attenti
       qat: apply the official QAT simulations (static).
       return_selection: also return the CSA indexer's ``IndexSelection`` (``None`` on other
         layer types).
-      precision: ``"f32"`` (the default) or ``"bf16"``, the official regime (module
-        docstring, "Precision regimes"; static). The default stays ``"f32"`` because the paged
-        step (``dsa_jax.v4_step``) does not implement the bf16 regime yet.
+      precision: ``"bf16"`` (the default, ``V4_DEFAULT_PRECISION``: the official regime,
+        module docstring, "Precision regimes") or ``"f32"`` (every activation f32; its results
+        as before the default changed); static.
 
     Every batch row shares ``start_pos`` (a ragged batch is checked one sequence at a time,
     ``B = 1``). Returns ``(out f32[B, S, dim], state)`` (``bf16`` under ``"bf16"``; the state

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from reference.quant.bf16 import rounding
+from reference.quant.bf16 import V4_DEFAULT_PRECISION, rounding
 from reference.quant.qat import act_quant_sim, fp4_act_quant_sim, hadamard_rotate
 from reference.statements.deepseek_v4_config import V4AttentionConfig
 from reference.v4_compressor import ref as vc
@@ -94,7 +94,7 @@ def _rope_at(config, max_seq_len, positions):
 
 
 def project_layer_inputs(params, x, positions, config: V4AttentionConfig, max_seq_len: int,
-                         qat: bool = False, precision: str = "f32"):
+                         qat: bool = False, precision: str = V4_DEFAULT_PRECISION):
     """The inputs attention takes from the tokens ``x f32[..., S, dim]`` at ``positions
     i32[S]``, as the statement computes them (f32 ``params`` by the checkpoint's names; the
     regime's rounding of the bf16 weights and of ``x`` applied here). Returns a dict:
@@ -141,7 +141,7 @@ def project_layer_inputs(params, x, positions, config: V4AttentionConfig, max_se
 
 
 def layer_output(params, o, positions, config: V4AttentionConfig, max_seq_len: int,
-                 precision: str = "f32"):
+                 precision: str = V4_DEFAULT_PRECISION):
     """The output stage on attention's ``o f32[..., S, n_heads, head_dim]`` at ``positions
     i32[S]``: inverse RoPE on the last ``rope_head_dim`` dims, the heads in ``o_groups``
     contiguous groups each through its ``wo_a`` block, ``wo_b``. Returns ``f32[..., S, dim]``
