@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from oracle import row_sequences
 
 import dsa_jax
 from dsa_jax import BatchMeta, PagedLayout, StepInputs
 from reference import sparse_mla_ref, streamindex_topk_ref
 from reference.synthetic import make_ragged_batch
+from tests.isolated import run_isolated
+from tests.oracle import row_sequences
 
 LAYOUT = PagedLayout(page_size=8, pages_per_seq=4, index_dim=16, latent_dim=100, rope_dim=12)
 SM_SCALE = 0.12
@@ -253,6 +254,16 @@ def test_step_refusals_name_the_numbers():
 
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
 def test_a_packed_latent_layout_stores_packed_rows_and_gives_the_bf16_result(backend):
+    """Run in a process of its own (``tests/isolated.py``): in three full-suite runs in a row
+    (sessions 14 and 15) the worker running the ``"reference"`` case ~25 minutes in segfaulted
+    inside XLA:CPU's compile of the packed-layout ``dsa_step``; rerun on a fresh worker it
+    passed every time, as it does alone."""
+    run_isolated(packed_latent_layout, backend)
+
+
+def packed_latent_layout(backend: str) -> None:
+    """The body of ``test_a_packed_latent_layout_stores_packed_rows_and_gives_the_bf16_result``
+    (a child process runs it)."""
     import dataclasses
 
     import jax.numpy as jnp
