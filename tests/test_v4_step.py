@@ -147,24 +147,10 @@ ORACLE_OUT_ULPS, ORACLE_OUT_MEAN_ULPS, ORACLE_OUT_FLIP_FRACTION = 3.0, 0.3, 0.05
 ORACLE_PICK_FRACTION = 430 / 440
 
 
-def _rows_scoring_as_the_oracle(topk, base, index_topk) -> int:
-    """The rows ``t`` of ``topk i32[n, k]`` (``-1`` after the picks) whose picks, scored by
-    the oracle (``base["scores"]``), equal the oracle's own top-k scores, sorted, within one
-    bf16 ulp of the row's best (as many picks as visible entries, up to ``index_topk``)."""
-    ok = 0
-    for t, row in enumerate(topk):
-        pick = row[row >= 0]
-        mine = np.sort(base["scores"][t, pick])
-        ref = np.sort(base["scores"][t, base["picks"][t]])
-        assert len(pick) == len(ref) == min(index_topk, (t + 1) // 4), t
-        ok += not len(ref) or bool(np.all(np.abs(mine - ref) <= oracle.ulp(np.abs(ref).max())))
-    return ok
-
-
 def _assert_meet_the_oracle(names, outs, picks, xs, cfgs, params, max_seq, qat):
     """Each source's (``names``: the backends, then the statement) outputs of every step,
     per sequence and layer, against ``tests/v4_bf16_oracle.py`` on the whole sequence: CSA picks
-    scoring as the oracle's own top-k (``_rows_scoring_as_the_oracle``) on at least
+    scoring as the oracle's own top-k (``oracle.picks_score_as_the_oracle``) on at least
     ``ORACLE_PICK_FRACTION`` of the rows, then the outputs against the oracle fed the source's
     own picks, in bf16 ulps of each row's largest output (``ORACLE_OUT_*``)."""
     for i, x in enumerate(xs):
@@ -178,7 +164,8 @@ def _assert_meet_the_oracle(names, outs, picks, xs, cfgs, params, max_seq, qat):
                 want = base
                 if c.compress_ratio == 4:
                     topk = np.concatenate(picks[s][i])
-                    ok = _rows_scoring_as_the_oracle(topk, base, c.index_topk)
+                    ok = oracle.picks_score_as_the_oracle(topk, base["scores"], base["picks"],
+                                                          c.index_topk)[0].sum()
                     print(f"oracle {msg}: picks score as the oracle's top-k on {ok} of "
                           f"{len(x)} rows")
                     assert ok >= ORACLE_PICK_FRACTION * len(x), (msg, ok, len(x))

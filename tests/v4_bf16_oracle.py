@@ -191,16 +191,31 @@ def out_error(got, want):
     return err.max(), err.mean(), (err >= 1).mean()
 
 
-def same_selection_by_score(topk, want_scores, want_picks, index_topk):
-    """Per row ``t`` of ``topk i32[n, k]`` (a sequence's picks, ``-1`` after): the oracle's
-    scores of the picks, sorted, equal the oracle's top-k scores within one ulp of the cut-off
-    (ties at a bf16 score are common); returns the number of rows whose sets are identical."""
-    same = 0
+def picks_score_as_the_oracle(topk, want_scores, want_picks, index_topk):
+    """Per row ``t`` of ``topk i32[n, k]`` (a sequence's picks, ``-1`` after): whether the
+    oracle's scores of the picks, sorted, equal the oracle's top-k scores within one ulp of the
+    row's best (ties at a bf16 score are common), and whether the sets are identical. Returns
+    ``(ok bool[n], same bool[n])``; the number of picks must be the visible entries up to
+    ``index_topk``."""
+    ok, same = [], []
     for t, row in enumerate(topk):
         pick = row[row >= 0]
         mine, ref = np.sort(want_scores[t, pick]), np.sort(want_scores[t, want_picks[t]])
         assert len(mine) == len(ref) == min(index_topk, (t + 1) // 4), t
-        if len(ref):
-            np.testing.assert_allclose(mine, ref, rtol=0, atol=ulp(np.abs(ref).max()))
-        same += set(pick) == set(want_picks[t])
-    return same
+        ok.append(not len(ref) or bool(np.all(np.abs(mine - ref)
+                                              <= ulp(np.abs(ref).max()))))
+        same.append(set(pick) == set(want_picks[t]))
+    return np.array(ok, bool), np.array(same, bool)
+
+
+def same_selection_by_score(topk, want_scores, want_picks, index_topk):
+    """``picks_score_as_the_oracle`` on every row (a failing row's scores shown); returns the
+    number of rows whose sets are identical."""
+    ok, same = picks_score_as_the_oracle(topk, want_scores, want_picks, index_topk)
+    for t in np.flatnonzero(~ok):
+        row = topk[t]
+        np.testing.assert_allclose(np.sort(want_scores[t, row[row >= 0]]),
+                                   np.sort(want_scores[t, want_picks[t]]), rtol=0,
+                                   atol=ulp(np.abs(want_scores[t, want_picks[t]]).max()),
+                                   err_msg=f"row {t}")
+    return int(same.sum())
