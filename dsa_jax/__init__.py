@@ -2,10 +2,15 @@
 writer, the multi-layer DSA step (IndexShare), opt-in checkify validation, mesh sharding.
 
 - ``PagedLayout`` / ``aligned_page_size`` / ``LayoutError``: the paged layout, declared once.
+- ``Batch`` (``dsa_jax.batch``): the ragged paged batch as one pytree, built once per engine
+  step (``Batch.from_packed`` / ``Batch.from_fixed_stride``) and passed to every op and the
+  V3.2 step as ``batch=`` / ``meta`` in place of the metadata arrays.
 - ``indexer_topk``, ``page_topk`` (``dsa_jax.indexer``), ``sparse_mla``, ``page_sparse_mla``
-  (``dsa_jax.mla``): the references' arguments plus ``backend=`` (``"reference"``,
-  ``"pallas"``, ``None``; env ``DSA_USE_PALLAS``) and the common ``validate`` /
-  ``kernel_options`` / ``layer`` (``dsa_jax.dispatch``).
+  (``dsa_jax.mla``): the references' arguments (or ``batch=``) plus ``implementation=``
+  (``"xla"``, ``"pallas"``, an ordered list, ``None``; ``backend=`` the older spelling; env
+  ``DSA_USE_PALLAS``; ``dsa_jax.backend``), a typed ``config=`` and the common ``validate`` /
+  ``kernel_options`` / ``layer`` / ``layout`` (``dsa_jax.dispatch``). Empty batches
+  (``T = 0`` rows, ``S = 0`` sequences) are served (``dsa_jax.dispatch.empty_batch``).
 - ``update_kv_cache``: write this step's rows into the paged caches (jitted, donated).
 - ``dsa_step``: cache update, top-k on full layers, sparse MLA on every layer.
 - ``check_batch`` / ``run_checked``: the runtime rules behind ``validate=True``.
@@ -56,6 +61,7 @@ writer, the multi-layer DSA step (IndexShare), opt-in checkify validation, mesh 
 """
 
 from dsa_jax.backend import BACKENDS, resolve_backend
+from dsa_jax.batch import Batch
 from dsa_jax.cache import update_kv_cache, write_slots
 from dsa_jax.indexer import indexer_topk, page_topk
 from dsa_jax.layout import LayoutError, PagedLayout, aligned_page_size
@@ -129,6 +135,7 @@ from reference.witnesses import (
 
 __all__ = [
     "BACKENDS",
+    "Batch",
     "BatchMeta",
     "CacheFormat",
     "Fp8IndexCache",

@@ -11,71 +11,136 @@ from __future__ import annotations
 import numpy as np
 
 from dsa_jax import backend as _backend
+from dsa_jax import batch as _batch
 from dsa_jax import dispatch as _dispatch
 from reference.indexer.selection import DEFAULT_RECALL_TARGET
 
 
-def indexer_topk(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
-                 distribution, *, k: int, pages_per_seq: int, one_token_per_seq: bool = False,
+def indexer_topk(q, weights, cache_kv, seq_lens=None, page_indices=None, cu_q_lens=None,
+                 cu_kv_lens=None, distribution=None, *, k: int, pages_per_seq: int | None = None,
+                 one_token_per_seq: bool = False,
                  num_segments: int = 0, fill: str = "tail",
                  refuse_full_overwrite: bool = False,
                  recall_target: float = DEFAULT_RECALL_TARGET, exact: bool = False,
                  compression_ratio: int = 1, index_quant: str | None = None,
                  backend: str | None = None, validate: bool = False,
-                 kernel_options: dict | None = None, layer=None, precision: str = "f32"):
+                 kernel_options: dict | None = None, layer=None, precision: str = "f32",
+                 batch=None, layout=None, implementation=None, config=None):
     """Lightning-indexer token top-k: ``i32[T, k]`` sequence-local token offsets, ``-1`` tail.
 
-    Args as ``reference.streamindex_topk_ref`` (q ``f[T, H, D]``, weights ``f[T, H]``, cache
-    ``f[num_pages, page_size, D]``, ragged metadata), ``num_segments`` witnesses merged per row
-    (0 = off) by the ``fill`` policy (``"tail"`` upstream default, ``"lowest"``;
-    ``scatter_topology_witnesses``), ``refuse_full_overwrite`` the opt-in ``S >= k`` guard,
-    ``compression_ratio`` (static; 1 = DeepSeek-V3.2 tokens; ``r > 1`` = DeepSeek-V4's
-    compressed keys: cache, page table, ``cu_kv_lens`` and ``page_size`` in entries,
-    ``seq_lens`` in tokens, entry ``j`` visible iff ``j < (p + 1) // r``; the result then holds
-    entry numbers), ``index_quant`` (static; ``None``, or ``"fp4_sim"``: DeepSeek-V4's
-    simulation, q heads and keys rotated by the normalized Hadamard transform and FP4-rounded,
-    block 32 ue8m0, before scoring; D = 128, f32/bf16 keys stored unrotated; the Pallas backend
-    rounds each key tile in the kernel), ``precision`` (static; ``"f32"`` default, or
-    ``"bf16"``: DeepSeek-V4's official scoring, q ``[T, H, D]``, keys and weights cast to bf16
-    (f32 inputs are rounded first), each head's dot, each ``relu(dot) * w`` and the f32 head sum
-    rounded to bf16, the top-k on those scores; not defined with ``index_quant`` or an fp8
-    cache, ``ValueError``), plus ``backend`` / ``validate`` / ``kernel_options``
-    (``dsa_jax.dispatch``).
+    ``score[t, s] = sum_h weights[t, h] * relu(q[t, h] . key[s])`` over the keys a row may see
+    (causal, in its own sequence); the ``k`` best by descending score.
+
+    Args:
+      q: ``f32|bf16[T, H, D]`` index queries (D = 128 for DeepSeek).
+      weights: ``f32|bf16[T, H]`` per-head weights.
+      cache_kv: ``f32|bf16[num_pages, page_size, D]`` index keys, an ``Fp8IndexCache``, or
+        either stacked with a leading ``L`` (read in place at ``layer``).
+      seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution: the batch,
+        ``i32[S]``, ``i32[N]``, ``i32[S+1]``, ``i32[S+1]``, ``i32[3]``
+        (``reference.core.batch``), or ``batch=`` instead.
+      k: the token budget per row (static, >= 1; past a row's context the tail is ``-1``).
+      pages_per_seq: the page-table stride (static); from ``layout`` or ``batch`` if omitted.
+      one_token_per_seq: decode shortcut: row ``i`` is sequence ``i``'s last token.
+      num_segments: segment witnesses merged per row (0 = off), by ``fill`` (``"tail"``,
+        upstream default, or ``"lowest"``; ``reference.witnesses``);
+        ``refuse_full_overwrite``: the opt-in ``num_segments >= k`` guard.
+      recall_target, exact: the approximate top-k's recall target; ``exact=True`` for
+        ``lax.top_k`` (ties to the lower offset).
+      compression_ratio: static; 1 = DeepSeek-V3.2 tokens; ``r > 1`` = DeepSeek-V4's
+        compressed keys (cache, page table, ``cu_kv_lens`` and ``page_size`` in entries,
+        ``seq_lens`` in tokens, entry ``j`` visible iff ``j < (p + 1) // r``; the result then
+        holds entry numbers).
+      index_quant: ``None`` or ``"fp4_sim"`` (DeepSeek-V4's Hadamard + FP4 simulation of q
+        and keys, D = 128; the Pallas kernel rounds each key tile in VMEM).
+      precision: ``"f32"`` (default) or ``"bf16"``: DeepSeek-V4's official scoring (bf16
+        operands, each dot, ``relu(dot) * w`` and the head sum rounded to bf16; not with
+        ``index_quant`` or an fp8 cache).
+      backend / implementation: ``implementation=`` ``"xla"`` (the jnp reference),
+        ``"pallas"``, an ordered list (``NotImplementedError`` passes to the next), or
+        ``None`` (Pallas on TPU, else jnp; ``DSA_USE_PALLAS``); ``backend=`` the older
+        spelling (``"reference"`` / ``"pallas"``). ``dsa_jax.backend``.
+      validate: check the batch first (checkify; raises naming the sequence and numbers).
+      kernel_options / config: Pallas knobs (ignored by the jnp path); ``config`` an
+        ``IndexerBlocks``.
+      layer: the layer of a stacked cache (a Python int is checked; a traced one masked).
+      batch: a ``dsa_jax.Batch`` in place of the five batch arrays.
+      layout: a ``dsa_jax.PagedLayout`` giving ``pages_per_seq``.
+
+    Returns:
+      ``i32[T, k]``; rows outside every sequence all ``-1``. An empty batch (``T = 0`` or
+      ``S = 0``) is served (``dsa_jax.dispatch.empty_batch``). Details:
+      ``reference.streamindex_topk_ref``.
     """
-    fn, extra = _backend.implementation("indexer_topk", backend, kernel_options)
+    meta, pages_per_seq = _batch.op_batch(
+        "indexer_topk", batch, (seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution),
+        names=_NAMES, cache=cache_kv, pages_per_seq=pages_per_seq, layout=layout)
     statics = dict(k=k, pages_per_seq=pages_per_seq, one_token_per_seq=one_token_per_seq,
                    num_segments=num_segments, fill=fill,
                    refuse_full_overwrite=refuse_full_overwrite, recall_target=recall_target,
                    exact=exact, compression_ratio=compression_ratio,
                    index_quant=index_quant, precision=precision)
-    arrays = (q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution)
-    return _dispatch.call(fn, extra, arrays, statics, validate,
-                          num_rows=int(np.shape(q)[0]), cache_index=2, seq_lens_index=3,
-                          pages_per_seq=pages_per_seq, layer=layer)
+    return _run("indexer_topk", (q, weights, cache_kv, *meta), statics, validate,
+                pages_per_seq=pages_per_seq, layer=layer, backend=backend,
+                implementation=implementation, kernel_options=kernel_options, config=config)
 
 
-def page_topk(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
-              distribution, *, k_pages: int, pages_per_seq: int, one_token_per_seq: bool = False,
+def page_topk(q, weights, cache_kv, seq_lens=None, page_indices=None, cu_q_lens=None,
+              cu_kv_lens=None, distribution=None, *, k_pages: int,
+              pages_per_seq: int | None = None, one_token_per_seq: bool = False,
               num_segments: int = 0, fill: str = "tail", refuse_full_overwrite: bool = False,
               recall_target: float = DEFAULT_RECALL_TARGET, exact: bool = False,
               compression_ratio: int = 1, index_quant: str | None = None,
               backend: str | None = None, validate: bool = False,
-              kernel_options: dict | None = None, layer=None, precision: str = "f32"):
+              kernel_options: dict | None = None, layer=None, precision: str = "f32",
+              batch=None, layout=None, implementation=None, config=None):
     """Lightning-indexer page top-k: ``i32[T, k_pages]`` sequence-local page numbers.
 
-    Args as ``reference.streamindex_page_topk_ref`` (``fill``, ``refuse_full_overwrite``,
-    ``compression_ratio``, ``index_quant``, ``precision`` as ``indexer_topk``, the guard against
-    ``k_pages``; ``"bf16"``: a page scores the max of its visible entries' bf16 scores)
-    plus ``backend`` / ``validate`` / ``kernel_options`` (``dsa_jax.dispatch``).
+    A page scores the max of its visible keys' scores (``indexer_topk``'s score); the
+    ``k_pages`` best pages by descending score, ``-1`` tail.
+
+    Args:
+      q, weights, cache_kv, the batch arrays (or ``batch=``), ``pages_per_seq``,
+        ``one_token_per_seq``, ``num_segments``, ``fill``, ``refuse_full_overwrite``,
+        ``recall_target``, ``exact``, ``compression_ratio``, ``index_quant``, ``precision``,
+        ``backend`` / ``implementation``, ``validate``, ``kernel_options`` / ``config``,
+        ``layer``, ``layout``: as ``indexer_topk`` (q ``f32|bf16[T, H, D]``, weights
+        ``f32|bf16[T, H]``, cache ``[num_pages, page_size, D]``; the guard against
+        ``k_pages``).
+      k_pages: the page budget per row (static, >= 1).
+
+    Returns:
+      ``i32[T, k_pages]``; rows outside every sequence all ``-1``; an empty batch is served.
+      Details: ``reference.streamindex_page_topk_ref``.
     """
-    fn, extra = _backend.implementation("page_topk", backend, kernel_options)
+    meta, pages_per_seq = _batch.op_batch(
+        "page_topk", batch, (seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution),
+        names=_NAMES, cache=cache_kv, pages_per_seq=pages_per_seq, layout=layout)
     statics = dict(k_pages=k_pages, pages_per_seq=pages_per_seq,
                    one_token_per_seq=one_token_per_seq, num_segments=num_segments,
                    fill=fill, refuse_full_overwrite=refuse_full_overwrite,
                    recall_target=recall_target, exact=exact,
                    compression_ratio=compression_ratio, index_quant=index_quant,
                    precision=precision)
-    arrays = (q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution)
-    return _dispatch.call(fn, extra, arrays, statics, validate,
-                          num_rows=int(np.shape(q)[0]), cache_index=2, seq_lens_index=3,
-                          pages_per_seq=pages_per_seq, layer=layer)
+    return _run("page_topk", (q, weights, cache_kv, *meta), statics, validate,
+                pages_per_seq=pages_per_seq, layer=layer, backend=backend,
+                implementation=implementation, kernel_options=kernel_options, config=config)
+
+
+_NAMES = ("seq_lens", "page_indices", "cu_q_lens", "cu_kv_lens", "distribution")
+
+
+def _run(op: str, arrays: tuple, statics: dict, validate: bool, *, pages_per_seq: int, layer,
+         backend, implementation, kernel_options, config):
+    """Both indexer ops: ``arrays`` = (q, weights, cache, the five batch arrays)."""
+    kernel_options = _backend.with_config(op, kernel_options, config)
+    # q f[T, H, D] (or [L, T, H, D] is not taken: the indexer q is per layer), weights f[T, H]
+    rows = {0: (-3, 0), 1: (0, 0)}
+
+    def call(fn, extra):
+        return _dispatch.call(fn, extra, arrays, statics, validate,
+                              num_rows=int(np.shape(arrays[0])[0]), cache_index=2,
+                              seq_lens_index=3, pages_per_seq=pages_per_seq, layer=layer,
+                              row_axes=rows)
+
+    return _backend.run(op, implementation, backend, kernel_options, call)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -235,15 +236,25 @@ class PagedLayout:
         """Store ``values`` (float ``[..., P, page_size, D]``; latent D = ``qk_dim`` or
         ``padded_dim``) in this layout's format of the ``kind`` cache: plain keeps the array
         (padded to ``padded_dim``), packed packs it, fp8 quantizes it (rows of this module's
-        rules; a latent's zero padding past ``qk_dim`` is dropped)."""
+        rules; a latent's zero padding past ``qk_dim`` is dropped: nonzero padding is a
+        ``ValueError``, checked where the values are concrete)."""
         fmt = self.cache_format(kind)
         if kind == "index":
             if fmt == "fp8":
                 return fp8_cache.quantize_index_cache(values, scale_fmt=self.index_scale_fmt)
             return values
-        if fmt == "fp8":
-            return fp8_cache.quantize_latent_cache(values[..., :self.qk_dim])
         d = np.shape(values)[-1]
+        if d not in (self.qk_dim, self.padded_dim):
+            raise ValueError(f"to_cache: latent values.shape[-1] must be qk_dim = {self.qk_dim} "
+                             f"or padded_dim = {self.padded_dim}, got {d}")
+        if fmt == "fp8":
+            pad = values[..., self.qk_dim:]
+            if d > self.qk_dim and not isinstance(pad, jax.core.Tracer) and np.any(
+                    np.asarray(pad) != 0):
+                raise ValueError(f"to_cache: the latent values hold nonzero numbers past "
+                                 f"qk_dim = {self.qk_dim} (dims {self.qk_dim}..{d - 1}); the "
+                                 f"fp8 cache stores {self.qk_dim} dims, the padding must be 0")
+            return fp8_cache.quantize_latent_cache(values[..., :self.qk_dim])
         values = jnp.pad(values, [(0, 0)] * (np.ndim(values) - 1) + [(0, self.padded_dim - d)])
         return packed_cache.pack_cache(values) if fmt == "packed" else values
 

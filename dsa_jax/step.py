@@ -305,11 +305,15 @@ def dsa_step(inputs: StepInputs, latent_caches: jax.Array, index_caches: jax.Arr
              recall_target: float = DEFAULT_RECALL_TARGET, exact: bool = False,
              backend: str | None = None, validate: bool = False,
              kernel_options: dict | None = None, indexer_blocks: IndexerBlocks | None = None,
-             mla_blocks: MlaBlocks | None = None) -> StepResult:
+             mla_blocks: MlaBlocks | None = None, implementation=None) -> StepResult:
     """Run one DSA step over all layers (module docstring); jitted, caches donated.
 
     Args:
-      inputs, latent_caches, index_caches, meta: module docstring.
+      inputs, latent_caches, index_caches: module docstring.
+      meta: a ``BatchMeta`` (module docstring) or a ``dsa_jax.Batch`` (its page size and
+        stride must be the layout's). An empty batch is a step that does nothing: ``T = 0``
+        rows returns ``out [L, 0, H, v_dim]``, ``topk [F, 0, k]`` and the caches as given;
+        ``S = 0`` sequences, rows outside every sequence (``dsa_jax.dispatch.empty_batch``).
       layout: the ``PagedLayout`` (page size, capacity, dims: nothing is restated here).
       indexer_types: per layer ``"full"`` / ``"shared"`` (IndexShare); ``None`` = all full
         (then ``len`` is read from ``latent_caches``).
@@ -326,20 +330,53 @@ def dsa_step(inputs: StepInputs, latent_caches: jax.Array, index_caches: jax.Arr
         or ``pages_per_block`` the MLA, ``interpret`` both); a knob none takes is refused.
       indexer_blocks, mla_blocks: typed block configs (``IndexerBlocks``, ``MlaBlocks``) for the
         indexer and the MLA kernels, each used by its own kernel only.
+      implementation: ``"xla"`` / ``"pallas"`` / an ordered list / ``None`` for every op of the
+        step (``dsa_jax.backend.step_candidates``); ``backend=`` is the older spelling.
 
     Returns:
       ``StepResult(out, topk, latent_caches, index_caches)``.
     """
-    statics = step_statics(latent_caches, layout=layout, indexer_types=indexer_types, k=k,
-                           sm_scale=sm_scale, num_segments=num_segments, fill=fill,
-                           refuse_full_overwrite=refuse_full_overwrite,
-                           granularity=granularity, one_token_per_seq=one_token_per_seq,
-                           recall_target=recall_target, exact=exact, backend=backend,
-                           kernel_options=kernel_options, indexer_blocks=indexer_blocks,
-                           mla_blocks=mla_blocks)
-    meta = BatchMeta(*meta)
+    meta = BatchMeta(*_meta_of(meta, layout))
+    inputs = StepInputs(*inputs)
+
+    def run(payload):
+        be, opts = payload
+        statics = step_statics(latent_caches, layout=layout, indexer_types=indexer_types, k=k,
+                               sm_scale=sm_scale, num_segments=num_segments, fill=fill,
+                               refuse_full_overwrite=refuse_full_overwrite,
+                               granularity=granularity, one_token_per_seq=one_token_per_seq,
+                               recall_target=recall_target, exact=exact, backend=be,
+                               kernel_options=opts, indexer_blocks=indexer_blocks,
+                               mla_blocks=mla_blocks)
+        return _run_step(inputs, latent_caches, index_caches, meta, statics, validate)
+
+    tried = _backend.step_candidates("dsa_step", implementation, backend, kernel_options)
+    return _backend.first_serving("dsa_step", tried, run, group=implementation is not None)
+
+
+def _meta_of(meta, layout: PagedLayout):
+    """The five batch arrays of a ``BatchMeta``, a tuple, or a ``dsa_jax.Batch`` (checked
+    against ``layout``), an empty one padded (``dsa_jax.dispatch.empty_batch``)."""
+    from dsa_jax.batch import Batch
+    from dsa_jax.dispatch import empty_batch
+
+    if isinstance(meta, Batch):
+        for field in ("page_size", "pages_per_seq"):
+            if getattr(meta, field) != getattr(layout, field):
+                raise ValueError(f"dsa_step: meta.{field} = {getattr(meta, field)} but "
+                                 f"layout.{field} = {getattr(layout, field)}")
+        meta = meta.arrays
+    return empty_batch(tuple(meta), 0, {})[0]
+
+
+def _run_step(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta, statics,
+              validate: bool) -> StepResult:
+    """The jitted step (validated first when ``validate``); ``T = 0`` rows: nothing runs."""
+    layout = statics["layout"]
+    num_rows = int(np.shape(inputs.q_mla)[1])
+    if num_rows == 0:
+        return _idle_step(inputs, latent_caches, index_caches, meta, statics)
     if validate:
-        num_rows = int(np.shape(inputs.q_mla)[1])
         num_pages = int(latent_caches.shape[-3])
 
         def checked(m):
@@ -348,4 +385,21 @@ def dsa_step(inputs: StepInputs, latent_caches: jax.Array, index_caches: jax.Arr
             return m
 
         meta = BatchMeta(*_validate.run_checked(checked, tuple(meta)))
-    return _step(StepInputs(*inputs), latent_caches, index_caches, meta, **statics)
+    return _step(inputs, latent_caches, index_caches, meta, **statics)
+
+
+def _idle_step(inputs: StepInputs, latent_caches, index_caches, meta: BatchMeta,
+               statics) -> StepResult:
+    """A step of ``T = 0`` rows: the result shapes of a one-row step (traced, not run), empty;
+    the caches as given."""
+    def one_row(x):
+        return x if x is None or np.ndim(x) < 2 else jnp.zeros(
+            (x.shape[0], 1, *x.shape[2:]), x.dtype)
+
+    row = StepInputs(*(one_row(x) if name != "attn_sink" else x
+                       for name, x in zip(StepInputs._fields, inputs, strict=True)))
+    shapes = jax.eval_shape(functools.partial(step_body, **statics), row, latent_caches,
+                            index_caches, meta)
+    empty = lambda s: jnp.zeros((s.shape[0], 0, *s.shape[2:]), s.dtype)
+    return StepResult(empty(shapes.out), empty(shapes.topk), latent_caches, index_caches)
+

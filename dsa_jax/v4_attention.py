@@ -272,42 +272,145 @@ def _check_window_pages(b: batch.RaggedBatch, window_size: int) -> None:
 # ----------------------------------------------------------------------------- the op
 
 
-def v4_attention(q, window: v4.PagedKV, kv_lens, cu_q_lens, distribution, *, layout: V4Layout,
-                 compressed: v4.PagedKV | None = None, compressed_indices=None, attn_sink=None,
-                 sm_scale: float | None = None, return_lse: bool = False,
-                 backend: str | None = None, validate: bool = False,
-                 kernel_options: dict | None = None, layer=None, precision: str = "f32"):
+def v4_attention(q, window: v4.PagedKV, kv_lens=None, cu_q_lens=None, distribution=None, *,
+                 layout: V4Layout, compressed: v4.PagedKV | None = None,
+                 compressed_indices=None, attn_sink=None, sm_scale: float | None = None,
+                 return_lse: bool = False, backend: str | None = None, validate: bool = False,
+                 kernel_options: dict | None = None, layer=None, precision: str = "f32",
+                 batch=None, implementation=None, config=None):
     """DeepSeek-V4 attention: ``q.dtype[T, H, 512]`` (and the sink-free LSE ``f32[T, H]``).
 
-    Args as ``reference.v4_attention.v4_attention_ref`` with the statics read from ``layout``
-    (window size, ratio, pages per sequence; the caches are checked against it), plus
-    ``sm_scale`` (default ``512 ** -0.5``), ``backend`` / ``validate`` / ``kernel_options``
-    (``dsa_jax.dispatch``), ``layer`` (both caches stacked, read in place) and ``precision``:
-    ``"f32"`` (default) or ``"bf16"``, the official ``sparse_attn`` rounding (bf16 q and rows,
-    f32 logits, P rounded to bf16 for ``P @ V``, bf16 output in ``q.dtype``;
-    ``reference.v4_attention``'s module docstring), passed to either backend (the Pallas
-    two-pass form, ``kernel_options={"fused": False}``, refuses ``"bf16"``). Anything else:
-    ValueError naming ``precision``.
+    Args:
+      q: ``f32|bf16[T, H, 512]`` queries (after RoPE).
+      window: ``PagedKV(cache, page_indices i32[N], cu_lens i32[S+1])``, the window cache in
+        tokens (``layout.window_page_size`` tokens per page); with ``batch=`` a bare cache,
+        the batch's page table then being the window cache's (``batch.page_size`` must equal
+        ``layout.window_page_size``).
+      kv_lens: ``i32[S]`` tokens per sequence, this step's rows included.
+      cu_q_lens: ``i32[S+1]`` query-row offsets. distribution: ``i32[3]``
+        ``(decode_end, prefill_end, num_seqs)``. All three may come from ``batch=`` instead.
+      layout: the ``V4Layout`` (window size, ratio, page sizes; the caches are checked
+        against it).
+      compressed: the compressed cache as ``PagedKV`` in entries (ratio > 0 only).
+      compressed_indices: ``i32[T, k]`` CSA entry numbers (ratio 4; ``-1`` = none).
+      attn_sink: optional ``f32[H]`` sink logits (denominator only).
+      sm_scale: softmax scale (default ``512 ** -0.5``; a Python float or a concrete scalar).
+      return_lse: also return the sink-free LSE ``f32[T, H]``.
+      backend / implementation: ``implementation=`` ``"xla"`` (the jnp reference),
+        ``"pallas"`` (the fused kernel), ``"pallas_two_pass"`` (the token-sparse MLA kernel
+        once per source, merged in XLA; packed / plain caches, f32 only), an ordered list, or
+        ``None`` (platform default); ``backend=`` the older spelling (``dsa_jax.backend``).
+      validate: the batch rules first (checkify, eager).
+      kernel_options / config: Pallas knobs; ``config`` a ``MlaBlocks``
+        (``tokens_per_block``).
+      layer: both caches stacked ``[L, ...]``, read in place at ``layer``.
+      precision: ``"f32"`` (default) or ``"bf16"``, the official ``sparse_attn`` rounding (bf16
+        q and rows, f32 logits, P rounded to bf16 for ``P @ V``, bf16 output in ``q.dtype``;
+        ``reference.v4_attention``'s module docstring). Anything else: ValueError.
+      batch: a ``dsa_jax.Batch`` giving ``kv_lens``, ``cu_q_lens``, ``distribution`` (and the
+        window's page table when ``window`` is a bare cache).
+
+    An empty batch (``T = 0`` rows or ``S = 0`` sequences) is served: ``dsa_jax.dispatch``'s
+    rule (empty rows; rows outside every sequence).
     """
     if not isinstance(layout, V4Layout):
         raise TypeError(f"layout must be a V4Layout, got {type(layout).__name__}")
+    window, (kv_lens, cu_q_lens, distribution) = _v4_batch(
+        batch, window, (kv_lens, cu_q_lens, distribution), layout)
     for name, kv, which in (("window.cache", window, "window"),
                             ("compressed.cache", compressed, "compressed")):
         if kv is not None:
             layout.check_cache(name, kv.cache, which)
     check_precision(precision)
-    fn, extra = _backend.implementation("v4_attention", backend, kernel_options)
-    statics = dict(sm_scale=float(v4.HEAD_DIM ** -0.5 if sm_scale is None else sm_scale),
-                   window_size=layout.window_size, compress_ratio=layout.compress_ratio,
+    from dsa_jax.mla import static_float
+
+    scale = v4.HEAD_DIM ** -0.5 if sm_scale is None else static_float(
+        "v4_attention", "sm_scale", sm_scale)
+    statics = dict(sm_scale=float(scale), window_size=layout.window_size,
+                   compress_ratio=layout.compress_ratio,
                    window_pages_per_seq=layout.window_pages_per_seq,
                    compressed_pages_per_seq=layout.compressed_pages_per_seq or 0,
-                   return_lse=return_lse, precision=precision, **extra)
+                   return_lse=return_lse, precision=precision)
+    args = _v4_nonempty(q, window, kv_lens, cu_q_lens, distribution, compressed,
+                        compressed_indices)
+    kernel_options = _backend.with_config("v4_attention", kernel_options, config)
+
+    def call(fn, extra):
+        return _v4_call(fn, {**statics, **extra}, *args, attn_sink, layout, validate, layer)
+
+    res = _backend.run("v4_attention", implementation, backend, kernel_options, call)
+    if np.shape(q)[0] == 0:
+        res = jax.tree.map(lambda x: x[:0], res)
+    return res
+
+
+def _v4_batch(batch, window, positional, layout: V4Layout):
+    """``(window, (kv_lens, cu_q_lens, distribution))`` from ``batch=`` or the arguments."""
+    names = ("kv_lens", "cu_q_lens", "distribution")
+    if batch is None:
+        missing = [n for n, x in zip(names, positional, strict=True) if x is None]
+        if missing:
+            raise TypeError(f"v4_attention: the batch metadata is missing "
+                            f"({', '.join(missing)}): pass batch=dsa_jax.Batch... or "
+                            f"kv_lens, cu_q_lens, distribution positionally")
+        return window, positional
+    from dsa_jax.batch import Batch
+
+    if not isinstance(batch, Batch):
+        raise TypeError(f"v4_attention: batch must be a dsa_jax.Batch, got "
+                        f"{type(batch).__name__}")
+    given = [n for n, x in zip(names, positional, strict=True) if x is not None]
+    if given:
+        raise TypeError(f"v4_attention: pass the batch metadata either as batch= or "
+                        f"positionally, not both (also given: {', '.join(given)})")
+    if not isinstance(window, v4.PagedKV):
+        for field, want in (("page_size", layout.window_page_size),
+                            ("pages_per_seq", layout.window_pages_per_seq)):
+            if getattr(batch, field) != want:
+                raise ValueError(f"v4_attention: batch.{field} = {getattr(batch, field)} but "
+                                 f"layout.window_{field} = {want} (the batch's page table is "
+                                 f"the window cache's when window is a bare cache)")
+        window = v4.PagedKV(window, batch.page_indices, batch.cu_kv_lens)
+    return window, (batch.kv_lens, batch.cu_q_lens, batch.distribution)
+
+
+def _v4_nonempty(q, window, kv_lens, cu_q_lens, distribution, compressed, compressed_indices):
+    """The arguments with an empty batch padded (``dsa_jax.dispatch.empty_batch``'s rule):
+    ``S = 0`` gets an inactive sequence (each cache's table too), ``T = 0`` one row outside
+    every sequence (dropped by the caller)."""
+    from dsa_jax.dispatch import empty_batch
+
+    def padded(kv):
+        if kv is None:
+            return None
+        (_, pages, _, cu, _), _ = empty_batch(
+            (kv_lens, kv.page_indices, cu_q_lens, kv.cu_lens, distribution), 0, {})
+        return kv._replace(page_indices=pages, cu_lens=cu)
+
+    window, compressed = padded(window), padded(compressed)  # before the batch is padded
+    rows = {0: (-3, 0)} if compressed_indices is None else {0: (-3, 0), 1: (0, -1)}
+    xs = (q,) if compressed_indices is None else (q, compressed_indices)
+    (*xs, kv_lens, _, cu_q_lens, _, distribution), _ = empty_batch(
+        (*xs, kv_lens, window.page_indices, cu_q_lens, window.cu_lens, distribution),
+        len(xs), rows)
+    q, compressed_indices = (xs[0], xs[1] if len(xs) > 1 else None)
+    return q, window, kv_lens, cu_q_lens, distribution, compressed, compressed_indices
+
+
+def _v4_call(fn, statics, q, window, kv_lens, cu_q_lens, distribution, compressed,
+             compressed_indices, attn_sink, layout, validate, layer):
+    """One implementation's call, under the V4 batch checks when ``validate``."""
     call = dict(compressed=compressed, compressed_indices=compressed_indices,
                 attn_sink=attn_sink)
     if not validate:
         return fn(q, window, kv_lens, cu_q_lens, distribution, **statics, **call, layer=layer)
     num_pages = [int(np.shape(kv.cache)[-3]) if kv is not None else 0
                  for kv in (window, compressed)]
+    num_layers = None
+    if layer is not None:  # static refusals first (an int is a tracer inside jit)
+        reads = [stacked.resolve(name, kv.cache, layer) for name, kv in
+                 (("window.cache", window), ("compressed.cache", compressed)) if kv is not None]
+        num_layers = reads[0].num_layers
 
     def checked(q, window, kv_lens, cu_q_lens, distribution, call, layer):
         check_v4_batch(q.shape[0], kv_lens, cu_q_lens, distribution, window,
@@ -317,12 +420,6 @@ def v4_attention(q, window: v4.PagedKV, kv_lens, cu_q_lens, distribution, *, lay
             _validate.check_layer(layer, num_layers)
         return fn(q, window, kv_lens, cu_q_lens, distribution, **statics, **call, layer=layer)
 
-    if layer is not None:  # static refusals first (an int is a tracer inside jit)
-        reads = [stacked.resolve(name, kv.cache, layer) for name, kv in
-                 (("window.cache", window), ("compressed.cache", compressed)) if kv is not None]
-        num_layers = reads[0].num_layers
-    else:
-        num_layers = None
     err, res = jax.jit(checkify.checkify(checked))(q, window, kv_lens, cu_q_lens, distribution,
                                                    call, layer)
     err.throw()

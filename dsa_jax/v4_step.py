@@ -127,7 +127,7 @@ def v4_step(inputs: V4StepInputs, params: V4StepParams, caches: V4Caches, states
             meta: V4BatchMeta, *, layout: V4ModelLayout, sm_scale: float | None = None,
             qat: bool = False, exact: bool = True, backend: str | None = None,
             kernel_options: dict | None = None,
-            precision: str = V4_DEFAULT_PRECISION) -> V4StepResult:
+            precision: str = V4_DEFAULT_PRECISION, implementation=None) -> V4StepResult:
     """One DeepSeek-V4 attention step over all layers (module docstring); jitted, caches and
     states donated.
 
@@ -152,19 +152,65 @@ def v4_step(inputs: V4StepInputs, params: V4StepParams, caches: V4Caches, states
         scores (``dsa_jax.indexer_topk``'s ``precision``), the attention's bf16 ``P @ V`` and
         bf16 output (``dsa_jax.v4_attention``'s). The inputs are ``v4_project``'s in the same
         regime (bf16 values, in f32 or bf16 arrays).
+      implementation: ``"xla"`` / ``"pallas"`` / ``"pallas_two_pass"`` (the attention's
+        two-pass form) / an ordered list / ``None`` for every op of the step
+        (``dsa_jax.backend.step_candidates``); ``backend=`` is the older spelling.
+
+    An empty batch is a step that does nothing: ``T = 0`` rows returns ``out [L, 0, H, 512]``,
+    ``topk [Lc, 0, k]`` and the caches and states as given; ``S = 0`` sequences, rows outside
+    every sequence (``dsa_jax.dispatch.empty_batch``).
 
     Returns ``V4StepResult(out [L, T, H, 512], topk [Lc, T, index_topk], caches, states)``.
     Bad shapes, a missing family argument or one given for a type the model lacks raise
     ``ValueError`` naming the argument and the numbers; so does ``"bf16"`` with an fp8 index
     cache (``caches.csa_index`` an ``Fp8IndexCache``: V3.2's fp8 keys with f32 scales are not
     the official regime's bf16 keys; that cache takes ``precision="f32"``)."""
-    statics = dict(layout=layout, sm_scale=None if sm_scale is None else float(sm_scale),
-                   qat=bool(qat), exact=bool(exact), backend=_backend.resolve_backend(backend),
-                   kernel_options=tuple(sorted((kernel_options or {}).items())),
-                   precision=check_precision(precision))
-    if precision == "bf16" and isinstance(V4Caches(*caches).csa_index, Fp8IndexCache):
+    inputs, params, caches = V4StepInputs(*inputs), V4StepParams(*params), V4Caches(*caches)
+    states, meta = V4States(*states), _nonempty_meta(V4BatchMeta(*meta))
+    if precision == "bf16" and isinstance(caches.csa_index, Fp8IndexCache):
         raise ValueError("v4_step: precision='bf16' (the default: the official regime, bf16 "
                          "index keys) cannot score caches.csa_index, an Fp8IndexCache (fp8 "
                          "keys with f32 scales); pass precision='f32' or a bf16/f32 index cache")
-    return _v4_step(V4StepInputs(*inputs), V4StepParams(*params), V4Caches(*caches),
-                    V4States(*states), V4BatchMeta(*meta), **statics)
+
+    def run(payload):
+        be, opts = payload
+        statics = dict(layout=layout, sm_scale=None if sm_scale is None else float(sm_scale),
+                       qat=bool(qat), exact=bool(exact), backend=be,
+                       kernel_options=tuple(sorted((opts or {}).items())),
+                       precision=check_precision(precision))
+        if int(inputs.q.shape[1]) == 0:
+            return _idle_v4_step(inputs, params, caches, states, meta, statics)
+        return _v4_step(inputs, params, caches, states, meta, **statics)
+
+    tried = _backend.step_candidates("v4_step", implementation, backend, kernel_options)
+    return _backend.first_serving("v4_step", tried, run, group=implementation is not None)
+
+
+def _nonempty_meta(meta: V4BatchMeta) -> V4BatchMeta:
+    """``S = 0`` sequences padded with one inactive slot (``dsa_jax.dispatch.empty_batch``'s
+    rule; its state slot ``-1``: no state is read or written)."""
+    from dsa_jax.dispatch import empty_batch
+
+    if int(meta.kv_lens.shape[0]) != 0:
+        return meta
+    out = {}
+    for name in ("window", "csa", "hca"):
+        pages, cu = getattr(meta, f"{name}_page_indices"), getattr(meta, f"{name}_cu_lens")
+        if pages is not None:
+            (kv, pages, cu_q, cu, dist), _ = empty_batch(
+                (meta.kv_lens, pages, meta.cu_q_lens, cu, meta.distribution), 0, {})
+            out.update({f"{name}_page_indices": pages, f"{name}_cu_lens": cu})
+    return meta._replace(kv_lens=kv, cu_q_lens=cu_q, distribution=dist,
+                         state_slots=jnp.full((1,), -1, jnp.int32), **out)
+
+
+def _idle_v4_step(inputs, params, caches, states, meta, statics) -> V4StepResult:
+    """A step of ``T = 0`` rows: the result shapes of a one-row step (traced, not run), empty;
+    the caches and states as given."""
+    row = inputs._replace(**{
+        name: jnp.zeros((x.shape[0], 1, *x.shape[2:]), x.dtype)
+        for name, x in inputs._asdict().items() if x is not None and name != "attn_sink"})
+    shapes = jax.eval_shape(functools.partial(v4_step_body, **statics), row, params, caches,
+                            states, meta)
+    empty = lambda s: jnp.zeros((s.shape[0], 0, *s.shape[2:]), s.dtype)
+    return V4StepResult(empty(shapes.out), empty(shapes.topk), caches, states)

@@ -5,6 +5,7 @@ type, the caches against their ``V4Layout``, the state pools against the layer c
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 from dsa_jax.v4_model import (
@@ -128,4 +129,48 @@ def check_v4_step_args(inputs: V4StepInputs, params: V4StepParams, caches: V4Cac
             for part in ("page_indices", "cu_lens"):
                 if n and getattr(meta, f"{name}_{part}") is None:
                     raise ValueError(f"meta.{name}_{part} is missing ({n} layers of ratio {r})")
-    return _num_slots(states, layout)
+    _check_meta(meta)
+    _check_rope(params, layout)
+    num_slots = _num_slots(states, layout)
+    seqs = int(np.shape(meta.kv_lens)[0])
+    if (layout.count(4) or layout.count(128)) and num_slots < seqs:
+        raise ValueError(f"the compressor state pools hold {num_slots} slots per layer, fewer "
+                         f"than the batch's S = {seqs} sequences (len(meta.kv_lens)); each "
+                         f"sequence needs its own slot (init_v4_states(layout, num_slots))")
+    return num_slots
+
+
+def _check_meta(meta: V4BatchMeta) -> None:
+    """Every array of ``meta`` a rank-1 integer array; the ``cu`` arrays ``S + 1`` long and
+    ``state_slots`` ``S`` long; named as ``meta.<field>``."""
+    seqs = int(np.shape(meta.kv_lens)[0])
+    for field, x in meta._asdict().items():
+        if x is None:
+            continue
+        if np.ndim(x) != 1 or not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+            raise ValueError(f"meta.{field} must be a rank-1 integer array, got shape "
+                             f"{tuple(np.shape(x))} dtype {jnp.result_type(x)}")
+        want = {"cu_q_lens": seqs + 1, "state_slots": seqs, "distribution": 3}.get(
+            field, seqs + 1 if field.endswith("cu_lens") else None)
+        if want is not None and int(np.shape(x)[0]) != want:
+            raise ValueError(f"meta.{field} must have {want} entries (S = {seqs} sequences, "
+                             f"len(meta.kv_lens)), got {int(np.shape(x)[0])}")
+
+
+def _check_rope(params: V4StepParams, layout: V4ModelLayout) -> None:
+    """The entries' RoPE tables cover every position the layout's caches can hold (the window
+    cache's capacity in tokens): a shorter table would leave positions without a rotation."""
+    if not (layout.count(4) or layout.count(128)):
+        return
+    capacity = layout.window_pages_per_seq * layout.window_page_size
+    for name in ("cos", "sin"):
+        x = getattr(params, name)
+        if x is None:
+            raise ValueError(f"params.{name} is missing: the compressed layers rotate their "
+                             f"entries (reference.v4_compressor.rope_tables)")
+        if int(np.shape(x)[0]) < capacity:
+            raise ValueError(f"params.{name} has {int(np.shape(x)[0])} positions, fewer than "
+                             f"the {capacity} tokens a sequence can hold (window_pages_per_seq"
+                             f" {layout.window_pages_per_seq} x window_page_size "
+                             f"{layout.window_page_size}); build the tables for "
+                             f"{capacity} positions")

@@ -69,16 +69,18 @@ def dim(name: str, x, axis: int, expected: int, why: str) -> None:
 
 
 def ragged_metadata(seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,
-                    *, seq_lens_name: str = "seq_lens") -> int:
-    """Check the ragged paged batch metadata; return the static sequence count S."""
-    for name, x, r in ((seq_lens_name, seq_lens, 1), ("page_indices", page_indices, 1),
-                       ("cu_q_lens", cu_q_lens, 1), ("cu_kv_lens", cu_kv_lens, 1),
+                    *, seq_lens_name: str = "seq_lens", page_indices_name: str = "page_indices",
+                    cu_kv_lens_name: str = "cu_kv_lens") -> int:
+    """Check the ragged paged batch metadata; return the static sequence count S. The
+    ``*_name`` arguments: the caller's names of those arrays (V4's ``window.cu_lens``...)."""
+    for name, x, r in ((seq_lens_name, seq_lens, 1), (page_indices_name, page_indices, 1),
+                       ("cu_q_lens", cu_q_lens, 1), (cu_kv_lens_name, cu_kv_lens, 1),
                        ("distribution", distribution, 1)):
         rank(name, x, r)
         integer(name, x)
     num_seqs = np.shape(seq_lens)[0]
     dim("cu_q_lens", cu_q_lens, 0, num_seqs + 1, f"len({seq_lens_name}) + 1")
-    dim("cu_kv_lens", cu_kv_lens, 0, num_seqs + 1, f"len({seq_lens_name}) + 1")
+    dim(cu_kv_lens_name, cu_kv_lens, 0, num_seqs + 1, f"len({seq_lens_name}) + 1")
     dim("distribution", distribution, 0, 3, "3 (decode_end, prefill_end, num_seqs)")
     return num_seqs
 

@@ -177,8 +177,13 @@ def check_v4_args(q, window_one, kv_lens, cu_q_lens, distribution, window, compr
                          f"K = V = the whole row), got {dim}")
     cache_format("window.cache", window_one)
     _checks.ragged_metadata(kv_lens, window.page_indices, cu_q_lens, window.cu_lens,
-                            distribution, seq_lens_name="kv_lens")
+                            distribution, seq_lens_name="kv_lens",
+                            page_indices_name="window.page_indices",
+                            cu_kv_lens_name="window.cu_lens")
     if compressed is not None:
+        for name in ("page_indices", "cu_lens"):
+            _checks.rank(f"compressed.{name}", getattr(compressed, name), 1)
+            _checks.integer(f"compressed.{name}", getattr(compressed, name))
         _checks.dim("compressed.cu_lens", compressed.cu_lens, 0, np.shape(kv_lens)[0] + 1,
                     "len(kv_lens) + 1")
     _check_statics(window_page_size=int(np.shape(window_one)[1]), **statics)
