@@ -111,7 +111,7 @@ def test_outputs_are_written(result, tmp_path):
 
 
 def test_notebook_matches_its_builder(tmp_path):
-    pytest.importorskip("nbformat", reason="nbformat is in the experiments extra")
+    pytest.importorskip("nbformat", reason="nbformat is in the notebooks extra")
     built = wx.build_notebook(tmp_path / "nb.ipynb")
     assert built.read_text() == wx.NOTEBOOK.read_text(), (
         "scripts/experiments/witness_experiment.ipynb is stale: python -m "
@@ -119,10 +119,11 @@ def test_notebook_matches_its_builder(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.notebooks
 def test_notebook_executes(tmp_path, monkeypatch):
     for mod in ("nbclient", "nbformat", "ipykernel"):
         if importlib.util.find_spec(mod) is None:
-            pytest.skip(f"{mod} not installed (it is in the experiments extra, not the test extra)")
+            pytest.skip(f"{mod} not installed (it is in the notebooks extra)")
     import nbformat
     from nbclient import NotebookClient
 

@@ -1,51 +1,64 @@
-"""What the experiment notebooks (``scripts/experiments/*.ipynb``) share: the setup cell and
+"""What the experiment notebooks (``scripts/experiments/*.ipynb``) share: the install cells and
 the writer.
 
-Setup cell (no ``sys.path`` edits): the notebook imports its script as a module of the
-``scripts`` package, so the cell finds the repository root (the working directory or a folder
-above it, e.g. ``scripts/experiments/`` where Jupyter starts the kernel) and makes it the
+Install cells (a markdown line, then the first code cell; no ``sys.path`` edits): the notebook
+imports its script as a module of the ``scripts`` package, which the wheel does not install, so
+it runs from a checkout. The code cell finds the repository root (the working directory or a
+folder above it, e.g. ``scripts/experiments/`` where Jupyter starts the kernel) and makes it the
 working directory, which a notebook kernel imports from. In a checkout where dsa-jax is
-installed (``pip install -e '.[experiments]'``) it installs nothing. On a fresh Colab runtime,
-with ``REPO_URL`` set, it clones the repository and runs ``pip install -e`` on the clone (jax,
-numpy and matplotlib are preinstalled on Colab; nothing else is downloaded).
+installed (``pip install -e '.[test,tpu,notebooks]'``, CI) it installs nothing and needs no
+network. On a fresh Colab runtime it does what a Colab user would: clones ``DSA_JAX_SOURCE``
+(the repository's git URL; or the path of a checkout) and runs ``pip install
+'<checkout>[notebooks]'``, the README's install for the notebooks.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+_MARKDOWN = """\
+**Install.** The next cell installs dsa-jax as a Colab user would: on a fresh runtime, set
+`DSA_JAX_SOURCE` to this repository's git URL (or the path of a checkout) and it clones the
+repository and runs `pip install '<checkout>[notebooks]'`. In a checkout with dsa-jax installed
+(`pip install -e '.[test,tpu,notebooks]'`, what CI runs) it installs nothing.
+"""
+
 _TEMPLATE = '''\
-# Setup. The notebook imports its script from the `scripts` package of the repository, so this
-# cell makes the repository root the working directory (a notebook kernel imports from there;
-# no sys.path edits). In a checkout where dsa-jax is installed (`pip install -e
-# '.[experiments]'` in the root) it installs nothing. On a fresh Colab runtime, set REPO_URL to
-# this repository's git URL: the cell clones it and runs `pip install -e` on the clone (jax,
-# numpy and matplotlib are preinstalled on Colab; nothing else is downloaded).
+# Install, as a Colab user would. The notebook runs its script from a checkout of the repository
+# (`scripts/` is not in the wheel), so on a fresh runtime the cell clones DSA_JAX_SOURCE and runs
+# `pip install '<checkout>[notebooks]'` (the README's install for the notebooks). In a checkout
+# with dsa-jax installed (`pip install -e '.[test,tpu,notebooks]'`, CI) it installs nothing and
+# needs no network. It then makes the repository root the working directory (a notebook kernel
+# imports from there; no sys.path edits).
+DSA_JAX_SOURCE = "https://github.com/OWNER/dsa-jax.git"  # this repository's git URL, or a checkout
+
 import importlib
 import importlib.util
 import os
 from pathlib import Path
 
-REPO_URL = ""  # e.g. "https://github.com/<owner>/dsa-jax.git" (Colab only)
 SCRIPT = "scripts/experiments/{script}"
 _here = Path.cwd().resolve()
-ROOT = next((p for p in (_here, *_here.parents, _here / "dsa-jax") if (p / SCRIPT).exists()),
-            None)
+_source = Path(DSA_JAX_SOURCE).expanduser()
+ROOT = next((p for p in (_here, *_here.parents, _here / "dsa-jax", _source)
+             if (p / SCRIPT).exists()), None)
 if ROOT is None:
-    if not REPO_URL:
-        raise RuntimeError(f"{{SCRIPT}} not found: set REPO_URL (Colab)")
-    !git clone -q --depth 1 {{REPO_URL}} dsa-jax
+    if "/OWNER/" in DSA_JAX_SOURCE:
+        raise RuntimeError(f"{{SCRIPT}} not found: set DSA_JAX_SOURCE to the repository's git URL")
+    !git clone -q --depth 1 {{DSA_JAX_SOURCE}} dsa-jax
     ROOT = _here / "dsa-jax"
-if importlib.util.find_spec("dsa_jax") is None:  # not installed: Colab
-    %pip install -q -e {{ROOT}}
+ROOT = ROOT.resolve()
+if importlib.util.find_spec("dsa_jax") is None:  # not installed: a fresh runtime
+    %pip install -q "{{ROOT}}[notebooks]"
     importlib.invalidate_caches()
 os.chdir(ROOT)  # `from scripts.experiments import ...` resolves from the repository root
 '''
 
 
-def setup_cell(script: str) -> str:
-    """The setup cell's source for the notebook of ``scripts/experiments/<script>``."""
-    return _TEMPLATE.format(script=script)
+def setup_cells(script: str) -> list[tuple[str, str]]:
+    """The install cells (a markdown line, then the code cell) of the notebook of
+    ``scripts/experiments/<script>``, as ``write_notebook`` takes them."""
+    return [("markdown", _MARKDOWN), ("code", _TEMPLATE.format(script=script))]
 
 
 def write_notebook(path: Path, cells: list[tuple[str, str]], id_prefix: str) -> Path:

@@ -46,7 +46,7 @@ from scripts.experiments.byte_lm import data as D  # noqa: E402
 from scripts.experiments.byte_lm import measure as X  # noqa: E402
 from scripts.experiments.byte_lm import model as M  # noqa: E402
 from scripts.experiments.byte_lm import train as TR  # noqa: E402
-from scripts.experiments.notebooks import setup_cell, write_notebook  # noqa: E402
+from scripts.experiments.notebooks import setup_cells, write_notebook  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,10 +421,10 @@ context 256, k in {32, 64}): about a minute on a CPU. `RAE_SIZE=full` uses the f
 (4-layer LM, context 1024, k up to 512, about 13 minutes of LM training plus the indexers and
 the measurements); meant for a Colab TPU/GPU runtime. Set the environment variable before
 starting the kernel, or edit `SIZE` in the run cell. `RAE_OUT` names the output folder (default:
-a fresh temporary folder). No downloads besides the optional clone/install in the setup cell.
+a fresh temporary folder). No downloads besides the optional clone/install in the install cell.
 """
 
-_NB_SETUP = setup_cell("real_attention_experiment.py")
+_NB_SETUP = setup_cells("real_attention_experiment.py")
 
 _NB_RUN = '''\
 import os
@@ -491,7 +491,7 @@ test of the pipeline, not a result.
 
 def build_notebook(path: Path = NOTEBOOK) -> Path:
     """Writes the notebook (no outputs; ``notebooks.write_notebook``)."""
-    cells = [("markdown", _NB_INTRO), ("code", _NB_SETUP), ("code", _NB_RUN),
+    cells = [("markdown", _NB_INTRO), *_NB_SETUP, ("code", _NB_RUN),
              ("code", _NB_TABLE), ("code", _NB_PLOTS_RECALL), ("code", _NB_PLOTS_BPB),
              ("markdown", _NB_NOTES)]
     return write_notebook(path, cells, "real-attention")

@@ -60,7 +60,7 @@ from reference.witnesses import (  # noqa: E402
     segment_coverage,
     topology_witness_indices,
 )
-from scripts.experiments.notebooks import setup_cell, write_notebook  # noqa: E402
+from scripts.experiments.notebooks import setup_cells, write_notebook  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SELECTIONS = ("learned", "learned+witnesses", "random_null", "locality_null")
@@ -388,7 +388,7 @@ def write_outputs(result: dict, out: Path, docs: bool = True) -> dict:
 
 NOTEBOOK = Path(__file__).with_suffix(".ipynb")
 
-_NB_SETUP = setup_cell("witness_experiment.py")
+_NB_SETUP = setup_cells("witness_experiment.py")
 
 _NB_RUN = '''\
 import os
@@ -450,7 +450,7 @@ _NB_NOTES = """\
 
 def build_notebook(path: Path = NOTEBOOK) -> Path:
     """Writes the notebook (no outputs; ``notebooks.write_notebook``)."""
-    cells = [("markdown", _NB_INTRO), ("code", _NB_SETUP), ("code", _NB_RUN),
+    cells = [("markdown", _NB_INTRO), *_NB_SETUP, ("code", _NB_RUN),
              ("code", _NB_TABLE), ("code", _NB_PLOTS), ("markdown", _NB_NOTES)]
     return write_notebook(path, cells, "witness")
 
