@@ -13,23 +13,23 @@ history and compressor states are random (a shape and agreement check, not a mod
 
 from __future__ import annotations
 
-import sys
-import time
+from dsa_jax.cli_common import pick_size
 
 V4_FLASH = dict(heads=64, index_heads=64, index_dim=128, head_dim=512, layers=43, topk=512,
                 window=128)
 
 
 def sizes(args) -> dict:
-    """The run's sizes from the flags (``--quick``: small)."""
+    """The run's sizes: each flag given (not ``None``), else its default (``--quick``:
+    small)."""
     q = args.quick
-    return dict(context=args.context or (512 if q else 8192),
-                prefill=args.prefill or (32 if q else 256),
-                heads=args.heads or (2 if q else V4_FLASH["heads"]),
+    pick = lambda flag, full, small: pick_size(flag, q, full, small)  # noqa: E731
+    return dict(context=pick(args.context, 8192, 512), prefill=pick(args.prefill, 256, 32),
+                heads=pick(args.heads, V4_FLASH["heads"], 2),
                 index_heads=8 if q else V4_FLASH["index_heads"],
-                k=args.topk or (64 if q else V4_FLASH["topk"]),
-                layers=args.layers or (4 if q else V4_FLASH["layers"]),
-                page_size=args.page_size or (16 if q else 64))
+                k=pick(args.topk, V4_FLASH["topk"], 64),
+                layers=pick(args.layers, V4_FLASH["layers"], 4),
+                page_size=pick(args.page_size, 64, 16))
 
 
 def _table(rng, num_seqs, pages_per_seq, page_size):
@@ -148,19 +148,19 @@ def agreement(ref, pal) -> str:
 
 
 def run_v4(args, progress) -> int:
-    """The ``--model v4-flash`` run (module docstring); ``progress(label)`` a context manager."""
-    import jax
+    """The ``--model v4-flash`` run (module docstring); ``progress(label)`` a context manager.
+    Returns the exit status (``dsa_jax.__main__.main``: 0 passed, 1 NaN or disagreement)."""
     import numpy as np
 
+    from dsa_jax.cli_common import backend_line, compare, time_backends, verdict
     from dsa_jax.v4_model import V4StepResult
     from dsa_jax.v4_step import v4_step  # the module's function (dsa_jax.v4_step is the same)
     from reference.formats.fp8_cache import Fp8IndexCache
     from reference.quant.bf16 import V4_DEFAULT_PRECISION
 
-    if args.devices > 1:
-        print("--model v4-flash runs on one device (dsa_jax.sharded_v4_step is the mesh form)",
-              file=sys.stderr)
-        return 2
+    if args.devices > 1:  # main refuses it first; run_v4(args) may be called directly
+        raise ValueError("--model v4-flash runs on one device (dsa_jax.sharded_v4_step is the "
+                         "mesh form)")
     s = sizes(args)
     rng = np.random.default_rng(args.seed)
     q_lens = [1] * args.decode + [3, s["prefill"]]
@@ -179,21 +179,24 @@ def run_v4(args, progress) -> int:
           f"{s['index_heads']} x 128, top-k {s['k']}")
     print(f"batch: q_lens={q_lens} (+2 padding rows), kv_lens={kv_lens}; "
           f"T={inputs.q.shape[1]} rows")
-    results = {}
-    for backend in ["reference"] + (["pallas"] if args.dsa_use_pallas else []):
-        with progress(f"{backend}: compile + first step"):
-            t0 = time.perf_counter()
-            res = jax.block_until_ready(v4_step(inputs, params, caches, states, meta,
-                                                layout=layout, backend=backend,
-                                                precision=precision))
-            t1 = time.perf_counter()
-        results[backend] = jax.tree.map(np.asarray, (res.out, res.topk))
-        out = results[backend][0]
-        interp = backend == "pallas" and jax.default_backend() != "tpu"
-        note = "; interpret mode, not a TPU timing" if interp else ""
-        print(f"{backend}: one step {t1 - t0:.2f} s (incl. compile{note}); out {out.shape}, "
-              f"NaN in out: {bool(np.isnan(out).any())}")
+
+    def step(backend):
+        res = v4_step(inputs, params, caches, states, meta, layout=layout, backend=backend,
+                      precision=precision)
+        return res.out, res.topk
+
+    backends = ["reference"] + (["pallas"] if args.dsa_use_pallas else [])
+    results, timings = time_backends(step, backends, progress)
+    nan = {}
+    for b in backends:
+        nan[b] = bool(np.isnan(np.asarray(results[b][0], np.float32)).any())
+        print(backend_line(b, timings[b], results[b][0]))
+    cmp = None
     if "pallas" in results:
-        print(agreement(*(V4StepResult(o, k, None, None) for o, k in
-                          (results["reference"], results["pallas"]))))
-    return 0
+        (ref_out, ref_topk), (pal_out, pal_topk) = results["reference"], results["pallas"]
+        print(agreement(V4StepResult(ref_out, ref_topk, None, None),
+                        V4StepResult(pal_out, pal_topk, None, None)))
+        cmp = compare(ref_out, pal_out, ref_topk, pal_topk, precision)
+    lines, status = verdict("the V4-Flash step", nan, timings, cmp)
+    print("\n".join(lines))
+    return status

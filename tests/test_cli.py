@@ -28,6 +28,9 @@ def test_the_readme_command_runs_in_a_fresh_process_without_tpu_probe_noise():
     assert "reference: first step" in out.stdout
     assert "witness coverage (8 segments, fill tail): mean 1.000" in out.stdout
     assert "NaN in out: False" in out.stdout
+    # a verdict a newcomer can read, then the times measured
+    assert "\nverdict: reference only - the V3.2 DSA step ran on the jnp reference, no NaN " \
+           "(add --dsa-use-pallas to compare the Pallas kernels)\ntimings: reference " in out.stdout
 
 
 def test_aot_topology_load_is_quiet_and_still_compiles():
@@ -60,6 +63,10 @@ def test_pallas_agrees_with_the_reference_and_is_reported(capsys):
     text = capsys.readouterr().out
     assert "pallas: one step" in text and "interpret mode" in text
     assert "agreement pallas vs reference: top-k overlap mean 1.0000" in text
+    assert ("verdict: OK - the V3.2 DSA step ran on the reference and Pallas agrees with it "
+            "(top-k sets identical on all 10 rows; output max |diff| ") in text
+    assert "within atol = rtol = 2e-05)\ntimings: reference " in text
+    assert "; pallas " in text and "(one call incl. compile; interpret mode" in text
 
 
 def test_devices_runs_sharded_and_matches_single_device(capsys, monkeypatch):
@@ -68,6 +75,8 @@ def test_devices_runs_sharded_and_matches_single_device(capsys, monkeypatch):
     text = capsys.readouterr().out
     assert "mesh: data=2 x model=2 (4 devices)" in text
     assert "sharded vs single-device (data shard 0): max |diff| 0.00e+00" in text
+    assert ("\nverdict: reference only - the V3.2 DSA step (sharded over 4 devices; data shard 0 "
+            "within tolerance of one device) ran on the jnp reference") in text
 
 
 def test_v4_flash_quick_runs_the_v4_step(capsys):
@@ -76,7 +85,9 @@ def test_v4_flash_quick_runs_the_v4_step(capsys):
                  "--prefill", "8", "--decode", "1", "--topk", "16"]) == 0
     text = capsys.readouterr().out
     assert "4 layers ['SWA', 'SWA', 'CSA', 'HCA']" in text
-    assert "reference: one step" in text and "NaN in out: False" in text
+    assert "reference: first step" in text and "NaN in out: False" in text
+    assert "\nverdict: reference only - the V4-Flash step ran on the jnp reference" in text
+    assert "\ntimings: reference " in text and " ms steady" in text
 
 
 def test_v4_build_makes_fp8_caches():
@@ -109,3 +120,104 @@ def test_v4_build_makes_fp8_caches():
     assert not np.isnan(np.asarray(out)).any()
     plain = v4_cli.build(np.random.default_rng(0), s, [1, 8], [100, 8])[3]
     assert all(isinstance(x, np.ndarray) for x in plain)
+
+
+def _exit_status(argv):
+    """``main(argv)``'s exit status, in-process: argparse exits, the run returns."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+# Bad flags are refused before anything runs (argparse: the usage line, one message naming the
+# flag and the value, exit 2); a combination only the layout can judge is its ValueError in one
+# line, exit 2. None of these runs a step.
+BAD_FLAGS = [
+    (["--topk", "0"], "argument --topk: must be an integer >= 1, got 0"),
+    (["--layers", "0"], "argument --layers: must be an integer >= 1, got 0"),
+    (["--context", "-5"], "argument --context: must be an integer >= 1, got -5"),
+    (["--context", "0"], "argument --context: must be an integer >= 1, got 0"),
+    (["--prefill", "0"], "argument --prefill: must be an integer >= 1, got 0"),
+    (["--heads", "-2"], "argument --heads: must be an integer >= 1, got -2"),
+    (["--page-size", "0"], "argument --page-size: must be an integer >= 1, got 0"),
+    (["--devices", "0"], "argument --devices: must be an integer >= 1, got 0"),
+    (["--tp", "0"], "argument --tp: must be an integer >= 1, got 0"),
+    (["--decode", "-1"], "argument --decode: must be an integer >= 0, got -1"),
+    (["--seed", "-1"], "argument --seed: must be an integer >= 0, got -1"),
+    (["--num-segments", "65"], "argument --num-segments: must be an integer in [0, 64], got 65"),
+    (["--num-segments", "-1"], "argument --num-segments: must be an integer in [0, 64], got -1"),
+    (["--topk", "many"], "argument --topk: must be an integer >= 1, got 'many'"),
+    (["--devices", "3", "--tp", "2"], "--devices 3 must be a multiple of --tp 2"),
+    (["--devices", "2", "--tp", "2", "--heads", "3"], "--heads 3 must be divisible by --tp 2"),
+    (["--context", "16"], "--prefill 32 (the --quick default) is longer than --context 16"),
+    (["--context", "2", "--prefill", "1"], "--context 2 is shorter than the MTP sequence's"),
+    (["--model", "v4-flash", "--layers", "44"], "--layers 44: V4-Flash has 43 attention layers"),
+    (["--model", "v4-flash", "--topk", "0"], "argument --topk: must be an integer >= 1, got 0"),
+    (["--model", "v4-flash", "--cache-format", "fp8"], "--cache-format applies to --model v3.2"),
+    (["--model", "v4-flash", "--devices", "2"], "--devices applies to --model v3.2 only"),
+    # refused by the layout (a ValueError): one line, no traceback
+    (["--cache-format", "fp8", "--page-size", "16"],
+     "dsa_jax: error: the fp8 index cache needs page_size to be a multiple of 32"),
+    (["--model", "v4-flash", "--page-size", "3"],
+     "dsa_jax: error: window_page_size=3 does not divide window_size=128"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_bad_flags_are_one_error_line_with_exit_status_2(flags, message, capsys):
+    assert _exit_status(["run", "--quick", "--no-progress", *flags]) == 2
+    out, err = capsys.readouterr()
+    assert message in err, err
+    assert "Traceback" not in err + out
+    if message.startswith("dsa_jax: error:"):
+        assert err.count("\n") == 1, err
+    else:
+        assert err.startswith("usage: python -m dsa_jax run"), err
+        assert "python -m dsa_jax run: error: " in err
+    assert "verdict" not in out  # nothing ran
+
+
+def test_help_is_plain_text_and_names_both_models(capsys):
+    for argv in (["--help"], ["run", "--help"]):
+        assert _exit_status(argv) == 0
+        text = capsys.readouterr().out
+        assert "`" not in text and "**" not in text, text
+        assert "V4" in text, text
+    assert "--model v4-flash" in text and "examples:" in text and "exit status:" in text
+    # --quick says what it means for each model, from the sizes the runs use
+    text = " ".join(text.split())
+    assert "v3.2: context 512, prefill 32, 4 MLA heads, top-k 128, 2 layers, page 16" in text
+    assert ("v4-flash: context 512, prefill 32, 2 heads, 8 indexer heads, top-k 64, 4 layers "
+            "(SWA, SWA, CSA, HCA), page 16") in text
+
+
+def test_the_verdict_fails_with_exit_status_1_when_pallas_disagrees():
+    """``cli_common.compare`` / ``verdict`` on made-up results (no step run): other top-k sets
+    on a row, or an output off beyond the tolerance, is a FAILED verdict and exit status 1."""
+    import numpy as np
+
+    from dsa_jax.cli_common import Timing, compare, verdict
+
+    rng = np.random.default_rng(0)
+    out = rng.standard_normal((2, 5, 3, 8))
+    topk = np.tile(np.arange(4), (1, 5, 1))
+    timings = {"reference": Timing(1.0, 0.01, False), "pallas": Timing(9.0, None, True)}
+    nan = {"reference": False, "pallas": False}
+    same = compare(out, out + 1e-7, topk, topk.copy(), "v3.2")
+    lines, status = verdict("the step", nan, timings, same)
+    assert status == 0 and lines[0].startswith("verdict: OK - the step ran"), lines
+    assert lines[1] == ("timings: reference 1.00 s first call (incl. compile), 10.0 ms steady; "
+                        "pallas 9.00 s (one call incl. compile; interpret mode, not a TPU "
+                        "timing)")
+    other = topk.copy()
+    other[0, 2, 0] = 7
+    off = out.copy()
+    off[1, 4] += 1e-3
+    lines, status = verdict("the step", nan, timings, compare(out, off, topk, other, "v3.2"))
+    assert status == 1
+    assert lines[0].startswith("verdict: FAILED - Pallas picks other top-k sets than the "
+                               "reference on 1 of 5 rows (top-k overlap min 0.7500); Pallas "
+                               "output off the reference beyond the tolerance"), lines
+    lines, status = verdict("the step", {"reference": True}, timings, None)
+    assert status == 1 and lines[0] == "verdict: FAILED - NaN in the reference output"
