@@ -21,8 +21,8 @@ from reference import v4_compressor as vc
 def compress_step(kv, score, ape, norm_weight, cos, sin, state: vc.CompressorState, state_slots,
                   kv_lens, cu_q_lens, distribution, *, ratio: int, eps: float = vc.NORM_EPS,
                   backend: str | None = None, interpret=None,
-                  vmem_limit_bytes: int | None = None, precision: str = "f32"
-                  ) -> tuple[vc.CompressedEntries, vc.CompressorState]:
+                  vmem_limit_bytes: int | None = None, precision: str = "f32",
+                  implementation=None) -> tuple[vc.CompressedEntries, vc.CompressorState]:
     """One step of the V4 compressor: ``(CompressedEntries, CompressorState)``.
 
     Args as ``reference.v4_compressor.compress_step`` (``kv`` / ``score f32|bf16[T, coff * d]``,
@@ -36,13 +36,18 @@ def compress_step(kv, score, ape, norm_weight, cos, sin, state: vc.CompressorSta
     - ``interpret``: the Pallas entry's (False compiles with Mosaic, True runs the strict
       interpreter, or a ``pltpu.InterpretParams``); ``None`` leaves the default, which off TPU
       is the interpreter;
-    - ``vmem_limit_bytes``: the Pallas entry's scoped-VMEM override (``None``: its default).
+    - ``vmem_limit_bytes``: the Pallas entry's scoped-VMEM override (``None``: its default);
+    - ``implementation``: ``"xla"`` (the jnp reference), ``"pallas"``, an ordered list or
+      ``None`` (``dsa_jax.backend``; ``backend=`` is the older spelling).
 
     Jit the caller with ``state`` donated to update the pool in place. Bad shapes, dtypes or a
     ratio other than 4 / 128 raise ``ValueError`` naming the numbers (on either backend).
     """
     knobs = {k: v for k, v in (("interpret", interpret), ("vmem_limit_bytes", vmem_limit_bytes))
              if v is not None}
-    fn, extra = _backend.implementation("v4_compressor", backend, knobs)
-    return fn(kv, score, ape, norm_weight, cos, sin, state, state_slots, kv_lens, cu_q_lens,
-              distribution, ratio=ratio, eps=eps, precision=precision, **extra)
+
+    def call(fn, extra):
+        return fn(kv, score, ape, norm_weight, cos, sin, state, state_slots, kv_lens, cu_q_lens,
+                  distribution, ratio=ratio, eps=eps, precision=precision, **extra)
+
+    return _backend.run("v4_compressor", implementation, backend, knobs, call)

@@ -89,3 +89,15 @@ def test_a_bad_backend_name_is_a_value_error_naming_it():
                  jnp.asarray([0], jnp.int32))
     with pytest.raises(ValueError, match="'tpu'"):
         compress_step(*args, ratio=4, backend="tpu")
+
+
+def test_implementation_xla_is_backend_reference_and_names_are_checked():
+    rng = np.random.default_rng(1)
+    params = _params(rng, 4, 16, 8)
+    seqs = [_tokens(rng, 9, 4, 16)]
+    args = _args(_Step(seqs, [(0, 9)], 9), params, _nan_state(1, 4, 16),
+                 jnp.asarray([0], jnp.int32))
+    _assert_bits(compress_step(*args, ratio=4, implementation="xla"),
+                 compress_step(*args, ratio=4, backend="reference"))
+    with pytest.raises(ValueError, match=r"unknown implementation 'mosaic'.*'xla', 'pallas'"):
+        compress_step(*args, ratio=4, implementation="mosaic")
