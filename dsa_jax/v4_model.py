@@ -196,6 +196,22 @@ class V4BatchMeta(NamedTuple):
     hca_page_indices: jax.Array | None = None
     hca_cu_lens: jax.Array | None = None
 
+    @classmethod
+    def from_batch(cls, batch, state_slots, *, csa=None, hca=None) -> V4BatchMeta:
+        """The step's metadata from ``dsa_jax.Batch``es: ``batch`` the window cache's (tokens:
+        ``kv_lens``, ``cu_q_lens``, ``distribution`` and the window page table), ``csa`` /
+        ``hca`` each compressed family's page table as a ``Batch`` in entries (only its table
+        is read: ``Batch.from_fixed_stride(kv_lens, table, cu_q_lens, distribution,
+        page_size=entries_per_page)``) or ``None`` for a family the model lacks;
+        ``state_slots i32[S]`` each sequence's compressor state slot."""
+        tables = []
+        for name, b in (("batch", batch), ("csa", csa), ("hca", hca)):
+            if b is not None and not hasattr(b, "cu_kv_lens"):
+                raise TypeError(f"V4BatchMeta.from_batch: {name} must be a dsa_jax.Batch, got "
+                                f"{type(b).__name__}")
+            tables += [None, None] if b is None else [b.page_indices, b.cu_kv_lens]
+        return cls(batch.kv_lens, batch.cu_q_lens, batch.distribution, state_slots, *tables)
+
 
 class V4StepResult(NamedTuple):
     """``out q.dtype[L, T, H, 512]`` (before inverse RoPE / output projection), ``topk

@@ -165,6 +165,10 @@ def v4_step(inputs: V4StepInputs, params: V4StepParams, caches: V4Caches, states
     ``ValueError`` naming the argument and the numbers; so does ``"bf16"`` with an fp8 index
     cache (``caches.csa_index`` an ``Fp8IndexCache``: V3.2's fp8 keys with f32 scales are not
     the official regime's bf16 keys; that cache takes ``precision="f32"``)."""
+    if not isinstance(meta, (V4BatchMeta, tuple)):
+        raise TypeError(f"v4_step: meta must be a V4BatchMeta (V4BatchMeta.from_batch(batch, "
+                        f"state_slots, csa=..., hca=...) builds one from dsa_jax.Batch "
+                        f"objects), got {type(meta).__name__}")
     inputs, params, caches = V4StepInputs(*inputs), V4StepParams(*params), V4Caches(*caches)
     states, meta = V4States(*states), _nonempty_meta(V4BatchMeta(*meta))
     if precision == "bf16" and isinstance(caches.csa_index, Fp8IndexCache):

@@ -209,3 +209,28 @@ def test_an_idle_v4_step_does_nothing():
     for got, given in ((res.caches, pm.caches), (res.states, pm.states)):
         assert all(a is b for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(given),
                                           strict=True))  # as given: no copy, no write
+
+
+def test_v4_batch_meta_from_batches_is_the_step_metadata():
+    _, _, pm, meta = tv._one_step_args()
+    lay = pm.layout
+
+    def fam(pages, cu, ps, pps):
+        return dsa_jax.Batch.from_packed(meta.kv_lens, pages, meta.cu_q_lens, cu,
+                                         meta.distribution, page_size=ps, pages_per_seq=pps)
+
+    got = dsa_jax.V4BatchMeta.from_batch(
+        fam(meta.window_page_indices, meta.window_cu_lens, lay.window_page_size,
+            lay.window_pages_per_seq), meta.state_slots,
+        csa=fam(meta.csa_page_indices, meta.csa_cu_lens, lay.csa_page_size,
+                lay.csa_pages_per_seq),
+        hca=fam(meta.hca_page_indices, meta.hca_cu_lens, lay.hca_page_size,
+                lay.hca_pages_per_seq))
+    for field, g, w in zip(meta._fields, got, meta, strict=True):
+        np.testing.assert_array_equal(g, w, err_msg=field)
+    with pytest.raises(TypeError, match=r"meta must be a V4BatchMeta \(V4BatchMeta.from_batch"):
+        v4_step(*tv._one_step_args()[:2], pm.caches, pm.states, got.kv_lens, layout=lay)
+    with pytest.raises(TypeError, match="csa must be a dsa_jax.Batch"):
+        dsa_jax.V4BatchMeta.from_batch(fam(meta.window_page_indices, meta.window_cu_lens,
+                                           lay.window_page_size, lay.window_pages_per_seq),
+                                       meta.state_slots, csa=(1, 2))
