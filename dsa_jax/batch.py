@@ -142,24 +142,13 @@ def op_batch(op: str, batch, positional: tuple, *, names: tuple[str, ...], cache
     ``layout`` or the batch, all of which must agree. ``names``: the op's names of the five
     positional arrays (the indexer's ``seq_lens`` is the MLA's ``kv_lens``)."""
     from_layout = None if layout is None else _layout_pages(op, layout)
-    given = [n for n, x in zip(names, positional, strict=True) if x is not None]
-    if batch is None:
-        missing = [n for n, x in zip(names, positional, strict=True) if x is None]
-        if missing:
-            raise TypeError(f"{op}: the batch metadata is missing ({', '.join(missing)}): pass "
-                            f"batch=dsa_jax.Batch.from_packed(...) / from_fixed_stride(...) "
-                            f"or all of {', '.join(names)} positionally")
+    if metadata_from(op, batch, positional, names) is not None:
         pages = _agree(op, [("pages_per_seq", pages_per_seq), ("layout.pages_per_seq",
                                                                   from_layout)])
         if pages is None:
             raise TypeError(f"{op}: pages_per_seq is required (or layout=PagedLayout(...), or "
                             f"batch=)")
         return tuple(positional), pages
-    if not isinstance(batch, Batch):
-        raise TypeError(f"{op}: batch must be a dsa_jax.Batch, got {type(batch).__name__}")
-    if given:
-        raise TypeError(f"{op}: pass the batch metadata either as batch= or positionally, not "
-                        f"both (also given: {', '.join(given)})")
     pages = _agree(op, [("batch.pages_per_seq", batch.pages_per_seq),
                         ("pages_per_seq", pages_per_seq), ("layout.pages_per_seq",
                                                            from_layout)])
@@ -168,6 +157,26 @@ def op_batch(op: str, batch, positional: tuple, *, names: tuple[str, ...], cache
         raise ValueError(f"{op}: batch.page_size = {batch.page_size} but the cache holds "
                          f"{cache_page} keys per page (its shape[-2])")
     return batch.arrays, pages
+
+
+def metadata_from(op: str, batch, positional: tuple, names: tuple[str, ...]):
+    """Exactly one source of an op's batch metadata: ``positional`` (returned) when ``batch``
+    is ``None``, else ``None`` (the caller reads the ``Batch``); a missing array, a ``batch``
+    that is not a ``Batch`` or both given is a ``TypeError`` naming them."""
+    if batch is None:
+        missing = [n for n, x in zip(names, positional, strict=True) if x is None]
+        if missing:
+            raise TypeError(f"{op}: the batch metadata is missing ({', '.join(missing)}): pass "
+                            f"batch=dsa_jax.Batch.from_packed(...) / from_fixed_stride(...) "
+                            f"or all of {', '.join(names)} positionally")
+        return tuple(positional)
+    if not isinstance(batch, Batch):
+        raise TypeError(f"{op}: batch must be a dsa_jax.Batch, got {type(batch).__name__}")
+    given = [n for n, x in zip(names, positional, strict=True) if x is not None]
+    if given:
+        raise TypeError(f"{op}: pass the batch metadata either as batch= or positionally, not "
+                        f"both (also given: {', '.join(given)})")
+    return None
 
 
 def _layout_pages(op: str, layout) -> int:

@@ -114,3 +114,16 @@ def empty_batch(arrays: tuple, seq_lens_index: int, row_axes: dict) -> tuple[tup
             width[axis] = (0, 1)
             arrays[i] = jnp.pad(x, width, constant_values=fill)
     return tuple(arrays), empty_rows
+
+
+def static_float(op: str, name: str, value) -> float:
+    """``value`` as a Python float (a static of the compiled program): a Python / NumPy number
+    or a concrete JAX scalar; a traced value is a ``TypeError`` naming ``name``."""
+    try:
+        out = float(value)
+    except (TypeError, jax.errors.ConcretizationTypeError) as e:
+        raise TypeError(f"{op}: {name} must be a Python float (static: one compiled program "
+                        f"per value), got {type(value).__name__}") from e
+    if not np.isfinite(out):
+        raise ValueError(f"{op}: {name} must be finite, got {name}={out}")
+    return out

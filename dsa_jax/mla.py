@@ -6,12 +6,12 @@ optional ``attn_sink``; the Pallas entries are ``pallas_kernels.mla``'s.
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 
 from dsa_jax import backend as _backend
 from dsa_jax import batch as _batch
 from dsa_jax import dispatch as _dispatch
+from dsa_jax.dispatch import static_float
 
 
 def sparse_mla(q, cache_kv, kv_lens=None, topk_indices=None, page_indices=None,
@@ -122,16 +122,3 @@ def _mla(op: str, arrays: tuple, *, sm_scale: float, pages_per_seq: int | None,
 
 _NAMES = ("kv_lens", "page_indices", "cu_q_lens", "cu_kv_lens", "distribution")
 _SELECTED = {"sparse_mla": "topk_indices", "page_sparse_mla": "topk_pages"}
-
-
-def static_float(op: str, name: str, value) -> float:
-    """``value`` as a Python float (a static of the compiled program): a Python / NumPy number
-    or a concrete JAX scalar; a traced value is a ``TypeError`` naming ``name``."""
-    try:
-        out = float(value)
-    except (TypeError, jax.errors.ConcretizationTypeError) as e:
-        raise TypeError(f"{op}: {name} must be a Python float (static: one compiled program "
-                        f"per value), got {type(value).__name__}") from e
-    if not np.isfinite(out):
-        raise ValueError(f"{op}: {name} must be finite, got {name}={out}")
-    return out

@@ -41,6 +41,8 @@ from dsa_jax import backend as _backend
 from dsa_jax import cache as _cache
 from dsa_jax import context as _context
 from dsa_jax import validate as _validate
+from dsa_jax.batch import Batch
+from dsa_jax.dispatch import empty_batch
 from dsa_jax.indexer import indexer_topk, page_topk
 from dsa_jax.layout import PagedLayout
 from dsa_jax.mla import page_sparse_mla, sparse_mla
@@ -357,9 +359,6 @@ def dsa_step(inputs: StepInputs, latent_caches: jax.Array, index_caches: jax.Arr
 def _meta_of(meta, layout: PagedLayout):
     """The five batch arrays of a ``BatchMeta``, a tuple, or a ``dsa_jax.Batch`` (checked
     against ``layout``), an empty one padded (``dsa_jax.dispatch.empty_batch``)."""
-    from dsa_jax.batch import Batch
-    from dsa_jax.dispatch import empty_batch
-
     if isinstance(meta, Batch):
         for field in ("page_size", "pages_per_seq"):
             if getattr(meta, field) != getattr(layout, field):

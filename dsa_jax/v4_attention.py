@@ -37,6 +37,8 @@ from jax.experimental import checkify
 
 from dsa_jax import backend as _backend
 from dsa_jax import validate as _validate
+from dsa_jax.batch import metadata_from
+from dsa_jax.dispatch import empty_batch, static_float
 from dsa_jax.layout import LayoutError, _int, aligned_page_size
 from reference import v4_attention as v4
 from reference.core import batch
@@ -322,8 +324,6 @@ def v4_attention(q, window: v4.PagedKV, kv_lens=None, cu_q_lens=None, distributi
         if kv is not None:
             layout.check_cache(name, kv.cache, which)
     check_precision(precision)
-    from dsa_jax.mla import static_float
-
     scale = v4.HEAD_DIM ** -0.5 if sm_scale is None else static_float(
         "v4_attention", "sm_scale", sm_scale)
     statics = dict(sm_scale=float(scale), window_size=layout.window_size,
@@ -346,23 +346,9 @@ def v4_attention(q, window: v4.PagedKV, kv_lens=None, cu_q_lens=None, distributi
 
 def _v4_batch(batch, window, positional, layout: V4Layout):
     """``(window, (kv_lens, cu_q_lens, distribution))`` from ``batch=`` or the arguments."""
-    names = ("kv_lens", "cu_q_lens", "distribution")
-    if batch is None:
-        missing = [n for n, x in zip(names, positional, strict=True) if x is None]
-        if missing:
-            raise TypeError(f"v4_attention: the batch metadata is missing "
-                            f"({', '.join(missing)}): pass batch=dsa_jax.Batch... or "
-                            f"kv_lens, cu_q_lens, distribution positionally")
+    if metadata_from("v4_attention", batch, positional,
+                     ("kv_lens", "cu_q_lens", "distribution")) is not None:
         return window, positional
-    from dsa_jax.batch import Batch
-
-    if not isinstance(batch, Batch):
-        raise TypeError(f"v4_attention: batch must be a dsa_jax.Batch, got "
-                        f"{type(batch).__name__}")
-    given = [n for n, x in zip(names, positional, strict=True) if x is not None]
-    if given:
-        raise TypeError(f"v4_attention: pass the batch metadata either as batch= or "
-                        f"positionally, not both (also given: {', '.join(given)})")
     if not isinstance(window, v4.PagedKV):
         for field, want in (("page_size", layout.window_page_size),
                             ("pages_per_seq", layout.window_pages_per_seq)):
@@ -378,8 +364,6 @@ def _v4_nonempty(q, window, kv_lens, cu_q_lens, distribution, compressed, compre
     """The arguments with an empty batch padded (``dsa_jax.dispatch.empty_batch``'s rule):
     ``S = 0`` gets an inactive sequence (each cache's table too), ``T = 0`` one row outside
     every sequence (dropped by the caller)."""
-    from dsa_jax.dispatch import empty_batch
-
     def padded(kv):
         if kv is None:
             return None

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from dsa_jax import backend as _backend
+from dsa_jax.dispatch import empty_batch
 from dsa_jax.indexer import indexer_topk
 from dsa_jax.v4_attention import V4Layout, layout_batch, v4_attention
 from dsa_jax.v4_compressor import compress_step as v4_compress_step
@@ -193,8 +194,6 @@ def v4_step(inputs: V4StepInputs, params: V4StepParams, caches: V4Caches, states
 def _nonempty_meta(meta: V4BatchMeta) -> V4BatchMeta:
     """``S = 0`` sequences padded with one inactive slot (``dsa_jax.dispatch.empty_batch``'s
     rule; its state slot ``-1``: no state is read or written)."""
-    from dsa_jax.dispatch import empty_batch
-
     if int(meta.kv_lens.shape[0]) != 0:
         return meta
     out = {}
