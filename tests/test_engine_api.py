@@ -234,3 +234,26 @@ def test_v4_batch_meta_from_batches_is_the_step_metadata():
         dsa_jax.V4BatchMeta.from_batch(fam(meta.window_page_indices, meta.window_cu_lens,
                                            lay.window_page_size, lay.window_pages_per_seq),
                                        meta.state_slots, csa=(1, 2))
+
+
+def test_a_step_without_sequences_writes_nothing_and_reads_nothing():
+    """S = 0: every row lies outside every sequence (the drop rule writes nothing; top-k rows
+    -1, attention rows zero), on the V3.2 step; the V4 step's S = 0 metadata is padded too."""
+    sb, inputs, latent, index = ts._step_case()
+    none = BatchMeta(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(1, np.int32),
+                     np.zeros(1, np.int32), np.zeros(3, np.int32))
+    res = dsa_jax.dsa_step(inputs, jnp.asarray(latent), jnp.asarray(index), none,
+                           layout=ts.LAYOUT, indexer_types=ts.TYPES, k=6, sm_scale=ts.SM_SCALE,
+                           implementation="xla")
+    assert np.all(np.asarray(res.topk) == -1) and np.all(np.asarray(res.out) == 0)
+    np.testing.assert_array_equal(res.latent_caches, latent)
+    np.testing.assert_array_equal(res.index_caches, index)
+    inputs4, sp, pm, meta = tv._one_step_args()
+    idle = inputs4._replace(**{n: x[:, :0] for n, x in inputs4._asdict().items()
+                               if x is not None and n != "attn_sink"})
+    empty = {f: (np.zeros(1 if f.endswith("cu_lens") or f == "cu_q_lens" else
+                          3 if f == "distribution" else 0, np.int32)
+                 if getattr(meta, f) is not None else None) for f in meta._fields}
+    res4 = v4_step(idle, sp, pm.caches, pm.states, dsa_jax.V4BatchMeta(**empty),
+                   layout=pm.layout, implementation="xla")
+    assert res4.out.shape[1] == 0 and res4.topk.shape[1] == 0
