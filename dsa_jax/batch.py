@@ -136,12 +136,18 @@ jax.tree_util.register_dataclass(Batch, data_fields=list(META_NAMES),
 
 
 def op_batch(op: str, batch, positional: tuple, *, names: tuple[str, ...], cache,
-             pages_per_seq, layout=None) -> tuple[tuple, int]:
+             pages_per_seq, layout=None, tokens: bool = True) -> tuple[tuple, int]:
     """The metadata arrays and ``pages_per_seq`` of one call of ``op``: from ``batch`` or from
     the positional arrays (exactly one of them), with ``pages_per_seq`` from the keyword, the
     ``layout`` or the batch, all of which must agree. ``names``: the op's names of the five
-    positional arrays (the indexer's ``seq_lens`` is the MLA's ``kv_lens``)."""
+    positional arrays (the indexer's ``seq_lens`` is the MLA's ``kv_lens``). ``tokens``: the
+    cache's pages hold tokens (not DeepSeek-V4's compressed entries), so a ``layout``'s
+    ``page_size`` must be the cache's too."""
     from_layout = None if layout is None else _layout_pages(op, layout)
+    cache_page = int(tuple(getattr(cache, "shape", np.shape(cache)))[-2])
+    if layout is not None and tokens and int(layout.page_size) != cache_page:
+        raise ValueError(f"{op}: layout.page_size = {layout.page_size} but the cache holds "
+                         f"{cache_page} tokens per page (its shape[-2])")
     if metadata_from(op, batch, positional, names) is not None:
         pages = _agree(op, [("pages_per_seq", pages_per_seq), ("layout.pages_per_seq",
                                                                   from_layout)])
@@ -152,7 +158,6 @@ def op_batch(op: str, batch, positional: tuple, *, names: tuple[str, ...], cache
     pages = _agree(op, [("batch.pages_per_seq", batch.pages_per_seq),
                         ("pages_per_seq", pages_per_seq), ("layout.pages_per_seq",
                                                            from_layout)])
-    cache_page = int(tuple(getattr(cache, "shape", np.shape(cache)))[-2])
     if cache_page != batch.page_size:
         raise ValueError(f"{op}: batch.page_size = {batch.page_size} but the cache holds "
                          f"{cache_page} keys per page (its shape[-2])")

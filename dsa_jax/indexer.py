@@ -74,7 +74,8 @@ def indexer_topk(q, weights, cache_kv, seq_lens=None, page_indices=None, cu_q_le
     """
     meta, pages_per_seq = _batch.op_batch(
         "indexer_topk", batch, (seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution),
-        names=_NAMES, cache=cache_kv, pages_per_seq=pages_per_seq, layout=layout)
+        names=_NAMES, cache=cache_kv, pages_per_seq=pages_per_seq, layout=layout,
+        tokens=compression_ratio == 1)
     statics = dict(k=k, pages_per_seq=pages_per_seq, one_token_per_seq=one_token_per_seq,
                    num_segments=num_segments, fill=fill,
                    refuse_full_overwrite=refuse_full_overwrite, recall_target=recall_target,
@@ -115,7 +116,8 @@ def page_topk(q, weights, cache_kv, seq_lens=None, page_indices=None, cu_q_lens=
     """
     meta, pages_per_seq = _batch.op_batch(
         "page_topk", batch, (seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution),
-        names=_NAMES, cache=cache_kv, pages_per_seq=pages_per_seq, layout=layout)
+        names=_NAMES, cache=cache_kv, pages_per_seq=pages_per_seq, layout=layout,
+        tokens=compression_ratio == 1)
     statics = dict(k_pages=k_pages, pages_per_seq=pages_per_seq,
                    one_token_per_seq=one_token_per_seq, num_segments=num_segments,
                    fill=fill, refuse_full_overwrite=refuse_full_overwrite,

@@ -203,6 +203,13 @@ def _cases():  # noqa: C901 - a table
         "idx layout disagrees": (I, dict(layout=dsa_jax.PagedLayout(page_size=PAGE,
                                                                     pages_per_seq=2)),
                                  Err(ValueError, "pages_per_seq")),
+        "idx layout page size": (I, dict(layout=dsa_jax.PagedLayout(page_size=16,
+                                                                    pages_per_seq=PAGES)),
+                                 Err(ValueError, "layout.page_size = 16")),
+        "mla layout gives the stride and v_dim": (mla, dict(
+            layout=dsa_jax.PagedLayout(page_size=PAGE, pages_per_seq=PAGES, latent_dim=V_DIM,
+                                       rope_dim=0), pages_per_seq=None, v_dim=None),
+            shape_is((5, 2, V_DIM))),
         # indexer: documented results
         "idx no rows": (I, "no_rows_idx", shape_is((0, K))),
         "idx no sequences": (I, "no_seqs", Ok(all_minus_one)),
