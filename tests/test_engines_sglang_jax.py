@@ -85,6 +85,19 @@ def test_streamindex_topk_is_indexer_topk_and_meets_the_oracle(case):
     check_token_topk(got, b, K, cache=np.asarray(cache3d.astype(jnp.float32)))
 
 
+def test_streamindex_topk_pallas_on_a_decode_batch():
+    """implementation="pallas" (the package's kernel, interpreted here; ~6 s): the oracle's
+    top-k, and the jnp implementation's result."""
+    spec, dist, dtype = BATCHES["decode"]
+    b = make_ragged_batch(np.random.default_rng(29), page_size=PAGE, pages_per_seq=PAGES,
+                          num_heads=2, dim=128, **spec)
+    args, _ = their_inputs(b, dtype, dist)
+    got = sj.streamindex_topk(*args, k=K, compression_ratio=1, implementation="pallas")
+    check_token_topk(got, b, K, cache=np.asarray(jnp.asarray(b.cache, dtype), np.float32))
+    np.testing.assert_array_equal(
+        got, sj.streamindex_topk(*args, k=K, compression_ratio=1, implementation="xla"))
+
+
 def test_compute_topk_pages_is_the_ascending_set_of_touched_pages(case):
     b, args, _, _ = case
     topk = np.array(sj.streamindex_topk(*args, k=K, compression_ratio=1,
