@@ -1,0 +1,7 @@
+"""Drop-in adapters: functions with an inference engine's own call names, arguments and
+results, computed by this package's ops.
+
+- ``dsa_jax.engines.sglang_jax``: sglang-jax's DSA kernels as ``dsa_sparse_backend.py`` calls
+  them (``streamindex_topk``, ``compute_topk_pages``, the references
+  ``streamindex_topk_ref`` / ``streamindex_page_topk_ref``).
+"""
