@@ -3,5 +3,6 @@ results, computed by this package's ops.
 
 - ``dsa_jax.engines.sglang_jax``: sglang-jax's DSA kernels as ``dsa_sparse_backend.py`` calls
   them (``streamindex_topk``, ``compute_topk_pages``, the references
-  ``streamindex_topk_ref`` / ``streamindex_page_topk_ref``).
+  ``streamindex_topk_ref`` / ``streamindex_page_topk_ref``; the MLA side
+  ``sparse_mla_page_level`` / ``prefill_write_and_attend`` from ``sglang_jax_mla``).
 """

@@ -30,6 +30,9 @@ bf16, two tokens per 32-bit word; 1 for f32) is read through the row-major resha
 package's ``[P, ps, D]``: token ``t`` of a page is row ``t`` either way, and XLA emits the
 reshape as a ``bitcast`` (checked on CPU in ``tests/test_engines_sglang_jax.py``; sglang-jax's
 own reference path does the same reshape, so on TPU the view costs what it costs there).
+
+The MLA side (``sparse_mla_page_level``, ``prefill_write_and_attend``) lives in
+``dsa_jax.engines.sglang_jax_mla`` and is re-exported here.
 """
 
 from __future__ import annotations
@@ -42,11 +45,13 @@ import numpy as np
 
 from dsa_jax import backend as _backend
 from dsa_jax.batch import Batch
+from dsa_jax.engines.sglang_jax_mla import prefill_write_and_attend, sparse_mla_page_level
 from dsa_jax.indexer import indexer_topk
 from reference import streamindex_page_topk_ref, streamindex_topk_ref
 
-__all__ = ["compute_topk_pages", "index_cache_view", "streamindex_page_topk_ref",
-           "streamindex_topk", "streamindex_topk_ref"]
+__all__ = ["compute_topk_pages", "index_cache_view", "prefill_write_and_attend",
+           "sparse_mla_page_level", "streamindex_page_topk_ref", "streamindex_topk",
+           "streamindex_topk_ref"]
 
 # sglang-jax's streamindex_topk.DEFAULT_VMEM_LIMIT_BYTES (a Pallas knob; see streamindex_topk).
 DEFAULT_VMEM_LIMIT_BYTES = 100 * 1024 * 1024

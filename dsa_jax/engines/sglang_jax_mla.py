@@ -1,0 +1,247 @@
+"""sglang-jax's DSA sparse-MLA calls, with its names, arguments and results, computed by this
+package's cache writer and ``dsa_jax.page_sparse_mla`` (issue 29; the MLA side). Re-exported
+by ``dsa_jax.engines.sglang_jax``.
+
+Read from sgl-project/sglang-jax at commit ``cddbf6f1cc33cbdd453bd8f36ff7051cf46ca176``:
+
+- ``python/sgl_jax/srt/kernels/dsa/sparse_mla.py``: ``sparse_mla_page_level`` (decode, one
+  query row per sequence) turns each row's selection into a page list ``[hit pages ..., the
+  new token's page]`` (hit pages: the first ``k_pages_max - 1`` entries of ``topk_pages``, or
+  the lowest ``k_pages_max - 1`` pages the token ``topk_indices`` touch, less the new token's
+  page) and runs the dense MLA v2 kernel over it with ``kv_len = n_hit * page_size + new_off +
+  1``: every token of each hit page, and the new token's page up to the token itself. The
+  kernel writes ``[new_kv_c | new_k_pe]`` at the token's slot ``kv_len - 1`` first and
+  attends it; ``s = (q . k) * sm_scale`` in f32; ``o`` is ``ql_nope.dtype[T, H,
+  kv_lora_rank]``, the latent (value = the first ``kv_lora_rank`` cache columns), not yet
+  up-projected. ``page_indices`` is the packed table (sequence ``i``'s pages from slot
+  ``cu_kv_lens[i] // page_size``); ``distribution`` is not read (the kernel gets ``[T, T, T]``).
+- ``python/sgl_jax/srt/kernels/mla/v2/kernel.py``: the pool ``[P, ps / kv_packing,
+  kv_packing, align(lkv, 128) + align(r, 128)]`` (``get_kv_cache_shape``), a row ``[c_kv (0:512)
+  | k_pe (512:576) | zeros (576:640)]``, cache dtype equal to ``new_kv_c``'s.
+- ``python/sgl_jax/srt/kernels/dsa/sparse_mla_prefill.py``: ``prefill_write_and_attend``
+  (single-sequence, single-shot extend): writes each row at flat slot ``loc[t]`` (``-1``
+  dropped), takes the page table ``clip(loc[::ps] // ps, 0, P - 1)``, and attends every token
+  ``kp`` of each listed page with ``kp <= positions[t]`` and ``kp < T``; ``o`` is
+  ``f32[T, H, kv_lora_rank]``.
+- ``python/sgl_jax/srt/layers/attention/dsa_sparse_backend.py`` (the caller): ``_run_sparse``
+  passes ``md.seq_lens`` / ``page_indices`` / ``cu_q_lens`` / ``cu_kv_lens`` /
+  ``distribution``, ``page_size = cache.shape[1] * cache.shape[2]``, ``pages_per_seq =
+  len(page_indices) // S``, ``k_pages_max = 512`` (or ``DSA_PAGE_TOPK + 1``), ``sm_scale`` as
+  a Python float (``layer.scaling`` or ``1 / sqrt(qk_nope + qk_rope)``); ``_run_sparse_prefill``
+  passes ``forward_batch.positions`` / ``out_cache_loc`` and casts ``o`` to ``ql.dtype``.
+
+The pool is read through the row-major reshape to the package's ``[P, ps, D]`` (a bitcast;
+token ``t`` of a page is row ``t`` either way) and returned reshaped back.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from dsa_jax.batch import Batch
+from dsa_jax.cache import write_rows, write_slots
+from dsa_jax.layout import PagedLayout
+from dsa_jax.mla import page_sparse_mla
+
+__all__ = ["prefill_write_and_attend", "sparse_mla_page_level"]
+
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def _pos_int(where: str, name: str, v, low: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
+        raise ValueError(f"sglang_jax.{where}: {name} must be an int >= {low}, got {v!r}")
+    return int(v)
+
+
+def _view(where: str, cache_kv, ql_nope, q_pe, new_kv_c, new_k_pe, kv_lora_rank):
+    """Check the shapes and return ``(cache [P, ps, D], layout fields)``."""
+    shape = tuple(cache_kv.shape)
+    if len(shape) != 4:
+        raise ValueError(f"sglang_jax.{where}: cache_kv must be 4-D [P, ps / kv_packing, "
+                         f"kv_packing, D], got shape {list(shape)}")
+    dtype = jnp.dtype(cache_kv.dtype)
+    if dtype not in _DTYPES:
+        raise NotImplementedError(f"sglang_jax.{where}: cache_kv dtype {dtype} is not served "
+                                  f"(bf16 / f32 only)")
+    if shape[2] != 32 // (dtype.itemsize * 8):
+        raise ValueError(f"sglang_jax.{where}: cache_kv dim 2 (kv_packing) must be 32 // bits"
+                         f" = {32 // (dtype.itemsize * 8)} for {dtype}, got {list(shape)}")
+    lkv = _pos_int(where, "kv_lora_rank", kv_lora_rank)
+    if lkv % 128:
+        raise NotImplementedError(
+            f"sglang_jax.{where}: kv_lora_rank={lkv} is not a multiple of 128: sglang-jax pads"
+            f" c_kv and k_pe to 128 each, the package pads their concatenation")
+    rope = int(np.shape(q_pe)[-1])
+    dims = {"ql_nope.shape[-1]": np.shape(ql_nope)[-1], "new_kv_c.shape[-1]":
+            np.shape(new_kv_c)[-1], "kv_lora_rank": lkv}
+    if len(set(dims.values())) != 1 or np.shape(new_k_pe)[-1] != rope:
+        raise ValueError(f"sglang_jax.{where}: {dims} must agree and new_k_pe.shape[-1] = "
+                         f"{np.shape(new_k_pe)[-1]} must equal q_pe.shape[-1] = {rope}")
+    if np.ndim(ql_nope) != 3 or np.shape(q_pe)[:2] != np.shape(ql_nope)[:2]:
+        raise ValueError(f"sglang_jax.{where}: ql_nope {list(np.shape(ql_nope))} and q_pe "
+                         f"{list(np.shape(q_pe))} must be [T, H, *] with equal T, H")
+    padded = -(-(lkv + rope) // 128) * 128
+    if shape[3] != padded:
+        raise ValueError(f"sglang_jax.{where}: cache_kv dim 3 must be {padded} (kv_lora_rank "
+                         f"+ rope dim rounded up to 128), got {list(shape)}")
+    return cache_kv.reshape(shape[0], shape[1] * shape[2], shape[3]), lkv, rope
+
+
+def _rows(new_kv_c, new_k_pe, width: int):
+    """``[c_kv | k_pe | zeros]`` rows of the cache's width."""
+    rows = jnp.concatenate([jnp.asarray(new_kv_c, jnp.float32),
+                            jnp.asarray(new_k_pe, jnp.float32)], axis=-1)
+    return jnp.pad(rows, ((0, 0), (0, width - rows.shape[-1])))
+
+
+def _query(ql_nope, q_pe, width: int, dtype):
+    q = jnp.concatenate([jnp.asarray(ql_nope, dtype), jnp.asarray(q_pe, dtype)], axis=-1)
+    return jnp.pad(q, ((0, 0), (0, 0), (0, width - q.shape[-1])))
+
+
+def _page_list(topk_indices, topk_pages, new_page, page_size: int, pages_per_seq: int,
+               k_pages_max: int):
+    """sglang-jax's per-row page list: ``k_pages_max - 1`` hit slots (``-1`` = none), then
+    the new token's page."""
+    from dsa_jax.engines.sglang_jax import _touched_pages  # the compute_topk_pages rule
+
+    hits = k_pages_max - 1
+    if hits == 0:
+        return new_page[:, None]
+    if topk_pages is None:
+        idx = jnp.asarray(topk_indices).astype(jnp.int32)
+        idx = jnp.where((idx >= 0) & (idx // page_size == new_page[:, None]), -1, idx)
+        listed = _touched_pages(idx, page_size, pages_per_seq, hits)
+    else:
+        raw = jnp.asarray(topk_pages).astype(jnp.int32)[:, :hits]
+        listed = jnp.where((raw >= 0) & (raw != new_page[:, None]), raw, -1)
+        listed = jnp.pad(listed, ((0, 0), (0, hits - listed.shape[1])), constant_values=-1)
+    return jnp.concatenate([listed, new_page[:, None]], axis=1)
+
+
+def sparse_mla_page_level(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_lens, topk_indices,
+                          page_indices, cu_q_lens, cu_kv_lens, distribution, topk_pages=None,
+                          *, sm_scale: float, page_size: int, pages_per_seq: int,
+                          kv_lora_rank: int, k_pages_max: int = 64,
+                          num_kv_pages_per_block=None, num_queries_per_block=None,
+                          vmem_limit_bytes=None, implementation=None):
+    """sglang-jax's ``sparse_mla_page_level``: write this step's latent rows, then absorbed
+    MLA over the rows' selected pages and the new token's page, by ``dsa_jax.update_kv_cache``'s
+    slot rule / ``write_rows`` and ``dsa_jax.page_sparse_mla``.
+
+    Args:
+      ql_nope: ``f32|bf16[T, H, kv_lora_rank]`` absorbed query; q_pe: ``[T, H, r]`` rope query.
+      new_kv_c: ``[T, kv_lora_rank]``; new_k_pe: ``[T, r]``: this step's latent row per query
+        row, written (cast to the cache dtype) at the row's token slot before attending.
+      cache_kv: ``bf16[P, ps / 2, 2, D]`` or ``f32[P, ps, 1, D]``, ``D = round_up(kv_lora_rank
+        + r, 128)`` (640), rows ``[c_kv | k_pe | zeros]``.
+      kv_lens: ``i32[S]`` this step's token included. page_indices, cu_q_lens, cu_kv_lens,
+        distribution: the packed batch (``dsa_jax.Batch.from_packed``).
+      topk_indices: ``i32[T, k]`` sequence-local token top-k (read when ``topk_pages`` is
+        ``None``). topk_pages: ``i32[T, *]`` sequence-local pages, ``-1`` = none, or ``None``.
+      sm_scale: static float (the logit scale). page_size: must equal the cache's. pages_per_seq:
+        the page-table stride (capacity, pages). kv_lora_rank: the latent (value) dim, a
+        multiple of 128. k_pages_max: page slots per row (the new token's page included).
+      num_kv_pages_per_block, num_queries_per_block, vmem_limit_bytes: sglang-jax's Pallas
+        knobs; accepted and not forwarded (they change no result).
+      implementation: as ``dsa_jax.page_sparse_mla``.
+
+    Returns:
+      ``(o ql_nope.dtype[T, H, kv_lora_rank], cache_kv)``: ``o`` in latent space, the cache in
+      the 4-D layout with this step's rows written and nothing else changed.
+
+    Differences kept (the decode batches sglang-jax sends agree exactly): rows outside every
+    active sequence (``kv_len == 0`` padding, rows past ``cu_q_lens[S]``, sequences at or past
+    ``distribution[2]``) write nothing and give zeros, where sglang-jax writes them into its
+    sentinel page ``P - 1`` (or, for rows past ``cu_q_lens[S]``, the last sequence's slot);
+    tokens at or past ``kv_len`` of a listed page and listed pages ``>= pages_per_seq`` are not
+    attended (sglang-jax reads whole pages through ``page_indices``; its indexer lists
+    neither); a sequence with several rows attends causally per row and writes each row at its
+    own slot (sglang-jax's page-level call is decode-only); ``distribution`` is honoured.
+    """
+    where = "sparse_mla_page_level"
+    cache, lkv, rope = _view(where, cache_kv, ql_nope, q_pe, new_kv_c, new_k_pe, kv_lora_rank)
+    num_pages, ps, width = cache.shape
+    if _pos_int(where, "page_size", page_size) != ps:
+        raise ValueError(f"sglang_jax.{where}: page_size={page_size} but cache_kv holds "
+                         f"{ps} tokens per page ({list(cache_kv.shape)})")
+    pps = _pos_int(where, "pages_per_seq", pages_per_seq)
+    kpm = _pos_int(where, "k_pages_max", k_pages_max)
+    del num_kv_pages_per_block, num_queries_per_block, vmem_limit_bytes
+    layout = PagedLayout(page_size=ps, pages_per_seq=pps, latent_dim=lkv, rope_dim=rope)
+    num_rows = int(np.shape(ql_nope)[0])
+    page_id, offset = write_slots(layout, num_rows, num_pages, kv_lens, page_indices, cu_q_lens,
+                                  cu_kv_lens, distribution)
+    cache = write_rows(cache, page_id, offset, _rows(new_kv_c, new_k_pe, width),
+                       layout=layout, kind="latent")
+    kv = jnp.asarray(kv_lens).astype(jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(jnp.asarray(cu_q_lens)[1:], jnp.arange(num_rows),
+                                    side="right"), 0, max(kv.shape[0] - 1, 0))
+    new_page = (jnp.maximum(kv[seq] - 1, 0) // ps).astype(jnp.int32) if kv.shape[0] else \
+        jnp.zeros((num_rows,), jnp.int32)
+    pages = _page_list(topk_indices, topk_pages, new_page, ps, pps, kpm)
+    batch = Batch.from_packed(kv_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,
+                              page_size=ps, pages_per_seq=pps)
+    dtype = jnp.result_type(ql_nope)
+    o = page_sparse_mla(_query(ql_nope, q_pe, width, dtype), cache, topk_pages=pages,
+                        batch=batch, sm_scale=float(sm_scale), v_dim=lkv,
+                        implementation=implementation)
+    return o, cache.reshape(cache_kv.shape)
+
+
+def prefill_write_and_attend(ql, qpe, kvc, kpe, cache, topk_pages, positions, loc, *,
+                             kv_lora_rank: int, page_size: int, sm_scale: float,
+                             read_block=None, interpret: bool = False, implementation=None):
+    """sglang-jax's ``prefill_write_and_attend`` (one sequence, one-shot extend): write each
+    row at flat cache slot ``loc[t]``, then attend the rows' selected pages, by ``write_rows``
+    and ``dsa_jax.page_sparse_mla``.
+
+    Args:
+      ql ``[T, H, kv_lora_rank]``, qpe ``[T, H, r]``, kvc ``[T, kv_lora_rank]``, kpe ``[T, r]``,
+        cache (as ``sparse_mla_page_level``), topk_pages ``i32[T, K]`` sequence-local pages
+        (``-1`` = none), positions ``i32[T]`` the causal bound, loc ``i32[T]`` flat slot
+        (``page * page_size + offset``; outside ``[0, P * page_size)``, e.g. ``-1``: not
+        written).
+      kv_lora_rank, page_size (must equal the cache's), sm_scale: as sglang-jax.
+      read_block: ``None`` or ``page_size`` (page-level units); another unit size is a
+        ``NotImplementedError``. interpret: sglang-jax's Pallas switch; accepted, not read.
+      implementation: as ``dsa_jax.page_sparse_mla``.
+
+    Returns:
+      ``(o f32[T, H, kv_lora_rank], cache)`` (sglang-jax's dtypes). Row ``t`` attends token
+      ``kp`` of each listed page iff ``kp <= positions[t]`` and ``kp < T``, through the page
+      table ``clip(loc[::page_size] // page_size, 0, P - 1)`` (sglang-jax's, valid for its
+      stated scope): each row is served as a one-row sequence of ``clip(positions[t] + 1, 0,
+      T)`` tokens over that table, so the rule is sglang-jax's exactly. Listed pages past the
+      table (``>= ceil(T / page_size)``) hold no token ``< T`` and are skipped, as there.
+    """
+    where = "prefill_write_and_attend"
+    view, lkv, rope = _view(where, cache, ql, qpe, kvc, kpe, kv_lora_rank)
+    num_pages, ps, width = view.shape
+    if _pos_int(where, "page_size", page_size) != ps:
+        raise ValueError(f"sglang_jax.{where}: page_size={page_size} but cache holds {ps} "
+                         f"tokens per page ({list(cache.shape)})")
+    if read_block is not None and read_block != ps:
+        raise NotImplementedError(f"sglang_jax.{where}: read_block={read_block!r} is not "
+                                  f"served (only page-level units, read_block=page_size={ps})")
+    del interpret
+    num_rows = int(np.shape(ql)[0])
+    layout = PagedLayout(page_size=ps, pages_per_seq=1, latent_dim=lkv, rope_dim=rope)
+    loc = jnp.asarray(loc).astype(jnp.int32)
+    ok = (loc >= 0) & (loc < num_pages * ps)
+    view = write_rows(view, jnp.where(ok, loc // ps, num_pages), jnp.where(ok, loc % ps, 0),
+                      _rows(kvc, kpe, width), layout=layout, kind="latent")
+    if num_rows == 0:
+        return jnp.zeros((0,) + np.shape(ql)[1:], jnp.float32), view.reshape(cache.shape)
+    table = jnp.clip(loc[::ps] // ps, 0, num_pages - 1)
+    kv_lens = jnp.clip(jnp.asarray(positions).astype(jnp.int32) + 1, 0, num_rows)
+    batch = Batch.from_fixed_stride(
+        kv_lens, jnp.broadcast_to(table, (num_rows, table.shape[0])),
+        jnp.arange(num_rows + 1, dtype=jnp.int32),
+        jnp.array([num_rows, num_rows, num_rows], jnp.int32), page_size=ps)
+    o = page_sparse_mla(_query(ql, qpe, width, jnp.float32), view, topk_pages=topk_pages,
+                        batch=batch, sm_scale=float(sm_scale), v_dim=lkv,
+                        implementation=implementation)
+    return o, view.reshape(cache.shape)
