@@ -8,8 +8,10 @@ are named."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -190,3 +192,25 @@ def test_refusals_are_named():
         sj.prefill_write_and_attend(ql, qpe, kvc, kpe, pool, np.zeros((4, 1), np.int32),
                                     np.arange(4), np.arange(4), kv_lora_rank=LKV,
                                     page_size=PAGE, sm_scale=SM, read_block=16)
+
+
+def test_both_run_under_jit_as_their_caller_runs_them():
+    """sglang-jax calls both inside ``jax.jit`` / ``shard_map`` with the statics bound."""
+    rng = np.random.default_rng(7)
+    b, _, (ql, qpe, kvc, kpe, pool) = _decode_inputs(rng, jnp.bfloat16)
+    topk = np.full((b.q.shape[0], 3), -1, np.int32)
+    topk[:3, 0] = 0
+    args = (ql, qpe, kvc, kpe, pool, b.seq_lens, topk, b.page_indices, b.cu_q_lens,
+            b.cu_kv_lens, b.distribution)
+    fn = functools.partial(sj.sparse_mla_page_level, sm_scale=SM, page_size=PAGE,
+                           pages_per_seq=PAGES, kv_lora_rank=LKV, k_pages_max=2,
+                           implementation="xla")
+    for got, want in zip(jax.jit(fn)(*args), fn(*args), strict=True):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    t = 4
+    pargs = (ql[:t], qpe[:t], kvc[:t], kpe[:t], pool, np.zeros((t, 1), np.int32),
+             np.arange(t, dtype=np.int32), np.arange(t, dtype=np.int32) + 2 * PAGE)
+    pfn = functools.partial(sj.prefill_write_and_attend, kv_lora_rank=LKV, page_size=PAGE,
+                            sm_scale=SM, implementation="xla")
+    for got, want in zip(jax.jit(pfn)(*pargs), pfn(*pargs), strict=True):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -159,7 +159,8 @@ def sparse_mla_page_level(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_lens, 
     tokens at or past ``kv_len`` of a listed page and listed pages ``>= pages_per_seq`` are not
     attended (sglang-jax reads whole pages through ``page_indices``; its indexer lists
     neither); a sequence with several rows attends causally per row and writes each row at its
-    own slot (sglang-jax's page-level call is decode-only); ``distribution`` is honoured.
+    own slot (sglang-jax's page-level call is decode-only); ``distribution`` is honoured; new
+    rows of another dtype are cast to the cache's (sglang-jax's kernel refuses them).
     """
     where = "sparse_mla_page_level"
     cache, lkv, rope = _view(where, cache_kv, ql_nope, q_pe, new_kv_c, new_k_pe, kv_lora_rank)
