@@ -45,7 +45,11 @@ import numpy as np
 
 from dsa_jax import backend as _backend
 from dsa_jax.batch import Batch
-from dsa_jax.engines.sglang_jax_mla import prefill_write_and_attend, sparse_mla_page_level
+from dsa_jax.engines.sglang_jax_mla import (
+    pool_view,
+    prefill_write_and_attend,
+    sparse_mla_page_level,
+)
 from dsa_jax.indexer import indexer_topk
 from reference import streamindex_page_topk_ref, streamindex_topk_ref
 
@@ -75,20 +79,7 @@ def index_cache_view(cache_kv: jax.Array) -> jax.Array:
       NotImplementedError: a dtype other than bf16 / f32 (sglang-jax's uint8 records with
         inline e8m0 scales are not this package's fp8 index cache, ``Fp8IndexCache``).
     """
-    shape = tuple(cache_kv.shape)
-    if len(shape) != 4:
-        raise ValueError(f"sglang_jax: cache_kv must be 4-D [P, ps / kv_packing, kv_packing, "
-                         f"D], got shape {list(shape)}")
-    dtype = jnp.dtype(cache_kv.dtype)
-    if dtype not in _DTYPES:
-        raise NotImplementedError(
-            f"sglang_jax: cache_kv dtype {dtype} is not served (bf16 / f32 only; sglang-jax's "
-            f"uint8 fp8 records with inline e8m0 scales are not dsa_jax.Fp8IndexCache's layout)")
-    packing = 32 // (dtype.itemsize * 8)
-    if shape[2] != packing:
-        raise ValueError(f"sglang_jax: cache_kv dim 2 (kv_packing) must be 32 // bits = "
-                         f"{packing} for {dtype}, got shape {list(shape)}")
-    return cache_kv.reshape(shape[0], shape[1] * shape[2], shape[3])
+    return pool_view("sglang_jax", cache_kv)
 
 
 def _check_knobs(num_kv_pages_per_block, num_queries_per_block, vmem_limit_bytes,

@@ -55,19 +55,32 @@ def _pos_int(where: str, name: str, v, low: int = 1) -> int:
     return int(v)
 
 
-def _view(where: str, cache_kv, ql_nope, q_pe, new_kv_c, new_k_pe, kv_lora_rank):
-    """Check the shapes and return ``(cache [P, ps, D], layout fields)``."""
+def pool_view(where: str, cache_kv):
+    """sglang-jax's 4-D pool ``[P, ps / kv_packing, kv_packing, D]`` (``kv_packing = 32 //
+    bits``) as ``[P, ps, D]``: a row-major reshape (a ``bitcast`` in XLA), token ``t`` of a page
+    row ``t`` either way. ``ValueError`` for a shape that is not that; ``NotImplementedError``
+    for a dtype other than bf16 / f32 (sglang-jax's uint8 fp8 records with inline e8m0 scales
+    are not this package's fp8 caches). ``where`` names the call in the message."""
     shape = tuple(cache_kv.shape)
     if len(shape) != 4:
-        raise ValueError(f"sglang_jax.{where}: cache_kv must be 4-D [P, ps / kv_packing, "
-                         f"kv_packing, D], got shape {list(shape)}")
+        raise ValueError(f"{where}: cache_kv must be 4-D [P, ps / kv_packing, kv_packing, D], "
+                         f"got shape {list(shape)}")
     dtype = jnp.dtype(cache_kv.dtype)
     if dtype not in _DTYPES:
-        raise NotImplementedError(f"sglang_jax.{where}: cache_kv dtype {dtype} is not served "
-                                  f"(bf16 / f32 only)")
-    if shape[2] != 32 // (dtype.itemsize * 8):
-        raise ValueError(f"sglang_jax.{where}: cache_kv dim 2 (kv_packing) must be 32 // bits"
-                         f" = {32 // (dtype.itemsize * 8)} for {dtype}, got {list(shape)}")
+        raise NotImplementedError(
+            f"{where}: cache_kv dtype {dtype} is not served (bf16 / f32 only; sglang-jax's "
+            f"uint8 fp8 records with inline e8m0 scales are not this package's fp8 layouts)")
+    packing = 32 // (dtype.itemsize * 8)
+    if shape[2] != packing:
+        raise ValueError(f"{where}: cache_kv dim 2 (kv_packing) must be 32 // bits = {packing} "
+                         f"for {dtype}, got shape {list(shape)}")
+    return cache_kv.reshape(shape[0], shape[1] * shape[2], shape[3])
+
+
+def _view(where: str, cache_kv, ql_nope, q_pe, new_kv_c, new_k_pe, kv_lora_rank):
+    """Check the shapes and return ``(cache [P, ps, D], layout fields)``."""
+    view = pool_view(f"sglang_jax.{where}", cache_kv)
+    shape = tuple(cache_kv.shape)
     lkv = _pos_int(where, "kv_lora_rank", kv_lora_rank)
     if lkv % 128:
         raise NotImplementedError(
@@ -86,7 +99,7 @@ def _view(where: str, cache_kv, ql_nope, q_pe, new_kv_c, new_k_pe, kv_lora_rank)
     if shape[3] != padded:
         raise ValueError(f"sglang_jax.{where}: cache_kv dim 3 must be {padded} (kv_lora_rank "
                          f"+ rope dim rounded up to 128), got {list(shape)}")
-    return cache_kv.reshape(shape[0], shape[1] * shape[2], shape[3]), lkv, rope
+    return view, lkv, rope
 
 
 def _rows(new_kv_c, new_k_pe, width: int):
