@@ -30,17 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from reference.core import checks as _checks
+
 META_NAMES = ("kv_lens", "page_indices", "cu_q_lens", "cu_kv_lens", "distribution")
-
-
-def _static_int(where: str, name: str, value) -> int:
-    """``value`` as a positive Python int, else ``TypeError`` / ``ValueError`` naming it."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{where}: {name} must be a Python int (a static size), got "
-                        f"{type(value).__name__} {value!r}")
-    if int(value) <= 0:
-        raise ValueError(f"{where}: {name} must be positive, got {name}={int(value)}")
-    return int(value)
 
 
 def _int_array(where: str, name: str, x, shape: tuple) -> jax.Array:
@@ -96,8 +88,8 @@ class Batch:
                    _int_array(where, "cu_q_lens", cu_q_lens, (s + 1,)),
                    _int_array(where, "cu_kv_lens", cu_kv_lens, (s + 1,)),
                    _int_array(where, "distribution", distribution, (3,)),
-                   page_size=_static_int(where, "page_size", page_size),
-                   pages_per_seq=_static_int(where, "pages_per_seq", pages_per_seq))
+                   page_size=_checks.positive_int("page_size", page_size, where),
+                   pages_per_seq=_checks.positive_int("pages_per_seq", pages_per_seq, where))
 
     @classmethod
     def from_fixed_stride(cls, kv_lens, page_table, cu_q_lens, distribution, *,
@@ -109,9 +101,9 @@ class Batch:
         kv = _int_array(where, "kv_lens", kv_lens, (None,))
         s = kv.shape[0]
         table = _int_array(where, "page_table", page_table, (s, None))
-        page_size = _static_int(where, "page_size", page_size)
-        pages_per_seq = _static_int(where, "page_table.shape[1] (pages_per_seq)",
-                                    int(table.shape[1]))
+        page_size = _checks.positive_int("page_size", page_size, where)
+        pages_per_seq = _checks.positive_int("page_table.shape[1] (pages_per_seq)",
+                                             int(table.shape[1]), where)
         stride = pages_per_seq * page_size
         cu_kv = jnp.arange(s + 1, dtype=jnp.int32) * stride
         return cls(kv, table.reshape(-1), _int_array(where, "cu_q_lens", cu_q_lens, (s + 1,)),

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsa_jax.layout import PagedLayout
-from reference.core import batch
+from reference.core import batch, checks
 from reference.formats import fp8_cache, packed_cache
 
 
@@ -53,14 +53,8 @@ def batch_write_slots(b: batch.RaggedBatch, num_rows: int):
     return jnp.where(ok, page_id, b.num_pages).astype(jnp.int32), offset.astype(jnp.int32)
 
 
-ROW_DTYPES = (jnp.float32, jnp.bfloat16)  # what every op reads (f16 is refused there too)
-
-
 def _pad_features(name: str, rows, want: int, allowed: tuple[int, ...]):
-    dtype = jnp.result_type(rows)
-    if dtype not in ROW_DTYPES:
-        raise TypeError(f"update_kv_cache: {name} must be f32 or bf16 (the dtypes the ops "
-                        f"read), got {dtype}")
+    checks.floating(f"update_kv_cache: {name}", rows)  # the dtypes every op reads
     got = np.shape(rows)[-1]
     if got not in allowed:
         raise ValueError(f"{name}.shape[-1] must be one of {sorted(set(allowed))} (the layout's "

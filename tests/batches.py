@@ -50,3 +50,13 @@ def indexer_args(b, dtype):
 
     return (jnp.asarray(b.q, dtype), jnp.asarray(b.weights, dtype),
             jnp.asarray(b.cache, dtype)) + b.meta()
+
+
+def fixed_stride_table(b, fill: int = -1) -> np.ndarray:
+    """``i32[S, pages_per_seq]``: synthetic batch ``b``'s page table in the fixed-stride form
+    (vLLM / tpu-inference / sglang-jax): row ``i`` holds sequence ``i``'s pages, every other
+    slot ``fill`` (``-1``, or a spare page id)."""
+    table = np.full((b.seq_lens.shape[0], b.pages_per_seq), fill, np.int32)
+    for i, pages in enumerate(b.seq_pages):
+        table[i, :len(pages)] = pages
+    return table

@@ -14,21 +14,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import tpu as pltpu
+from batches import fixed_stride_table
 from v4_batches import make_v4_batch
 
 import dsa_jax
 from dsa_jax import backend as backend_mod
 from dsa_jax.v4_attention import V4Layout
-from pallas_kernels import tpu
 from reference.synthetic import make_ragged_batch
+from tests.test_v4_step import INTERPRET_NO_RACES
 
 PAGE, PAGES, K, V_DIM, SCALE = 8, 4, 6, 64, 0.1
 IMPLEMENTATIONS = ("xla", "pallas")
-# The strict interpreter without race detection: the sweep checks answers, not the kernels'
-# races (their own tests do).
-NO_RACES = {"interpret": pltpu.InterpretParams(**dict(tpu.STRICT_INTERPRET,
-                                                     detect_races=False))}
+NO_RACES = INTERPRET_NO_RACES  # answers, not races, are checked here (race tests: their own)
 
 
 @pytest.fixture(scope="module")
@@ -82,19 +79,9 @@ def mla(b, impl, *, op="sparse_mla", selected=None, **over):
     return getattr(dsa_jax, op)(**kw, implementation=impl)
 
 
-def fixed_stride_table(b):
-    """``i32[S, PAGES]``: each sequence's packed pages, the slots it does not use ``-1``."""
-    table = np.full((b.seq_lens.shape[0], PAGES), -1, np.int32)
-    first, end = b.cu_kv_lens[:-1] // PAGE, b.cu_kv_lens[1:] // PAGE
-    for i, (lo, hi) in enumerate(zip(first, end, strict=True)):
-        row = b.page_indices[lo:min(hi, len(b.page_indices))]
-        table[i, :len(row)] = row
-    return table
-
-
 def batched(b, impl, *, op="indexer_topk", batch_over=None, **over):
     """The op called with ``batch=`` (fixed-stride table) instead of the five arrays."""
-    table = fixed_stride_table(b)
+    table = fixed_stride_table(b)  # tests.batches
     bk = dict(kv_lens=b.seq_lens, page_table=table, cu_q_lens=b.cu_q_lens,
               distribution=b.distribution, page_size=PAGE)
     bk.update(batch_over or {})
@@ -440,7 +427,7 @@ def test_update_kv_cache_refuses_rows_no_op_reads(b):
                                  latent_dim=96, rope_dim=32)
     latent = np.zeros((b.cache.shape[0], PAGE, layout.padded_dim), np.float32)
     rows = np.zeros((b.q.shape[0], layout.qk_dim), np.float16)
-    with pytest.raises(TypeError, match="new_latent must be f32 or bf16.*float16"):
+    with pytest.raises(ValueError, match="update_kv_cache: new_latent has dtype float16"):
         dsa_jax.update_kv_cache(latent, None, rows, None, *b.meta(), layout=layout)
 
 

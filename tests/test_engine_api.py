@@ -9,23 +9,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import tpu as pltpu
+from batches import fixed_stride_table
 from v4_batches import make_v4_batch
 
 import dsa_jax
 from dsa_jax import BatchMeta, PagedKV, StepInputs
 from dsa_jax.v4_attention import V4Layout
 from dsa_jax.v4_step import v4_step
-from pallas_kernels import tpu
 from reference.synthetic import make_ragged_batch
 from tests import test_step as ts
 from tests import test_v4_step as tv
 
 PAGE, PAGES, K, V_DIM, SCALE = 8, 4, 6, 64, 0.1
-# The strict interpreter without race detection (equality of two call forms is checked here;
-# the kernels' race checks are their own tests').
-NO_RACES = {"interpret": pltpu.InterpretParams(**dict(tpu.STRICT_INTERPRET,
-                                                     detect_races=False))}
+NO_RACES = tv.INTERPRET_NO_RACES  # equality of call forms is checked here, not races
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +36,7 @@ def b():
 def fixed_stride(b):
     """The batch's packed table as a fixed-stride ``i32[S, PAGES]`` table (unused slots -1)
     and the equal ``Batch``es of both forms."""
-    table = np.full((b.seq_lens.shape[0], PAGES), -1, np.int32)
-    for i in range(b.seq_lens.shape[0]):
-        lo, hi = b.cu_kv_lens[i] // PAGE, b.cu_kv_lens[i + 1] // PAGE
-        row = b.page_indices[lo:min(hi, len(b.page_indices))]
-        table[i, :len(row)] = row
+    table = fixed_stride_table(b)
     fixed = dsa_jax.Batch.from_fixed_stride(b.seq_lens, table, b.cu_q_lens, b.distribution,
                                             page_size=PAGE)
     packed = dsa_jax.Batch.from_packed(*b.meta(), page_size=PAGE, pages_per_seq=PAGES)

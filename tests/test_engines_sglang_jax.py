@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from batches import fixed_stride_table
 from oracle import check_token_topk
 
 import dsa_jax
@@ -33,9 +34,7 @@ def their_inputs(b, dtype, distribution):
     kv_packing, D]``, a flat fixed-stride table whose unused slots name a spare (all-NaN)
     page, and ``distribution`` as sglang-jax sends it."""
     spare = sorted(set(range(b.cache.shape[0])) - set(np.concatenate(b.seq_pages).tolist()))
-    table = np.full((b.seq_lens.shape[0], PAGES), spare[0], np.int32)
-    for i, pages in enumerate(b.seq_pages):
-        table[i, :len(pages)] = pages
+    table = fixed_stride_table(b, fill=spare[0])
     packing = 32 // (jnp.dtype(dtype).itemsize * 8)
     cache = jnp.asarray(b.cache, dtype).reshape(b.cache.shape[0], PAGE // packing, packing, -1)
     dist = np.asarray(distribution, np.int32)
@@ -145,6 +144,6 @@ def test_refusals_are_named(case):
     with pytest.raises(ValueError, match="unknown implementation 'pallas'"):
         sj.compute_topk_pages(np.zeros((2, 3), np.int32), page_size=PAGE,
                               pages_per_seq=PAGES, k_pages_max=4, implementation="pallas")
-    with pytest.raises(ValueError, match="k_pages_max must be a positive int"):
+    with pytest.raises(ValueError, match="compute_topk_pages: k_pages_max must be positive"):
         sj.compute_topk_pages(np.zeros((2, 3), np.int32), page_size=PAGE,
                               pages_per_seq=PAGES, k_pages_max=0)

@@ -81,22 +81,23 @@ def test_pallas_backend_in_interpret_mode_matches_the_reference():
     _check_step(got, vc.compress_step(*args, ratio=ratio))
 
 
-def test_a_bad_backend_name_is_a_value_error_naming_it():
-    rng = np.random.default_rng(0)
+def _one_sequence(seed: int, tokens: int):
+    """The arguments of one prefill chunk of ``tokens`` tokens (ratio 4, d 16) from a NaN pool."""
+    rng = np.random.default_rng(seed)
     params = _params(rng, 4, 16, 8)
-    seqs = [_tokens(rng, 5, 4, 16)]
-    args = _args(_Step(seqs, [(0, 5)], 5), params, _nan_state(1, 4, 16),
+    seqs = [_tokens(rng, tokens, 4, 16)]
+    return _args(_Step(seqs, [(0, tokens)], tokens), params, _nan_state(1, 4, 16),
                  jnp.asarray([0], jnp.int32))
+
+
+def test_a_bad_backend_name_is_a_value_error_naming_it():
+    args = _one_sequence(0, 5)
     with pytest.raises(ValueError, match="'tpu'"):
         compress_step(*args, ratio=4, backend="tpu")
 
 
 def test_implementation_xla_is_backend_reference_and_names_are_checked():
-    rng = np.random.default_rng(1)
-    params = _params(rng, 4, 16, 8)
-    seqs = [_tokens(rng, 9, 4, 16)]
-    args = _args(_Step(seqs, [(0, 9)], 9), params, _nan_state(1, 4, 16),
-                 jnp.asarray([0], jnp.int32))
+    args = _one_sequence(1, 9)
     _assert_bits(compress_step(*args, ratio=4, implementation="xla"),
                  compress_step(*args, ratio=4, backend="reference"))
     with pytest.raises(ValueError, match=r"unknown implementation 'mosaic'.*'xla', 'pallas'"):

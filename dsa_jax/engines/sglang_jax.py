@@ -52,6 +52,7 @@ from dsa_jax.engines.sglang_jax_mla import (
 )
 from dsa_jax.indexer import indexer_topk
 from reference import streamindex_page_topk_ref, streamindex_topk_ref
+from reference.core.checks import positive_int
 
 __all__ = ["compute_topk_pages", "index_cache_view", "prefill_write_and_attend",
            "sparse_mla_page_level", "streamindex_page_topk_ref", "streamindex_topk",
@@ -61,7 +62,6 @@ __all__ = ["compute_topk_pages", "index_cache_view", "prefill_write_and_attend",
 DEFAULT_VMEM_LIMIT_BYTES = 100 * 1024 * 1024
 # The top-k sglang-jax's kernel takes: approx_max_k at recall 1.0 (exact).
 _RECALL = 1.0
-_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
 def index_cache_view(cache_kv: jax.Array) -> jax.Array:
@@ -94,9 +94,7 @@ def _check_knobs(num_kv_pages_per_block, num_queries_per_block, vmem_limit_bytes
                              f"int or a (decode, prefill, mixed) triple of them, got {v!r}")
     for name, v in (("vmem_limit_bytes", vmem_limit_bytes),
                     ("decode_req_batch_size", decode_req_batch_size)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"sglang_jax.streamindex_topk: {name} must be a positive int, "
-                             f"got {v!r}")
+        positive_int(name, v, "sglang_jax.streamindex_topk")
 
 
 def streamindex_topk(q, indexer_weights, cache_kv, seq_lens, page_indices, cu_q_lens,
@@ -196,9 +194,7 @@ def compute_topk_pages(topk_indices, *, page_size: int, pages_per_seq: int,
     _backend.chosen_names("compute_topk_pages", ("xla",), implementation, None)
     for name, v in (("page_size", page_size), ("pages_per_seq", pages_per_seq),
                     ("k_pages_max", k_pages_max)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"sglang_jax.compute_topk_pages: {name} must be a positive int, "
-                             f"got {v!r}")
+        positive_int(name, v, "sglang_jax.compute_topk_pages")
     idx = jnp.asarray(topk_indices)
     if idx.ndim != 2 or not jnp.issubdtype(idx.dtype, jnp.integer):
         raise ValueError(f"sglang_jax.compute_topk_pages: topk_indices must be an integer "

@@ -43,16 +43,12 @@ from dsa_jax.batch import Batch
 from dsa_jax.cache import write_rows, write_slots
 from dsa_jax.layout import PagedLayout
 from dsa_jax.mla import page_sparse_mla
+from reference.core.batch import row_facts
+from reference.core.checks import FLOAT_DTYPES, positive_int
 
 __all__ = ["prefill_write_and_attend", "sparse_mla_page_level"]
 
-_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-
-
-def _pos_int(where: str, name: str, v, low: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
-        raise ValueError(f"sglang_jax.{where}: {name} must be an int >= {low}, got {v!r}")
-    return int(v)
+_DTYPES = FLOAT_DTYPES  # the pools served: the float dtypes every op reads
 
 
 def pool_view(where: str, cache_kv):
@@ -81,7 +77,7 @@ def _view(where: str, cache_kv, ql_nope, q_pe, new_kv_c, new_k_pe, kv_lora_rank)
     """Check the shapes and return ``(cache [P, ps, D], layout fields)``."""
     view = pool_view(f"sglang_jax.{where}", cache_kv)
     shape = tuple(cache_kv.shape)
-    lkv = _pos_int(where, "kv_lora_rank", kv_lora_rank)
+    lkv = positive_int("kv_lora_rank", kv_lora_rank, f"sglang_jax.{where}")
     if lkv % 128:
         raise NotImplementedError(
             f"sglang_jax.{where}: kv_lora_rank={lkv} is not a multiple of 128: sglang-jax pads"
@@ -178,11 +174,11 @@ def sparse_mla_page_level(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_lens, 
     where = "sparse_mla_page_level"
     cache, lkv, rope = _view(where, cache_kv, ql_nope, q_pe, new_kv_c, new_k_pe, kv_lora_rank)
     num_pages, ps, width = cache.shape
-    if _pos_int(where, "page_size", page_size) != ps:
+    if positive_int("page_size", page_size, f"sglang_jax.{where}") != ps:
         raise ValueError(f"sglang_jax.{where}: page_size={page_size} but cache_kv holds "
                          f"{ps} tokens per page ({list(cache_kv.shape)})")
-    pps = _pos_int(where, "pages_per_seq", pages_per_seq)
-    kpm = _pos_int(where, "k_pages_max", k_pages_max)
+    pps = positive_int("pages_per_seq", pages_per_seq, f"sglang_jax.{where}")
+    kpm = positive_int("k_pages_max", k_pages_max, f"sglang_jax.{where}")
     del num_kv_pages_per_block, num_queries_per_block, vmem_limit_bytes
     layout = PagedLayout(page_size=ps, pages_per_seq=pps, latent_dim=lkv, rope_dim=rope)
     num_rows = int(np.shape(ql_nope)[0])
@@ -191,8 +187,8 @@ def sparse_mla_page_level(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_lens, 
     cache = write_rows(cache, page_id, offset, _rows(new_kv_c, new_k_pe, width),
                        layout=layout, kind="latent")
     kv = jnp.asarray(kv_lens).astype(jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(jnp.asarray(cu_q_lens)[1:], jnp.arange(num_rows),
-                                    side="right"), 0, max(kv.shape[0] - 1, 0))
+    seq = row_facts(num_rows, kv, jnp.asarray(cu_q_lens, jnp.int32),
+                    jnp.asarray(distribution, jnp.int32)).seq  # clipped to [0, S)
     new_page = (jnp.maximum(kv[seq] - 1, 0) // ps).astype(jnp.int32) if kv.shape[0] else \
         jnp.zeros((num_rows,), jnp.int32)
     pages = _page_list(topk_indices, topk_pages, new_page, ps, pps, kpm)
@@ -234,7 +230,7 @@ def prefill_write_and_attend(ql, qpe, kvc, kpe, cache, topk_pages, positions, lo
     where = "prefill_write_and_attend"
     view, lkv, rope = _view(where, cache, ql, qpe, kvc, kpe, kv_lora_rank)
     num_pages, ps, width = view.shape
-    if _pos_int(where, "page_size", page_size) != ps:
+    if positive_int("page_size", page_size, f"sglang_jax.{where}") != ps:
         raise ValueError(f"sglang_jax.{where}: page_size={page_size} but cache holds {ps} "
                          f"tokens per page ({list(cache.shape)})")
     if read_block is not None and read_block != ps:

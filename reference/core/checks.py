@@ -40,13 +40,15 @@ def floating(name: str, x) -> None:
                          f"{', '.join(str(d) for d in FLOAT_DTYPES)}")
 
 
-def positive_int(name: str, value) -> int:
-    """Refuse a static argument that is not a Python int >= 1; return it."""
+def positive_int(name: str, value, where: str = "") -> int:
+    """Refuse a static argument that is not a Python int >= 1; return it. ``where``: the
+    call it was given to, prefixed to the message (``"Batch.from_packed: page_size ..."``)."""
+    at = f"{where}: " if where else ""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be a static Python int, got {type(value).__name__} "
+        raise TypeError(f"{at}{name} must be a static Python int, got {type(value).__name__} "
                         f"{value!r}")
     if value <= 0:
-        raise ValueError(f"{name} must be positive, got {name}={value}")
+        raise ValueError(f"{at}{name} must be positive, got {name}={value}")
     return int(value)
 
 
