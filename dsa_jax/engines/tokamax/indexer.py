@@ -25,8 +25,9 @@ Differences from tokamax, all outside well-formed input or by choice:
   sequence's last (prefill; tokamax's row sees one entry more, docs section 2.4).
 - A page id outside ``[0, P)`` in a used page slot makes that page's entries invisible here;
   tokamax clips the id and reads that page. Rows before ``cu_q_lens[0]`` belong to no sequence
-  here. A NaN score is no candidate here (tokamax's ``top_k`` may rank it and return ``-1`` in
-  its slot); a ``+inf`` score is selected here (tokamax returns ``-1`` for it).
+  here. Non-finite scores (NaN or inf keys or queries): a NaN is no candidate here, and a
+  ``+inf`` is selected; tokamax's reference ranks both first and returns ``-1`` in their slots
+  (so its ``-1`` are then not only a suffix). ``top_k`` agrees with tokamax's on both.
 - ``implementation``: ``None`` / ``"xla"`` run the path above; ``"pallas"`` / ``"mosaic"``
   raise ``NotImplementedError`` (the package's Pallas indexer reads its own fp8 index cache,
   not this record). An ordered list is tried in order (``dsa_jax.backend.first_serving``:
