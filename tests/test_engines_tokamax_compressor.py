@@ -219,6 +219,23 @@ def test_dsv4_compressor_writes_exactly_the_stored_records(case):
     np.testing.assert_array_equal(np.asarray(new), want)  # states and other slots unchanged
 
 
+def test_hca_record_at_the_last_row_keeps_its_first_half():
+    """tokamax's reference stores rows ``s, s + 1`` of a record at slot ``s`` and drops a row
+    past the cache: a record at the last row writes that row only."""
+    c = make_case("hca")
+    args, kw = saved(c)
+    t = int(np.flatnonzero(c.stored)[0])
+    slots = np.array(args[4])
+    last = c.args[0].shape[0] * c.args[0].shape[1] - 1
+    slots[t] = last
+    new = np.asarray(tc.dsv4_compressor(*args[:4], slots, args[5], **kw)[0])
+    full = np.asarray(tc.dsv4_compressor(*args, **kw)[0]).reshape(-1, 4, tc.LANES)
+    flat = new.reshape(-1, 4, tc.LANES)
+    np.testing.assert_array_equal(flat[last], full[args[4][t]])
+    others = np.setdiff1d(np.arange(flat.shape[0]), [last, args[4][t], args[4][t] + 1])
+    np.testing.assert_array_equal(flat[others], full[others])
+
+
 def test_implementation_names():
     c = make_case("indexer")
     args, kw = saved(c)

@@ -32,9 +32,11 @@ another op and addressed by a block table.
 
 Rounding versus tokamax's reference: the same operations, but tokamax sums and maxes with XLA
 reductions (``jax.nn.softmax``, ``jnp.sum``, ``jnp.mean``) where this package uses fixed trees,
-so an entry's f32 values differ from tokamax's in the last bits (measured on CPU: about 60% of
-values, by a few ulp). A stored byte therefore differs only where a value lies within those ulp
-of a bf16 / e4m3 rounding boundary (about 1 bf16 value in 30 000 on CPU).
+so an entry's f32 values differ from tokamax's in the last bits (on CPU about 60% of values,
+by a few ulp of the summands). A stored code therefore differs, by one, only where a value lies
+that close to a bf16 / e4m3 rounding boundary: measured on CPU over 150 random cases per mode
+(``tests/test_tokamax_parity_compressor.py``), 13 of 153 600 HCA bf16 values, 1 of 28 800 CSA
+RoPE bf16 values and none of 259 200 e4m3 codes.
 """
 
 from __future__ import annotations

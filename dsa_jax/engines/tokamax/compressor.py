@@ -17,12 +17,16 @@ indexer's 256-byte record).
 
 Rounding: every state byte is tokamax's exactly (the same projection and the same bits stored).
 An entry's f32 values differ from tokamax's reference in the last bits (this package sums by
-fixed trees, tokamax by XLA reductions; ``paged_state``'s docstring), so a stored bf16 / e4m3
-byte can differ by one code where the value lies within a few f32 ulp of a rounding boundary.
+fixed trees, tokamax by XLA reductions), so a stored bf16 / e4m3 code can differ by one where
+the value lies that close to a rounding boundary (measured rates: ``paged_state``'s docstring).
+The CSA and indexer records come from the encoders; the slots are addressed here as tokamax's
+reference does (flat rows: an HCA record may start on an odd row, a CSA RoPE quarter is slot
+``s`` of the flat ``rope_cache``), which the page-based writers of ``tokamax_v4`` do not take.
 
 ``implementation``: ``None`` or ``"xla"`` (the jnp path here); ``"mosaic_tpu"`` / ``"pallas"``
 raise ``NotImplementedError`` (an ordered list tries each, then an ``ExceptionGroup``, as
-tokamax's dispatch); any other name is a ``ValueError``. Nothing is donated: jit the caller with
+tokamax's dispatch); any other name, and a callable (tokamax also takes one), is a
+``ValueError``. Nothing is donated: jit the caller with
 the caches donated to update them in place.
 """
 
