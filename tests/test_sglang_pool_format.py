@@ -5,6 +5,7 @@
   same cache as ``[P, ps, D]`` (output and LSE; bf16 and f32; a stacked pool at ``layer=``), on
   ragged batches with causal rows, junk page entries and NaN in every unowned slot.
 - Refusals: a token gather, and pools that are not ``[..., P, ps / k, k, D]``.
+- sglang-jax's ``sparse_mla_page_level`` under ``jax.jit`` with an implementation list.
 - AOT (libtpu, no TPU; the Pallas path compiled through ``kernel_options={"interpret":
   False}``): sglang-jax's ``sparse_mla_page_level`` and the kernel on an f32 pool compile with
   no copy, reshape or transpose of a pool-sized buffer, and the row writer is one scatter into
@@ -14,16 +15,20 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dsa_jax.engines import sglang_jax as sj
 from pallas_kernels import chips, page_sparse_mla, sparse_mla
 from pallas_kernels.measure import hlo
 from pallas_kernels.mla.pool import TokenPackedCache, wrap
+from reference.synthetic import make_ragged_batch
 from scripts.cost import engine_glue
 from tests import batches
 
@@ -86,6 +91,32 @@ def test_refusals_are_named():
     with pytest.raises(ValueError, match="multiple of 128"):  # checked as the cache it holds
         page_sparse_mla(jnp.asarray(b.q, jnp.bfloat16)[..., :96], TokenPackedCache(pool[..., :96]),
                         *meta, **kw)
+
+
+def test_the_adapter_tries_an_implementation_list_in_order_under_jit():
+    """sglang-jax jits its calls; a list (``["pallas", "xla"]``) runs its first, the Pallas
+    kernel on the pool in place: the pool written as the jnp path writes it, ``o`` within
+    bf16 rounding of it (the kernel's f32 summation order)."""
+    rng = np.random.default_rng(11)
+    lkv, rope, heads, ps, pps = 512, 64, 2, 8, 4
+    b = make_ragged_batch(rng, q_lens=[1, 1], kv_lens=[9, 20], page_size=ps,
+                          pages_per_seq=pps, num_heads=heads, dim=lkv + rope, spare_pages=2)
+    cache = np.pad(b.cache, ((0, 0), (0, 0), (0, engine_glue.D - lkv - rope)))
+    bf = jnp.bfloat16
+    new = rng.standard_normal((2, lkv + rope))
+    args = (jnp.asarray(b.q[..., :lkv], bf), jnp.asarray(b.q[..., lkv:], bf),
+            jnp.asarray(new[:, :lkv], bf), jnp.asarray(new[:, lkv:], bf), _packed(cache, bf),
+            b.seq_lens, np.array([[0, 3, -1], [9, 17, 2]], np.int32), b.page_indices,
+            b.cu_q_lens, b.cu_kv_lens, b.distribution)
+    kw = dict(sm_scale=SCALE, page_size=ps, pages_per_seq=pps, kv_lora_rank=lkv, k_pages_max=3)
+    o, pool = jax.jit(functools.partial(sj.sparse_mla_page_level, **kw,
+                                        implementation=["pallas", "xla"]))(*args)
+    o_want, pool_want = sj.sparse_mla_page_level(*args, **kw, implementation="xla")
+    np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_want, np.float32),
+                               rtol=1e-2, atol=1e-2)
+    np.testing.assert_array_equal(np.asarray(pool, np.float32),
+                                  np.asarray(pool_want, np.float32))
+    assert pool.shape == args[4].shape and np.isfinite(np.asarray(o, np.float32)).all()
 
 
 # ----------------------------------------------------------------------------- AOT gate

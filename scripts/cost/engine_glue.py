@@ -183,13 +183,13 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     sh = SMALL if args.small else DECODE
     print(f"shape: {sh}")
-    print(f"{'chip':6} {'program':14} {'XLA MB':>9} {'kernel MB':>9} {'XLA/kern':>8} "
+    print(f"{'chip':6} {'program':17} {'XLA MB':>9} {'kernel MB':>9} {'XLA/kern':>8} "
           f"{'pool MB':>8}  pool-sized copies")
     for chip in args.chips.split(","):
         for name in args.programs.split(","):
             row, _ = measure(chip, name, sh)
             copies = "; ".join(f"{r.opcode} {r.shape} ({r.op_name})" for r in row.pool_copies)
-            print(f"{chip:6} {name:14} {row.xla_bytes / 1e6:9.2f} {row.kernel_bytes / 1e6:9.2f} "
+            print(f"{chip:6} {name:17} {row.xla_bytes / 1e6:9.2f} {row.kernel_bytes / 1e6:9.2f} "
                   f"{row.xla_bytes / max(row.kernel_bytes, 1):8.2f} {row.pool_bytes / 1e6:8.2f}  "
                   f"{copies or '-'}")
 
