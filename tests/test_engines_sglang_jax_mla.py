@@ -86,11 +86,13 @@ def _their_page_list(b, topk, topk_pages, k_pages_max):
 
 @pytest.mark.parametrize("dtype,use_pages,impl", [(jnp.bfloat16, False, "xla"),
                                                    (jnp.float32, True, "xla"),
-                                                   (jnp.bfloat16, True, "pallas")])
+                                                   (jnp.bfloat16, True, "pallas"),
+                                                   (jnp.float32, False, "pallas")])
 def test_sparse_mla_page_level_writes_and_matches_page_sparse_mla_and_the_oracle(dtype,
                                                                                   use_pages, impl):
     """``impl="pallas"``: the Pallas page kernel (the strict interpreter off TPU) behind the
-    same adapter, checked against the same jnp result and oracle."""
+    same adapter, reading the pool in place (``TokenPackedCache``: bf16 ``[P, ps / 2, 2, D]``,
+    f32 ``[P, ps, 1, D]``), checked against the same jnp result and oracle."""
     rng = np.random.default_rng(2929)
     b, cache, (ql, qpe, kvc, kpe, pool) = _decode_inputs(rng, dtype)
     t = b.q.shape[0]
@@ -174,10 +176,11 @@ def test_prefill_write_and_attend_writes_at_loc_and_meets_the_oracle(impl):
     assert np.all(np.asarray(o[12]) == 0)
 
 
-def test_signatures_are_theirs_plus_implementation():
+def test_signatures_are_theirs_plus_implementation_and_kernel_options():
     for fn, theirs in ((sj.sparse_mla_page_level, THEIR_DECODE_PARAMS),
                        (sj.prefill_write_and_attend, THEIR_PREFILL_PARAMS)):
-        assert list(inspect.signature(fn).parameters) == theirs + ["implementation"]
+        assert list(inspect.signature(fn).parameters) == theirs + ["implementation",
+                                                                   "kernel_options"]
 
 
 def test_refusals_are_named():

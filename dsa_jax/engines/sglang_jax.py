@@ -28,8 +28,14 @@ Read from sgl-project/sglang-jax at commit ``cddbf6f1cc33cbdd453bd8f36ff7051cf46
 The index cache ``[P, ps / kv_packing, kv_packing, D]`` (``kv_packing = 32 // bits``: 2 for
 bf16, two tokens per 32-bit word; 1 for f32) is read through the row-major reshape to the
 package's ``[P, ps, D]``: token ``t`` of a page is row ``t`` either way, and XLA emits the
-reshape as a ``bitcast`` (checked on CPU in ``tests/test_engines_sglang_jax.py``; sglang-jax's
-own reference path does the same reshape, so on TPU the view costs what it costs there).
+reshape as a ``bitcast`` (checked on CPU in ``tests/test_engines_sglang_jax.py``). On TPU it is
+a bitcast too at the index dim ``D = 128`` (one lane tile: XLA's ``T(2,128)(2,1)`` tiling of
+``bf16[P, ps / 2, 2, 128]`` and ``T(8,128)(2,1)`` of ``bf16[P, ps, 128]`` are the same bytes;
+f32 ``[P, ps, 1, 128]`` likewise), measured by AOT compiles (``scripts/cost/engine_glue.py``,
+``indexer_view`` vs ``indexer_plain``: equal XLA bytes, no pool-sized copy, on v5e, v6e and
+tpu7x). A wider index cache would be a relayout copy per call (``bf16[P, 32, 2, 256]``: an XLA
+``reshape``), as the MLA pool's is; the MLA side therefore reads its pool in place
+(``pallas_kernels.mla.pool``).
 
 The MLA side (``sparse_mla_page_level``, ``prefill_write_and_attend``) lives in
 ``dsa_jax.engines.sglang_jax_mla`` and is re-exported here.
@@ -72,7 +78,8 @@ def index_cache_view(cache_kv: jax.Array) -> jax.Array:
         sglang-jax's ``get_kv_cache_shape`` lays out its pools).
 
     Returns:
-      ``[P, ps, D]``, the same dtype: a row-major reshape, a ``bitcast`` in XLA.
+      ``[P, ps, D]``, the same dtype: a row-major reshape, a ``bitcast`` in XLA (on TPU too at
+      ``D = 128``, the index dim; module docstring).
 
     Raises:
       ValueError: not 4-D, or dim 2 is not ``32 // bits`` of the dtype.

@@ -30,8 +30,17 @@ Read from sgl-project/sglang-jax at commit ``cddbf6f1cc33cbdd453bd8f36ff7051cf46
   a Python float (``layer.scaling`` or ``1 / sqrt(qk_nope + qk_rope)``); ``_run_sparse_prefill``
   passes ``forward_batch.positions`` / ``out_cache_loc`` and casts ``o`` to ``ql.dtype``.
 
-The pool is read through the row-major reshape to the package's ``[P, ps, D]`` (a bitcast;
-token ``t`` of a page is row ``t`` either way) and returned reshaped back.
+The pool is written and returned in its own 4-D layout (this step's rows scattered into it
+directly, ``_write_pool``) and read in place: the Pallas page kernel takes it as a
+``pallas_kernels.mla.pool.TokenPackedCache`` (one DMA per selected page of ``[ps / k, k, D]``,
+no copy in the program); the jnp reference (``implementation="xla"``) reads the row-major
+reshape ``[P, ps, D]`` (token ``t`` of a page is row ``t`` either way). Why not the reshape for
+both: on TPU it is no bitcast (XLA tiles ``bf16[P, ps / 2, 2, 640]`` as ``T(2,128)(2,1)`` and
+``bf16[P, ps, 640]`` as ``T(8,128)(2,1)``), so it copies the whole pool on the way in and again
+on the way out. Measured (AOT, 8 decode rows x 8K context, H = 16, an 84 MB pool; XLA-side
+bytes against the kernel's 21 MB): 676 MB through the reshape, 4.4 MB in place on v5e, v6e and
+tpu7x (the row write plus the 2.2 MB of index preparation a ``[P, ps, D]`` cache costs too;
+``scripts/cost/engine_glue.py`` prints every chip).
 """
 
 from __future__ import annotations
@@ -39,10 +48,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from dsa_jax import backend as _backend
 from dsa_jax.batch import Batch
-from dsa_jax.cache import write_rows, write_slots
+from dsa_jax.cache import write_slots
 from dsa_jax.layout import PagedLayout
 from dsa_jax.mla import page_sparse_mla
+from pallas_kernels.mla import pool as mla_pool
 from reference.core.batch import row_facts
 from reference.core.checks import FLOAT_DTYPES, positive_int
 
@@ -53,10 +64,18 @@ _DTYPES = FLOAT_DTYPES  # the pools served: the float dtypes every op reads
 
 def pool_view(where: str, cache_kv):
     """sglang-jax's 4-D pool ``[P, ps / kv_packing, kv_packing, D]`` (``kv_packing = 32 //
-    bits``) as ``[P, ps, D]``: a row-major reshape (a ``bitcast`` in XLA), token ``t`` of a page
-    row ``t`` either way. ``ValueError`` for a shape that is not that; ``NotImplementedError``
-    for a dtype other than bf16 / f32 (sglang-jax's uint8 fp8 records with inline e8m0 scales
-    are not this package's fp8 caches). ``where`` names the call in the message."""
+    bits``) as ``[P, ps, D]``: a row-major reshape, token ``t`` of a page row ``t`` either way
+    (a ``bitcast`` on CPU; on TPU only where XLA's tilings agree, ``D = 128``: module
+    docstring). Checked by ``check_pool`` (``where`` names the call in its messages)."""
+    check_pool(where, cache_kv)
+    shape = tuple(cache_kv.shape)
+    return cache_kv.reshape(shape[0], shape[1] * shape[2], shape[3])
+
+
+def check_pool(where: str, cache_kv) -> None:
+    """``ValueError`` for a pool that is not ``[P, ps / kv_packing, kv_packing, D]``;
+    ``NotImplementedError`` for a dtype other than bf16 / f32 (sglang-jax's uint8 fp8 records
+    with inline e8m0 scales are not this package's fp8 caches)."""
     shape = tuple(cache_kv.shape)
     if len(shape) != 4:
         raise ValueError(f"{where}: cache_kv must be 4-D [P, ps / kv_packing, kv_packing, D], "
@@ -70,12 +89,11 @@ def pool_view(where: str, cache_kv):
     if shape[2] != packing:
         raise ValueError(f"{where}: cache_kv dim 2 (kv_packing) must be 32 // bits = {packing} "
                          f"for {dtype}, got shape {list(shape)}")
-    return cache_kv.reshape(shape[0], shape[1] * shape[2], shape[3])
 
 
-def _view(where: str, cache_kv, ql_nope, q_pe, new_kv_c, new_k_pe, kv_lora_rank):
-    """Check the shapes and return ``(cache [P, ps, D], layout fields)``."""
-    view = pool_view(f"sglang_jax.{where}", cache_kv)
+def _check_pool(where: str, cache_kv, ql_nope, q_pe, new_kv_c, new_k_pe, kv_lora_rank):
+    """Check the shapes; return ``(the pool as a TokenPackedCache, kv_lora_rank, rope)``."""
+    check_pool(f"sglang_jax.{where}", cache_kv)
     shape = tuple(cache_kv.shape)
     lkv = positive_int("kv_lora_rank", kv_lora_rank, f"sglang_jax.{where}")
     if lkv % 128:
@@ -95,7 +113,33 @@ def _view(where: str, cache_kv, ql_nope, q_pe, new_kv_c, new_k_pe, kv_lora_rank)
     if shape[3] != padded:
         raise ValueError(f"sglang_jax.{where}: cache_kv dim 3 must be {padded} (kv_lora_rank "
                          f"+ rope dim rounded up to 128), got {list(shape)}")
-    return view, lkv, rope
+    return mla_pool.TokenPackedCache(jnp.asarray(cache_kv)), lkv, rope
+
+
+def _write_pool(pool: mla_pool.TokenPackedCache, page_id, offset, rows):
+    """Store ``rows f[T, D]`` at token ``offset`` of page ``page_id`` straight into the 4-D
+    pool (``pool[page_id, offset // k, offset % k]``, one scatter, no reshape); ``page_id`` out
+    of ``[0, P)`` drops the row. Returns the updated pool."""
+    k = pool.pool.shape[2]
+    at = (page_id, offset // k, offset % k)
+    return mla_pool.TokenPackedCache(pool.pool.at[at].set(rows.astype(pool.dtype), mode="drop"))
+
+
+def _attend(q, pool: mla_pool.TokenPackedCache, pages, batch: Batch, *, sm_scale: float,
+            v_dim: int, implementation, kernel_options):
+    """``dsa_jax.page_sparse_mla`` over the pool: the Pallas kernel reads it in place (the
+    ``TokenPackedCache``), the jnp reference reads its row-major view (module docstring). An
+    implementation list is tried in order, as ``dsa_jax``'s ops try it."""
+    tried = _backend.candidates("page_sparse_mla", implementation, None, kernel_options)
+
+    def call(name):
+        cache = pool.view() if name == "xla" else pool
+        return page_sparse_mla(q, cache, topk_pages=pages, batch=batch, sm_scale=sm_scale,
+                               v_dim=v_dim, backend="reference" if name == "xla" else "pallas",
+                               kernel_options=kernel_options)
+
+    return _backend.first_serving("page_sparse_mla", [(name, name) for name, _, _ in tried],
+                                  call, group=implementation is not None)
 
 
 def _rows(new_kv_c, new_k_pe, width: int):
@@ -135,7 +179,7 @@ def sparse_mla_page_level(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_lens, 
                           *, sm_scale: float, page_size: int, pages_per_seq: int,
                           kv_lora_rank: int, k_pages_max: int = 64,
                           num_kv_pages_per_block=None, num_queries_per_block=None,
-                          vmem_limit_bytes=None, implementation=None):
+                          vmem_limit_bytes=None, implementation=None, kernel_options=None):
     """sglang-jax's ``sparse_mla_page_level``: write this step's latent rows, then absorbed
     MLA over the rows' selected pages and the new token's page, by ``dsa_jax.update_kv_cache``'s
     slot rule / ``write_rows`` and ``dsa_jax.page_sparse_mla``.
@@ -155,7 +199,10 @@ def sparse_mla_page_level(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_lens, 
         multiple of 128. k_pages_max: page slots per row (the new token's page included).
       num_kv_pages_per_block, num_queries_per_block, vmem_limit_bytes: sglang-jax's Pallas
         knobs; accepted and not forwarded (they change no result).
-      implementation: as ``dsa_jax.page_sparse_mla``.
+      implementation: as ``dsa_jax.page_sparse_mla``; ``"pallas"`` reads the pool in place
+        (module docstring), ``"xla"`` through its row-major view.
+      kernel_options: the Pallas entry's knobs (``interpret``, block sizes...), as
+        ``dsa_jax.page_sparse_mla``'s; ignored by ``"xla"``.
 
     Returns:
       ``(o ql_nope.dtype[T, H, kv_lora_rank], cache_kv)``: ``o`` in latent space, the cache in
@@ -172,8 +219,9 @@ def sparse_mla_page_level(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_lens, 
     rows of another dtype are cast to the cache's (sglang-jax's kernel refuses them).
     """
     where = "sparse_mla_page_level"
-    cache, lkv, rope = _view(where, cache_kv, ql_nope, q_pe, new_kv_c, new_k_pe, kv_lora_rank)
-    num_pages, ps, width = cache.shape
+    pool, lkv, rope = _check_pool(where, cache_kv, ql_nope, q_pe, new_kv_c, new_k_pe,
+                                  kv_lora_rank)
+    num_pages, ps, width = pool.shape
     if positive_int("page_size", page_size, f"sglang_jax.{where}") != ps:
         raise ValueError(f"sglang_jax.{where}: page_size={page_size} but cache_kv holds "
                          f"{ps} tokens per page ({list(cache_kv.shape)})")
@@ -184,8 +232,7 @@ def sparse_mla_page_level(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_lens, 
     num_rows = int(np.shape(ql_nope)[0])
     page_id, offset = write_slots(layout, num_rows, num_pages, kv_lens, page_indices, cu_q_lens,
                                   cu_kv_lens, distribution)
-    cache = write_rows(cache, page_id, offset, _rows(new_kv_c, new_k_pe, width),
-                       layout=layout, kind="latent")
+    pool = _write_pool(pool, page_id, offset, _rows(new_kv_c, new_k_pe, width))
     kv = jnp.asarray(kv_lens).astype(jnp.int32)
     seq = row_facts(num_rows, kv, jnp.asarray(cu_q_lens, jnp.int32),
                     jnp.asarray(distribution, jnp.int32)).seq  # clipped to [0, S)
@@ -195,15 +242,16 @@ def sparse_mla_page_level(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_lens, 
     batch = Batch.from_packed(kv_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,
                               page_size=ps, pages_per_seq=pps)
     dtype = jnp.result_type(ql_nope)
-    o = page_sparse_mla(_query(ql_nope, q_pe, width, dtype), cache, topk_pages=pages,
-                        batch=batch, sm_scale=float(sm_scale), v_dim=lkv,
-                        implementation=implementation)
-    return o, cache.reshape(cache_kv.shape)
+    o = _attend(_query(ql_nope, q_pe, width, dtype), pool, pages, batch,
+                sm_scale=float(sm_scale), v_dim=lkv, implementation=implementation,
+                kernel_options=kernel_options)
+    return o, pool.pool
 
 
 def prefill_write_and_attend(ql, qpe, kvc, kpe, cache, topk_pages, positions, loc, *,
                              kv_lora_rank: int, page_size: int, sm_scale: float,
-                             read_block=None, interpret: bool = False, implementation=None):
+                             read_block=None, interpret: bool = False, implementation=None,
+                             kernel_options=None):
     """sglang-jax's ``prefill_write_and_attend`` (one sequence, one-shot extend): write each
     row at flat cache slot ``loc[t]``, then attend the rows' selected pages, by ``write_rows``
     and ``dsa_jax.page_sparse_mla``.
@@ -217,7 +265,7 @@ def prefill_write_and_attend(ql, qpe, kvc, kpe, cache, topk_pages, positions, lo
       kv_lora_rank, page_size (must equal the cache's), sm_scale: as sglang-jax.
       read_block: ``None`` or ``page_size`` (page-level units); another unit size is a
         ``NotImplementedError``. interpret: sglang-jax's Pallas switch; accepted, not read.
-      implementation: as ``dsa_jax.page_sparse_mla``.
+      implementation, kernel_options: as ``sparse_mla_page_level``.
 
     Returns:
       ``(o f32[T, H, kv_lora_rank], cache)`` (sglang-jax's dtypes). Row ``t`` attends token
@@ -228,8 +276,8 @@ def prefill_write_and_attend(ql, qpe, kvc, kpe, cache, topk_pages, positions, lo
       table (``>= ceil(T / page_size)``) hold no token ``< T`` and are skipped, as there.
     """
     where = "prefill_write_and_attend"
-    view, lkv, rope = _view(where, cache, ql, qpe, kvc, kpe, kv_lora_rank)
-    num_pages, ps, width = view.shape
+    pool, lkv, rope = _check_pool(where, cache, ql, qpe, kvc, kpe, kv_lora_rank)
+    num_pages, ps, width = pool.shape
     if positive_int("page_size", page_size, f"sglang_jax.{where}") != ps:
         raise ValueError(f"sglang_jax.{where}: page_size={page_size} but cache holds {ps} "
                          f"tokens per page ({list(cache.shape)})")
@@ -238,20 +286,19 @@ def prefill_write_and_attend(ql, qpe, kvc, kpe, cache, topk_pages, positions, lo
                                   f"served (only page-level units, read_block=page_size={ps})")
     del interpret
     num_rows = int(np.shape(ql)[0])
-    layout = PagedLayout(page_size=ps, pages_per_seq=1, latent_dim=lkv, rope_dim=rope)
     loc = jnp.asarray(loc).astype(jnp.int32)
     ok = (loc >= 0) & (loc < num_pages * ps)
-    view = write_rows(view, jnp.where(ok, loc // ps, num_pages), jnp.where(ok, loc % ps, 0),
-                      _rows(kvc, kpe, width), layout=layout, kind="latent")
+    pool = _write_pool(pool, jnp.where(ok, loc // ps, num_pages), jnp.where(ok, loc % ps, 0),
+                       _rows(kvc, kpe, width))
     if num_rows == 0:
-        return jnp.zeros((0,) + np.shape(ql)[1:], jnp.float32), view.reshape(cache.shape)
+        return jnp.zeros((0,) + np.shape(ql)[1:], jnp.float32), pool.pool
     table = jnp.clip(loc[::ps] // ps, 0, num_pages - 1)
     kv_lens = jnp.clip(jnp.asarray(positions).astype(jnp.int32) + 1, 0, num_rows)
     batch = Batch.from_fixed_stride(
         kv_lens, jnp.broadcast_to(table, (num_rows, table.shape[0])),
         jnp.arange(num_rows + 1, dtype=jnp.int32),
         jnp.array([num_rows, num_rows, num_rows], jnp.int32), page_size=ps)
-    o = page_sparse_mla(_query(ql, qpe, width, jnp.float32), view, topk_pages=topk_pages,
-                        batch=batch, sm_scale=float(sm_scale), v_dim=lkv,
-                        implementation=implementation)
-    return o, view.reshape(cache.shape)
+    o = _attend(_query(ql, qpe, width, jnp.float32), pool, topk_pages, batch,
+                sm_scale=float(sm_scale), v_dim=lkv, implementation=implementation,
+                kernel_options=kernel_options)
+    return o, pool.pool

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import tpu
+from pallas_kernels.mla import pool as mla_pool
 from pallas_kernels.mla.blocks import _COUNT, _END, _LIMIT, _SLOT0, ROW_INFO_WORDS
 from pallas_kernels.mla.kernel import gather_attend
 from reference.core import batch
@@ -36,7 +37,7 @@ def attend_entries(q, cache_kv, entries, b: batch.RaggedBatch, *, mode: str,
     ``attn_sink``: checked ``f32[H]`` or None, applied in the kernel's finalize."""
     info = row_info(entries, b, mode=mode)
     read = stacked.resolve("cache_kv", cache_kv, layer)
-    cache = read.stacked.words if fmt.fp8 else read.stacked  # fp8: the words, as stored
+    cache = mla_pool.kernel_operand(read.stacked)  # fp8 words, a token-packed pool: as stored
     res, lse = gather_attend(compute_query(q, fmt), cache, read.layer, entries.astype(jnp.int32),
                              info, tpu.smem_page_table(b.page_indices), mode=mode, fmt=fmt,
                              units=units, pages_per_seq=b.pages_per_seq, sm_scale=sm_scale,

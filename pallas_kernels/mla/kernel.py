@@ -80,6 +80,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import tpu
 from pallas_kernels.mla import blocks as mla_blocks
+from pallas_kernels.mla import pool as mla_pool
 from pallas_kernels.mla.blocks import _COUNT, _END, _LIMIT, _SLOT0, ROW_INFO_WORDS
 from pallas_kernels.mla.traffic import mla_traffic
 from reference.core import batch
@@ -97,6 +98,8 @@ def check_kernel_args(q, cache_kv, kv_lens, selected, page_indices, cu_q_lens, c
     """The reference's checks (a packed cache is checked as the bf16 cache it holds) plus the
     kernel's: D a multiple of 128 (the fp8 latent cache takes D = 576 or 640: the kernel reads
     that query as given, ``segments``). Returns the cache's ``CacheFormat`` and the batch."""
+    if isinstance(cache_kv, mla_pool.TokenPackedCache):  # checked as the [P, ps, D] it holds
+        cache_kv = cache_kv.logical()
     if isinstance(cache_kv, fp8_cache.Fp8LatentCache):  # q: 576 or 640 (reference checks)
         check_mla_args(q, cache_kv, kv_lens, selected, page_indices, cu_q_lens, cu_kv_lens,
                        distribution, sm_scale=sm_scale, pages_per_seq=pages_per_seq,
@@ -252,7 +255,8 @@ def _kernel(info_ref, table_ref, layer_ref, q_ref, meta_hbm, cache_hbm, *refs, m
     slot, limit), ``table`` (SMEM i32[N], the page table) and ``layer`` (SMEM i32[1]: the layer
     of the stacked cache read in place; outside ``[0, L)`` nothing is read,
     ``reference.stacked``); inputs ``q`` block [1, H, D], ``meta`` (HBM i32[T, k], the row's
-    raw entries), ``cache`` (HBM ``[L, P, page_size, W]``), with ``has_sink`` the row's sink
+    raw entries), ``cache`` (HBM ``[L, P, page_size, W]``, or a token-packed pool ``[L, P,
+    page_size / k, k, D]``, ``pool``), with ``has_sink`` the row's sink
     logits (VMEM block f32[H, 1] of ``[Ls, H, 1]``); outputs ``out`` block [H / G, G, v_dim]
     (``out_groups``) and ``lse`` [1, H, 1]; scratch: gather buffers, raw rows of 2 query rows,
     DMA semaphores, rows filled per buffer, in-page limits (page), walk cursor, parity.
@@ -457,7 +461,8 @@ def gather_attend(q, cache, layer, entries, info, table, *, mode, fmt, units, pa
                   rows_per_layer=None, sink=None):
     """Run the kernel. ``q: [T, H, D]``, or ``[L, T, H, D]`` read in place at ``layer`` (f32 or
     bf16: the compute dtype); ``cache``: the stacked ``[L, P, page_size, W]`` (f32 / bf16 rows,
-    or packed u32 words) read in place at ``layer`` (i32 scalar, scalar-prefetched);
+    or packed u32 words; page mode also a token-packed pool ``[L, P, page_size / k, k, D]``,
+    ``pool``) read in place at ``layer`` (i32 scalar, scalar-prefetched);
     ``entries: i32[T, k]`` the rows' raw top-k entries (token offsets, or page numbers in page
     mode); ``info: i32[T, 4]`` from ``row_info``; ``table: i32[N]`` the page table
     (``page_indices``) as it is. q and the cache are pinned to HBM (``tpu.in_hbm``).
@@ -472,7 +477,10 @@ def gather_attend(q, cache, layer, entries, info, table, *, mode, fmt, units, pa
     """
     q_stack = q if q.ndim == 4 else q[None]  # a reshape: the kernel reads layer 0 or `layer`
     _, num_rows, heads, dim = q_stack.shape
-    num_layers, num_pages, page_size, words = cache.shape
+    num_layers, num_pages, *unit, words = cache.shape  # unit: (ps,) or (ps / k, k) (mla_pool)
+    page_size = int(np.prod(unit))
+    if len(unit) > 1 and mode == "token":
+        mla_pool.refuse_token_rows(f"{mode}_sparse_mla", mla_pool.TokenPackedCache(cache))
     k = entries.shape[1]
     shape = block_shape(mode, heads=heads, dim=dim, v_dim=v_dim, page_size=page_size,
                         units=units, meta_len=k, q_dtype=q.dtype, fmt=fmt)
@@ -483,7 +491,7 @@ def gather_attend(q, cache, layer, entries, info, table, *, mode, fmt, units, pa
         sm_scale=float(sm_scale), segs=segments(dim, v_dim, fmt, words),
         return_lse=return_lse, rows_per_layer=rows_per_layer or num_rows,
         has_sink=sink is not None)
-    gbuf = (2, units, words) if mode == "token" else (2, units, page_size, words)
+    gbuf = (2, units, words) if mode == "token" else (2, units, *unit, words)
     group = out_groups(heads)
     out_shape = [jax.ShapeDtypeStruct((num_rows * heads // group, group, v_dim), q.dtype)]
     out_specs = [pl.BlockSpec((heads // group, group, v_dim), lambda t, *_: (t, 0, 0))]

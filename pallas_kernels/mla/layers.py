@@ -29,6 +29,7 @@ import numpy as np
 
 from pallas_kernels import tpu
 from pallas_kernels.mla import blocks as mla_blocks
+from pallas_kernels.mla import pool as mla_pool
 from pallas_kernels.mla.blocks import ROW_INFO_WORDS
 from pallas_kernels.mla.common import compute_query, row_info
 from pallas_kernels.mla.kernel import check_kernel_args, gather_attend
@@ -99,7 +100,7 @@ def sparse_mla_layers(q, cache_kv, kv_lens, selected, page_indices, cu_q_lens, c
                                    mla_blocks.pick(blocks, "pages_per_block", pages_per_block)))
     flat = lambda x: x.reshape(num_layers * num_rows, *x.shape[2:])  # layer-major rows
     info = flat(row_info(selected, b, mode=mode))
-    cache = read.stacked.words if fmt.fp8 else read.stacked
+    cache = mla_pool.kernel_operand(read.stacked)
     out, _ = gather_attend(flat(compute_query(q, fmt)), cache, read.layer,
                            flat(selected.astype(jnp.int32)), info,
                            tpu.smem_page_table(b.page_indices), mode=mode, fmt=fmt, units=units,

@@ -4,8 +4,10 @@ Math (``reference.page_sparse_mla.page_sparse_mla_ref`` is the definition): row 
 every token ``s`` of each page listed in ``topk_pages[t]`` with ``s < kv_len`` and
 ``s <= abs_pos(t)`` (causal inside pages); a page listed twice counts twice.
 
-Shapes: ``q: f32|bf16[T, H, D]`` (D a multiple of 128), cache ``f32|bf16[P, page_size, D]`` or
-the packed ``u32[P, page_size, packed_words(D)]`` (``reference.packed_cache``);
+Shapes: ``q: f32|bf16[T, H, D]`` (D a multiple of 128), cache ``f32|bf16[P, page_size, D]``,
+the packed ``u32[P, page_size, packed_words(D)]`` (``reference.packed_cache``), or a
+``TokenPackedCache`` (``pallas_kernels.mla.pool``: sglang-jax's pool ``[P, page_size / k, k, D]``
+read in place, each page DMA'd as ``[page_size / k, k, D]``);
 ``topk_pages: i32[T, k_pages]`` sequence-local page numbers. Out ``q.dtype[T, H, v_dim]``,
 optional LSE ``f32[T, H]``.
 
@@ -56,7 +58,7 @@ def page_sparse_mla(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_
     """Page-sparse absorbed MLA (Pallas TPU); same semantics as ``page_sparse_mla_ref``.
 
     Shapes: ``q``: f32|bf16[T, H, D]; ``cache_kv``: f32|bf16[P, ps, D] | u32[P, ps, Wp] packed bf16
-    | ``Fp8LatentCache``;
+    | ``Fp8LatentCache`` | ``TokenPackedCache`` (f32|bf16[P, ps / k, k, D], ``mla.pool``);
     ``topk_pages``: i32[T, k_pages] sequence-local page numbers, -1 = ignore; the batch arrays as
     ``reference.batch``.
 

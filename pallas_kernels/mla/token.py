@@ -20,6 +20,7 @@ import numpy as np
 
 from pallas_kernels import tpu
 from pallas_kernels.mla import blocks as mla_blocks
+from pallas_kernels.mla import pool as mla_pool
 from pallas_kernels.mla.common import PerformanceWarning, attend_entries
 from pallas_kernels.mla.kernel import check_kernel_args
 from reference.formats import packed_cache, stacked
@@ -63,6 +64,7 @@ def sparse_mla(q: jax.Array, cache_kv: jax.Array, kv_lens: jax.Array, topk_indic
       ``q.dtype[T, H, v_dim]``; with ``return_lse=True`` also ``f32[T, H]``.
     """
     read = stacked.resolve("cache_kv", cache_kv, layer)
+    mla_pool.refuse_token_rows("sparse_mla", read.one)
     q_one = stacked.layer_query(q, read, layer=layer)
     fmt, b = check_kernel_args(q_one, read.one, kv_lens, topk_indices, page_indices, cu_q_lens,
                             cu_kv_lens, distribution, sm_scale=sm_scale,
