@@ -98,10 +98,9 @@ def _ints(op: str, **arrays) -> None:
         _checks.integer(f"{op}: {name}", x)
 
 
-def _ragged(op: str, page_indices, cu_q_lens, distribution, lens=None,
-            lens_name: str = "kv_lens") -> int:
-    """Check the ragged metadata; return ``pages_per_seq = N // M``."""
-    _ints(op, page_indices=page_indices, cu_q_lens=cu_q_lens, distribution=distribution)
+def _rows_meta(op: str, cu_q_lens, distribution, lens=None, lens_name: str = "kv_lens") -> int:
+    """Check ``cu_q_lens``, ``distribution`` (and ``lens i32[M]``); return ``M``."""
+    _ints(op, cu_q_lens=cu_q_lens, distribution=distribution)
     _checks.dim(f"{op}: distribution", distribution, 0, 3, "3 (decode_end, prefill_end, "
                 "num_seqs)")
     num_seqs = int(np.shape(cu_q_lens)[0]) - 1
@@ -111,6 +110,14 @@ def _ragged(op: str, page_indices, cu_q_lens, distribution, lens=None,
     if lens is not None:
         _ints(op, **{lens_name: lens})
         _checks.dim(f"{op}: {lens_name}", lens, 0, num_seqs, "len(cu_q_lens) - 1 (M)")
+    return num_seqs
+
+
+def _ragged(op: str, page_indices, cu_q_lens, distribution, lens=None) -> int:
+    """Check the ragged metadata and the fixed-stride table; return ``pages_per_seq = N //
+    M``."""
+    num_seqs = _rows_meta(op, cu_q_lens, distribution, lens)
+    _ints(op, page_indices=page_indices)
     n = int(np.shape(page_indices)[0])
     if n == 0 or n % num_seqs:
         raise ValueError(f"{op}: len(page_indices) = {n} must be a positive multiple of the "
@@ -207,7 +214,7 @@ def mla_swa(q, new_kv, cache_kv, kv_lens, page_indices, cu_q_lens, distribution,
       implementation: ``None`` / ``"xla"`` / ``"pallas"`` / a list (module docstring).
 
     Returns:
-      ``(out q.dtype[T, H, 512], updated_cache_kv, l f32[T, H], m f32[T, H])``: first row ``j``
+      ``(out q.dtype[T, H, 512], updated_cache_kv, l f32[T, H], m f32[T, H])``: first, row ``j``
       of each live sequence is written at position ``kv_len - q_len + j`` (as bf16 plane
       words), then each row attends over the updated cache; ``out = acc / (l + e^(sink - m))``,
       or ``acc`` with ``unnormalized_output``; ``m`` the max logit, ``l = sum e^(s - m)``
@@ -297,7 +304,7 @@ def sparse_mla(q, cache_kv_nope, cache_kv_rope, topk_indices, page_indices, cu_q
       implementation: as ``mla_swa``.
 
     Returns:
-      ``q.dtype[T, H, 512]``: ``(acc' ) / (l' + e^(sink - m'))`` over the window state and the
+      ``q.dtype[T, H, 512]``: ``acc' / (l' + e^(sink - m'))`` over the window state and the
       listed entries (``reference.v4_attention.state``); zeros on rows outside every live
       sequence.
     """
@@ -409,8 +416,7 @@ def hca_lens_to_attend(kv_lens, cu_q_lens, distribution, *, num_rows: int,
                          f"{causal_rule!r}")
     num_rows = _checks.nonneg_int("num_rows", num_rows)
     r = _checks.positive_int("compress_ratio", compress_ratio, "hca_lens_to_attend")
-    _ragged("hca_lens_to_attend", jnp.zeros((np.shape(kv_lens)[0],), jnp.int32), cu_q_lens,
-            distribution, kv_lens)
+    _rows_meta("hca_lens_to_attend", cu_q_lens, distribution, kv_lens)
     rows = batch.row_facts(num_rows, jnp.asarray(kv_lens, jnp.int32),
                            jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(distribution,
                                                                            jnp.int32))
