@@ -1,0 +1,156 @@
+"""``lightning_indexer(implementation="pallas")`` (issue 29): the package's Pallas token indexer
+reading tokamax's 256-byte records in place (``pallas_kernels.indexer.records``), in the strict
+interpreter, against the adapter's ``"xla"`` path on the same inputs: the same indices and the
+same score bits, both causal rules, NaN bytes in every record no row may read. And the kernel's
+record DMA and decode AOT-compiled for v6e and tpu7x at a V4-Flash decode shape, with no copy of
+the cache in the compiled HLO (no tokamax needed)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsa_jax.engines.tokamax import indexer as tk
+from pallas_kernels import aot
+from pallas_kernels.indexer import records
+from pallas_kernels.indexer.token import streamindex_topk_records
+from reference.formats import tokamax_index as ti
+
+D, PS, PPS, H, NUM_PAGES = 128, 8, 3, 2, 10
+NAN_BYTE = 0xFF  # e4m3 NaN code, e8m0 NaN scale
+
+
+def make_case(rng, *, ratio, q_lens, seq_lens, q_dtype=np.float32):
+    """Positional arguments of ``lightning_indexer``: a fixed-stride table (a padding sequence
+    and a padding row at the end), every record no row may read all NaN bytes."""
+    m = len(q_lens) + 1
+    table = np.full(m * PPS, 10 ** 6, np.int32)
+    perm = rng.permutation(NUM_PAGES)
+    flat = np.full((NUM_PAGES * PS, 256), NAN_BYTE, np.uint8)
+    p_next = 0
+    for s, n_tok in enumerate(seq_lens):
+        n_ent = n_tok // ratio
+        used = -(-n_ent // PS)
+        table[s * PPS:s * PPS + used] = perm[p_next:p_next + used]
+        p_next += used
+        slots = np.array([table[s * PPS + j // PS] * PS + j % PS for j in range(n_ent)], int)
+        if n_ent:
+            keys = rng.standard_normal((n_ent, D)) * np.exp(rng.uniform(-3, 3, (n_ent, 1)))
+            flat[slots, :129] = np.asarray(ti.encode_index_records(keys.astype(np.float32)))[:, :129]
+            flat[slots, 129:] = rng.integers(0, 256, (n_ent, 127))  # padding: never read
+    cache = flat.reshape(ti.cache_shape(NUM_PAGES, PS))
+    t = sum(q_lens) + 1
+    cu = np.concatenate([[0], np.cumsum(q_lens), [sum(q_lens)]]).astype(np.int32)
+    sl = np.concatenate([seq_lens, [5]]).astype(np.int32)
+    q = rng.standard_normal((t, H, D)).astype(np.float32)
+    q[-1] = np.nan  # the padding row
+    w = rng.standard_normal((t, H)).astype(np.float32)
+    dist = np.array([0, 0, len(q_lens)], np.int32)
+    return (jnp.asarray(q, q_dtype), jnp.asarray(w), jnp.asarray(cache), sl, table, cu, dist)
+
+
+CASES = [  # (ratio, q_lens, seq_lens, q dtype)
+    (4, [1, 1, 1], [40, 93, 3], np.float32),  # decode, one row seeing nothing
+    (4, [9, 1, 6], [36, 70, 22], jnp.bfloat16),  # prefill rows: the two rules differ
+    (1, [5, 2], [20, 9], np.float32),  # uncompressed
+]
+
+
+def _f32(bits):
+    return np.asarray(bits).view(np.float32)
+
+
+def _close(a, b, scale):
+    """Equal up to f32 summation order (the kernel's dot and head sum are not XLA's)."""
+    with np.errstate(invalid="ignore"):  # -inf - -inf
+        return (a == b) | (np.abs(a - b) <= 1e-6 * (np.abs(a) + scale))
+
+
+@pytest.mark.parametrize("rule", tk.CAUSAL_RULES)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c[0]}-{c[1]}")
+def test_pallas_equals_the_xla_path(case, rule):
+    """``k >= capacity``: each row's visible entries and their scores (to f32 rounding), in the
+    same order; then ``k = 5``: the same top-5 but where two scores are within rounding."""
+    ratio, q_lens, seq_lens, q_dtype = case
+    args = make_case(np.random.default_rng(), ratio=ratio, q_lens=q_lens, seq_lens=seq_lens,
+                     q_dtype=q_dtype)
+    full = {}
+    for k in (PPS * PS, 5):
+        kw = dict(k=k, compression_ratio=ratio, return_scores=True, causal_rule=rule)
+        want_idx, want_bits = (np.asarray(x) for x in tk.lightning_indexer(
+            *args, implementation="xla", **kw))
+        got_idx, got_bits = (np.asarray(x) for x in tk.lightning_indexer(
+            *args, implementation="pallas", **kw))
+        for r in range(want_idx.shape[0]):
+            if k == PPS * PS:
+                assert set(got_idx[r]) == set(want_idx[r]), r  # the visible entries
+                full[r] = dict(zip(want_idx[r], _f32(want_bits[r]), strict=True))
+                scale = np.nanmax(np.abs(_f32(want_bits[r])[want_idx[r] >= 0]), initial=0.0)
+                full[r]["scale"] = scale
+            ref, scale = full[r], full[r]["scale"]
+            got = _f32(got_bits[r])
+            assert np.all(_close(got, _f32(want_bits[r]), scale)), (r, got, want_bits[r])
+            for j, v in zip(got_idx[r], got, strict=True):  # each pick is its entry's score
+                assert j == -1 or _close(v, ref[j], scale), (r, j)
+            differ = got_idx[r] != want_idx[r]
+            assert np.all(_close(got[differ], _f32(want_bits[r])[differ], scale))
+    assert sum(len(v) - 2 for v in full.values()) > 0  # some row selected something
+
+
+def test_pallas_refusals():
+    args = make_case(np.random.default_rng(), ratio=4, q_lens=[1], seq_lens=[16])
+    with pytest.raises(NotImplementedError, match="seq_along_lane"):
+        seq = jnp.zeros(ti.cache_shape(NUM_PAGES, PS, ti.SEQ_ALONG_LANE), jnp.uint8)
+        tk.lightning_indexer(*args[:2], seq, *args[3:], k=2, compression_ratio=4,
+                             kv_layout=ti.SEQ_ALONG_LANE, implementation="pallas")
+    with pytest.raises(ValueError, match="causal_rule"):
+        streamindex_topk_records(*args[:4], args[4], args[5], jnp.zeros(3, jnp.int32),
+                                 args[6], k=2, pages_per_seq=PPS, causal_rule="nope")
+
+
+def test_scale_bits_exact():
+    b = jnp.arange(256, dtype=jnp.int32)
+    got = np.asarray(jax.lax.bitcast_convert_type(records.scale_bits(b), jnp.float32))
+    want = np.asarray(jax.lax.bitcast_convert_type(b.astype(jnp.uint8), jnp.float8_e8m0fnu)
+                      ).astype(np.float32)
+    np.testing.assert_array_equal(got, want)
+
+
+# ------------------------------------------------------------------------------- AOT gate
+
+GATE_ROWS, GATE_TOKENS, GATE_RATIO, GATE_K, GATE_HEADS, GATE_PAGE = 64, 8192, 4, 512, 64, 64
+
+
+def _gate_fn(q, w, cache, seq_lens, table, cu_q, cu_kv, dist):
+    return streamindex_topk_records(q, w, cache, seq_lens, table, cu_q, cu_kv, dist,
+                                    k=GATE_K, pages_per_seq=table.shape[0] // seq_lens.shape[0],
+                                    compression_ratio=GATE_RATIO, chip=_gate_fn.chip)
+
+
+@pytest.mark.kernel_gate
+@pytest.mark.parametrize("chip", ["v6e", "tpu7x"])
+def test_records_compile_without_a_cache_copy(chip):
+    entries = GATE_TOKENS // GATE_RATIO
+    pps = entries // GATE_PAGE
+    num_pages = GATE_ROWS * pps
+    i32 = jnp.int32
+    specs = [jax.ShapeDtypeStruct((GATE_ROWS, GATE_HEADS, D), jnp.bfloat16),
+             jax.ShapeDtypeStruct((GATE_ROWS, GATE_HEADS), jnp.float32),
+             jax.ShapeDtypeStruct(ti.cache_shape(num_pages, GATE_PAGE), jnp.uint8),
+             jax.ShapeDtypeStruct((GATE_ROWS,), i32),
+             jax.ShapeDtypeStruct((GATE_ROWS * pps,), i32),
+             jax.ShapeDtypeStruct((GATE_ROWS + 1,), i32),
+             jax.ShapeDtypeStruct((GATE_ROWS + 1,), i32), jax.ShapeDtypeStruct((3,), i32)]
+    _gate_fn.chip = chip
+    compiled = aot.aot_compile(_gate_fn, specs, chip, "tokamax records decode")
+    text = compiled.as_text()
+    cache_shape = "u8[" + ",".join(str(d) for d in specs[2].shape) + "]"
+    producers = [ln for ln in text.splitlines()
+                 if re.search(r"=\s*\(?" + re.escape(cache_shape), ln.strip().split(" ", 1)[-1])
+                 and "parameter(" not in ln]
+    assert not producers, producers[:3]
+    assert "tpu_custom_call" in text
