@@ -61,6 +61,8 @@ Design.
   semaphore, its e4m3 keys ``[page, 128]`` (whole (32, 128) tiles) and its f32 scale row
   (``scale_lanes`` lanes); keys are upcast in VMEM (exact in bf16), or stay e4m3 for an fp8
   ``q`` on tpu7x (``compute_dtypes``); the stage's scores are scaled per key after the head sum.
+- tokamax's 256-byte index records (``records``): one DMA per page as stored, decoded in VMEM;
+  ``causal_rule="tpu_inference"`` (tokamax's ``j <= p // r``) is a config field beside it.
 - ``index_quant="fp4_sim"`` (DeepSeek-V4's simulation, ``reference.index_scores.fp4_sim``): q
   is rotated and FP4-simulated in the glue (``scoring``: ``[T, H, 128]``, small); each stage's
   key tile, after its DMA, is rotated by the Hadamard matrix (one ``[P*page, 128] x [128, 128]``
