@@ -207,13 +207,17 @@ def test_idle_rows_empty_batches_and_implementation_lists():
     assert i0.shape == b0.shape == (0, 3)
     one = tk.lightning_indexer(*args, k=3, compression_ratio=4)
     np.testing.assert_array_equal(one[3:], -1)
+    # the Pallas path reads only "head_along_sublane" (tests/test_tokamax_pallas_indexer.py)
+    seq_args, _ = make_case(rng, ratio=4, layout=ti.SEQ_ALONG_LANE, q_lens=[1, 2],
+                            seq_lens=[20, 33])
+    seq_kw = dict(k=3, compression_ratio=4, kv_layout=ti.SEQ_ALONG_LANE)
     np.testing.assert_array_equal(
-        tk.lightning_indexer(*args, k=3, compression_ratio=4, implementation=["pallas", "xla"]),
-        one)
-    with pytest.raises(NotImplementedError, match="256-byte ue8m0 index record"):
-        tk.lightning_indexer(*args, k=3, compression_ratio=4, implementation="mosaic")
+        tk.lightning_indexer(*seq_args, **seq_kw, implementation=["pallas", "xla"]),
+        tk.lightning_indexer(*seq_args, **seq_kw))
+    with pytest.raises(NotImplementedError, match="seq_along_lane"):
+        tk.lightning_indexer(*seq_args, **seq_kw, implementation="mosaic")
     with pytest.raises(ExceptionGroup) as group:
-        tk.lightning_indexer(*args, k=3, compression_ratio=4, implementation=["pallas", "mosaic"])
+        tk.lightning_indexer(*seq_args, **seq_kw, implementation=["pallas", "mosaic"])
     assert len(group.value.exceptions) == 2
     with pytest.raises(NotImplementedError, match="cp_size=2"):
         tk.lightning_indexer(*args, k=3, compression_ratio=4, cp_size=2)

@@ -61,6 +61,8 @@ Design.
   semaphore, its e4m3 keys ``[page, 128]`` (whole (32, 128) tiles) and its f32 scale row
   (``scale_lanes`` lanes); keys are upcast in VMEM (exact in bf16), or stay e4m3 for an fp8
   ``q`` on tpu7x (``compute_dtypes``); the stage's scores are scaled per key after the head sum.
+- tokamax's 256-byte index records (``records``): one DMA per page as stored, decoded in VMEM;
+  ``causal_rule="tpu_inference"`` (tokamax's ``j <= p // r``) is a config field beside it.
 - ``index_quant="fp4_sim"`` (DeepSeek-V4's simulation, ``reference.index_scores.fp4_sim``): q
   is rotated and FP4-simulated in the glue (``scoring``: ``[T, H, 128]``, small); each stage's
   key tile, after its DMA, is rotated by the Hadamard matrix (one ``[P*page, 128] x [128, 128]``
@@ -92,13 +94,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import chips, tpu
-from pallas_kernels.indexer import fp4
+from pallas_kernels.indexer import fp4, records
 from pallas_kernels.indexer import work_list as wl
 from pallas_kernels.indexer.blocks import IndexerBlocks, vmem_estimate
 from pallas_kernels.indexer.work_list import level_bound, row_ladder
 from pallas_kernels.tpu import LANES
 from reference.core import batch
 from reference.formats import fp8_cache, stacked
+from reference.formats import tokamax_index as ti
 from reference.quant import fp8
 
 NEG_INF = float("-inf")
@@ -127,6 +130,13 @@ class ScoreConfig:
     compression_ratio: int = 1  # r: keys are entries of r tokens (``reference.batch``)
     index_quant: str | None = None  # "fp4_sim": keys rotated and FP4-rounded in VMEM (``fp4``)
     precision: str = "f32"  # "bf16": the official rounding of dots, products and head sums
+    cache_format: str | None = None  # records.RECORD_FORMAT: tokamax's 256-byte index records
+    causal_rule: str = "official"  # "tpu_inference": entry j visible iff j <= p // r
+
+    @property
+    def records(self) -> bool:
+        """The cache is tokamax's index records (``records``), decoded in VMEM."""
+        return self.cache_format == records.RECORD_FORMAT
 
     @property
     def capacity(self) -> int:
@@ -157,10 +167,12 @@ class ScoreConfig:
 def make_configs(q, cache_kv, *, rows: int, num_seqs: int, pages_per_seq: int,
                  blocks: IndexerBlocks, page_mode: bool, one_token_per_seq: bool,
                  chip: str | None = None, compression_ratio: int = 1,
-                 index_quant: str | None = None, precision: str = "f32") -> list[ScoreConfig]:
+                 index_quant: str | None = None, precision: str = "f32",
+                 causal_rule: str = "official") -> list[ScoreConfig]:
     """Static configs of one chunk of ``rows`` query rows: one per ladder level, ascending.
     ``cache_kv``: the stacked cache ``[L, P, ps, D]`` (``reference.stacked``) or one layer;
-    ``precision``: ``"f32"`` or ``"bf16"`` (checked by the entries; module docstring).
+    ``precision``: ``"f32"`` or ``"bf16"`` (checked by the entries; module docstring);
+    ``causal_rule``: ``"official"`` or ``"tpu_inference"`` (``records``' entry checks it).
     """
     total_rows, heads, dim = q.shape
     *lead, num_pages, page_size, _ = cache_kv.shape
@@ -174,7 +186,9 @@ def make_configs(q, cache_kv, *, rows: int, num_seqs: int, pages_per_seq: int,
                         compute_dtype=compute, key_dtype=key_dtype, chip=chip,
                         scale_lanes=lanes, num_layers=num_layers,
                         compression_ratio=compression_ratio, index_quant=index_quant,
-                        precision=precision)
+                        precision=precision, causal_rule=causal_rule,
+                        cache_format=(records.RECORD_FORMAT
+                                      if isinstance(cache_kv, records.RecordCache) else None))
             for i, size in enumerate(ladder)]
 
 
@@ -189,6 +203,8 @@ def compute_dtypes(q, cache_kv, chip: str | None, index_quant: str | None = None
     two, exact in bf16: the products are exact and accumulate in f32). ``precision="bf16"``
     (f32/bf16 keys only: the entries refuse an fp8 cache): bf16, q and the key tiles cast to
     it (the official operands)."""
+    if isinstance(cache_kv, records.RecordCache):  # exact e4m3 codes; f32 q stays f32
+        return jnp.dtype(jnp.promote_types(q.dtype, jnp.bfloat16)), jnp.dtype(jnp.uint8), 0
     if isinstance(cache_kv, fp8_cache.Fp8IndexCache):
         if q.dtype == fp8.FP8_DTYPE:
             fp8_mxu = chip is not None and chips.get(chip).fp8_mxu
@@ -285,7 +301,10 @@ def _stage_scores(cfg: ScoreConfig, q, wcol, keys, scales, blk, pos0, kv_eff, pa
     q arrives simulated). ``precision="bf16"``: ``wcol`` arrives bf16-valued; each dot, each
     ``relu(dot) * w`` and each head sum is rounded to bf16 (``_round_bf16``)."""
     nb = cfg.block_tokens
-    k = keys.reshape(nb, cfg.dim)
+    if cfg.records:  # tokamax's records: codes and the scale row decoded in VMEM
+        k, scale_row = records.decode_stage(keys, cfg.compute_dtype)
+    else:
+        k, scale_row = keys.reshape(nb, cfg.dim), None
     if cfg.index_quant is not None:
         k = fp4.rotate_and_round(k, hadamard)
     k = k.astype(cfg.compute_dtype)
@@ -302,6 +321,8 @@ def _stage_scores(cfg: ScoreConfig, q, wcol, keys, scales, blk, pos0, kv_eff, pa
     if scales is not None:  # page p's scales are lanes [0, page) of its row -> lanes of s
         s = s * jnp.concatenate([scales[p:p + 1, :cfg.page_size]
                                  for p in range(cfg.block_pages)], axis=1)
+    if scale_row is not None:
+        s = s * scale_row
     lane = jax.lax.broadcasted_iota(jnp.int32, (1, nb), 1)
     fetched = jnp.zeros((1, nb), jnp.bool_)
     for p in range(cfg.block_pages):
@@ -310,6 +331,8 @@ def _stage_scores(cfg: ScoreConfig, q, wcol, keys, scales, blk, pos0, kv_eff, pa
     pos = pos0 + jax.lax.broadcasted_iota(jnp.int32, (cfg.block_rows, 1), 0)
     r = cfg.compression_ratio  # entry j visible iff j < (p + 1) // r, division-free:
     visible = (tok <= pos) if r == 1 else ((tok + 1) * r <= pos + 1)
+    if cfg.causal_rule == "tpu_inference":  # tokamax's j <= p // r
+        visible = tok * r <= pos
     ok = fetched & (tok < kv_eff) & visible
     return jnp.where(ok, s, NEG_INF)
 
@@ -452,7 +475,9 @@ def score_call(cfg: ScoreConfig, q, wcol, cache_kv, layer, items, page_table, pr
     r, h, d = cfg.block_rows, cfg.heads, cfg.dim
     aliased = prev is not None
     kernel = functools.partial(_score_kernel, cfg, aliased)
-    scratch = [pltpu.VMEM((2, cfg.block_pages, cfg.page_size, d), cfg.key_dtype),
+    page_shape = ((cfg.page_size // ti.KV_PACKING, ti.KV_PACKING, ti.RECORD_BYTES)
+                  if cfg.records else (cfg.page_size, d))
+    scratch = [pltpu.VMEM((2, cfg.block_pages, *page_shape), cfg.key_dtype),
                pltpu.SemaphoreType.DMA((2,)), pltpu.SMEM((1,), jnp.int32)]
     if cfg.key_scales:  # the stage's scale rows, double-buffered like the keys
         scratch.append(pltpu.VMEM((2, cfg.block_pages, cfg.scale_lanes), jnp.float32))
@@ -463,7 +488,7 @@ def score_call(cfg: ScoreConfig, q, wcol, cache_kv, layer, items, page_table, pr
     scratch += [pltpu.VMEM((2, r, width), jnp.float32), pltpu.SemaphoreType.DMA((2,))]
     est = vmem_estimate(block_rows=r, block_pages=cfg.block_pages, num_heads=h, dim=d,
                         page_size=cfg.page_size, pages_per_seq=cfg.pages_per_seq,
-                        key_itemsize=cfg.key_dtype.itemsize,
+                        key_itemsize=_key_bytes(cfg) // d,
                         q_itemsize=cfg.compute_dtype.itemsize, page_mode=cfg.page_mode,
                         scale_lanes=cfg.scale_lanes, index_quant=cfg.index_quant)
     limit = tpu.vmem_limit(est, cfg.chip, vmem_limit_bytes)
@@ -480,7 +505,7 @@ def score_call(cfg: ScoreConfig, q, wcol, cache_kv, layer, items, page_table, pr
         in_specs.append(pl.BlockSpec(memory_space=pltpu.HBM))
         operands += [tpu.in_hbm(cache_kv.keys), tpu.in_hbm(cache_kv.scales)]
     else:
-        operands.append(tpu.in_hbm(cache_kv))
+        operands.append(tpu.in_hbm(cache_kv.records if cfg.records else cache_kv))
     if aliased:
         in_specs.append(pl.BlockSpec(memory_space=pltpu.HBM))
         operands.append(prev)
@@ -498,13 +523,18 @@ def score_call(cfg: ScoreConfig, q, wcol, cache_kv, layer, items, page_table, pr
     return out
 
 
+def _key_bytes(cfg: ScoreConfig) -> int:
+    """HBM/VMEM bytes of one key: ``dim * itemsize``, a whole record for ``records``."""
+    return ti.RECORD_BYTES if cfg.records else cfg.dim * cfg.key_dtype.itemsize
+
+
 def _cost_estimate(cfg: ScoreConfig) -> pl.CostEstimate:
     """Upper bound: every item reads its whole capacity (the real kernel reads causal pages)."""
     toks = cfg.num_items * cfg.capacity
     flops = 2 * toks * cfg.block_rows * cfg.heads * cfg.dim
     if cfg.index_quant is not None:  # the key tile's Hadamard rotation, once per item
         flops += 2 * toks * cfg.dim * cfg.dim
-    key_bytes = toks * cfg.dim * cfg.key_dtype.itemsize
+    key_bytes = toks * _key_bytes(cfg)
     key_bytes += cfg.num_items * cfg.pages_per_seq * cfg.scale_lanes * 4
     rows = cfg.num_items * cfg.block_rows * cfg.heads
     io = rows * (cfg.dim * cfg.compute_dtype.itemsize + LANES * 4)

@@ -68,7 +68,8 @@ def score_and_select(q, weights, cache_kv, b: batch.RaggedBatch, *, one_token_pe
                      page_mode: bool, blocks: IndexerBlocks, chunk_bytes: int,
                      vmem_limit_bytes: int | None, interpret, out_width: int, out_dtype,
                      finish, chip: str | None = None, layer=None,
-                     index_quant: str | None = None, precision: str = "f32") -> jax.Array:
+                     index_quant: str | None = None, precision: str = "f32",
+                     causal_rule: str = "official") -> jax.Array:
     """Score the rows in chunks of ``C`` rows (one kernel call each, inside a ``fori_loop``) and
     hand each chunk to ``finish(scores f32[C, N], row_ok bool[C], key_pos i32[C],
     kv_eff i32[C]) -> [C, out_width]`` (``key_pos``: the row's last visible key, its absolute
@@ -80,7 +81,9 @@ def score_and_select(q, weights, cache_kv, b: batch.RaggedBatch, *, one_token_pe
     here (``reference.index_scores.INDEX_QUANT_MAPS``), the keys through the same rule in the
     kernel, tile by tile after their DMA (``pallas_kernels.indexer.fp4``). ``precision``
     (checked by the entry): ``"bf16"`` casts q to bf16 and rounds the weights to bf16 here, the
-    kernel casts the key tiles and rounds as ``reference.indexer.scores.index_scores``."""
+    kernel casts the key tiles and rounds as ``reference.indexer.scores.index_scores``.
+    ``causal_rule``: ``"official"`` (``j < (p + 1) // r``) or ``"tpu_inference"`` (``j <= p //
+    r``, tokamax's; ``records``)."""
     read = stacked.resolve("cache_kv", cache_kv, layer)
     cache_kv = read.stacked
     total_rows, pages_per_seq = q.shape[0], b.pages_per_seq
@@ -90,7 +93,7 @@ def score_and_select(q, weights, cache_kv, b: batch.RaggedBatch, *, one_token_pe
                         blocks=blocks, page_mode=page_mode,
                         one_token_per_seq=one_token_per_seq, chip=chip,
                         compression_ratio=b.compression_ratio, index_quant=index_quant,
-                        precision=precision)
+                        precision=precision, causal_rule=causal_rule)
     q_map = index_scores.INDEX_QUANT_MAPS[index_quant]
     if q_map is not None:
         q = q_map(q)

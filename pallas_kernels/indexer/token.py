@@ -18,6 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.indexer import records
 from pallas_kernels.indexer.blocks import IndexerBlocks, check_kernel_knobs, entry_blocks
 from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, score_and_select, select_rows
 from reference.core import batch
@@ -159,3 +160,73 @@ def streamindex_scores(q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, 
         interpret=interpret, chip=chip, out_width=width, out_dtype=jnp.float32,
         finish=lambda s, *_: s, index_quant=index_quant, precision=precision)
 
+
+
+RECORD_CAUSAL_RULES = ("official", "tpu_inference")
+
+
+@functools.partial(jax.jit, static_argnames=("k", "pages_per_seq", "compression_ratio",
+                                             "causal_rule", "block_rows", "block_pages", "chip",
+                                             "score_chunk_bytes", "vmem_limit_bytes",
+                                             "interpret"))
+def streamindex_topk_records(q: jax.Array, weights: jax.Array, cache_kv: jax.Array,
+                             seq_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array,
+                             cu_kv_lens: jax.Array, distribution: jax.Array, *, k: int,
+                             pages_per_seq: int, compression_ratio: int = 1,
+                             causal_rule: str = "official", block_rows: int | None = None,
+                             block_pages: int | None = None, chip: str | None = None,
+                             score_chunk_bytes: int = SCORE_CHUNK_BYTES,
+                             vmem_limit_bytes: int | None = None,
+                             interpret=False) -> tuple[jax.Array, jax.Array]:
+    """Exact token top-k over tokamax's index records (format ``records.RECORD_FORMAT``), with
+    tokamax's score and order: ``score = (sum_h w * relu(q . code)) * scale`` (f32), the ``k``
+    best visible entries by descending score, ties to the lower entry (``lax.top_k``).
+
+    Args:
+      q: ``f32|bf16|float8_e4m3fn[T, H, 128]``; weights: ``f32|bf16[T, H]``.
+      cache_kv: ``u8[P, ps // 4, 4, 256]`` records (``reference.formats.tokamax_index``,
+        ``"head_along_sublane"``), read in place by the kernel.
+      seq_lens ... distribution: the batch arrays as ``streamindex_topk`` (``seq_lens`` in
+        tokens; ``page_indices``, ``cu_kv_lens`` and pages in entries when ``r > 1``).
+      k, pages_per_seq, compression_ratio: as ``streamindex_topk``.
+      causal_rule: ``"official"`` (entry ``j`` visible to token position ``p`` iff ``j < (p +
+        1) // r``) or ``"tpu_inference"`` (tokamax's ``j <= p // r``); both need ``j <
+        kv_len // r``.
+      block_rows, block_pages, chip, score_chunk_bytes, vmem_limit_bytes, interpret: as
+        ``streamindex_topk``.
+
+    Returns:
+      ``(i32[T, k] entries, i32[T, k] raw f32 score bits)``: ``-1`` / ``-inf`` bits in the tail
+      and in rows outside every sequence; a NaN score is no candidate.
+    """
+    if causal_rule not in RECORD_CAUSAL_RULES:
+        raise ValueError(f"unknown causal_rule {causal_rule!r}; expected one of "
+                         f"{RECORD_CAUSAL_RULES}")
+    cache = records.wrap(cache_kv)
+    check_topk_args((q, weights, jax.ShapeDtypeStruct(cache.shape, jnp.float32), seq_lens,
+                     page_indices, cu_q_lens, cu_kv_lens, distribution), k=k, k_name="k",
+                    pages_per_seq=pages_per_seq, one_token_per_seq=False, num_segments=0,
+                    fill="tail", refuse_full_overwrite=False,
+                    recall_target=selection.DEFAULT_RECALL_TARGET, exact=True,
+                    compression_ratio=compression_ratio)
+    chip, blocks = entry_blocks(chip, None, block_rows, block_pages, one_token_per_seq=False,
+                                pages_per_seq=pages_per_seq, page_size=cache.page_size,
+                                page_mode=False, interpret=interpret)
+    check_kernel_knobs(score_chunk_bytes, vmem_limit_bytes)
+    b = batch.RaggedBatch.of(cache, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
+                             distribution, pages_per_seq=pages_per_seq,
+                             compression_ratio=compression_ratio)
+
+    def finish(scores, row_ok, _key_pos, _kv_eff):
+        idx, vals = selection.select_topk_scored(scores, k, exact=True)
+        bits = jax.lax.bitcast_convert_type(vals.astype(jnp.float32), jnp.int32)
+        neg = jax.lax.bitcast_convert_type(jnp.float32(-jnp.inf), jnp.int32)
+        return jnp.concatenate([jnp.where(row_ok[:, None], idx, -1),
+                                jnp.where(row_ok[:, None], bits, neg)], axis=1)
+
+    out = score_and_select(q, weights, cache, b, one_token_per_seq=False, page_mode=False,
+                           blocks=blocks, chunk_bytes=score_chunk_bytes,
+                           vmem_limit_bytes=vmem_limit_bytes, interpret=interpret,
+                           out_width=2 * k, out_dtype=jnp.int32, finish=finish, chip=chip,
+                           causal_rule=causal_rule)
+    return out[:, :k], out[:, k:]

@@ -90,6 +90,8 @@ def _level_items(cfg, i: int, top: int, ladder, seq_rows, b: batch.RaggedBatch, 
     pos = kv_lens[seq] - q_len[seq] + (row - q_start[seq])  # abs pos of the first row
     kv_eff = b.kv_eff(seq)  # keys: min(entries_of_tokens(kv_len), capacity)
     seen = batch.entries_of_tokens(pos + n, b.compression_ratio)  # keys the last row may see
+    if cfg.causal_rule == "tpu_inference":  # j <= p // r
+        seen = (pos + n - 1) // b.compression_ratio + 1
     tokens = jnp.clip(jnp.minimum(seen, kv_eff), 0, cfg.capacity)
     # An empty item (n == 0) needs no pages: else the previous step's cross-item prefetch would
     # start DMAs for it that nobody waits on (found by scripts/cost/hbm_traffic.py's count).

@@ -28,10 +28,14 @@ Differences from tokamax, all outside well-formed input or by choice:
   here. Non-finite scores (NaN or inf keys or queries): a NaN is no candidate here, and a
   ``+inf`` is selected; tokamax's reference ranks both first and returns ``-1`` in their slots
   (so its ``-1`` are then not only a suffix). ``top_k`` agrees with tokamax's on both.
-- ``implementation``: ``None`` / ``"xla"`` run the path above; ``"pallas"`` / ``"mosaic"``
-  raise ``NotImplementedError`` (the package's Pallas indexer reads its own fp8 index cache,
-  not this record). An ordered list is tried in order (``dsa_jax.backend.first_serving``:
-  ``ExceptionGroup`` when all fail); an unknown name is a ``ValueError`` (tokamax skips it).
+- ``implementation``: ``None`` / ``"xla"`` run the path above; ``"pallas"`` / ``"mosaic"`` run
+  the package's Pallas token indexer on the records as stored
+  (``pallas_kernels.indexer.token.streamindex_topk_records``, cache format
+  ``pallas_kernels.indexer.records.RECORD_FORMAT``; off TPU in the strict interpreter), same
+  score order and selection; ``"head_along_sublane"`` only (``"seq_along_lane"`` raises
+  ``NotImplementedError`` there). An ordered list is tried in order
+  (``dsa_jax.backend.first_serving``: ``ExceptionGroup`` when all fail); an unknown name is a
+  ``ValueError`` (tokamax skips it).
 - ``cp_size != 1`` (context parallelism) raises ``NotImplementedError``.
 """
 
@@ -46,6 +50,7 @@ from jax import lax
 
 from dsa_jax import backend as _backend
 from dsa_jax.batch import Batch
+from pallas_kernels.indexer import token as _pallas_token
 from reference.core import batch as _batch
 from reference.core import checks as _checks
 from reference.formats import tokamax_index as _ti
@@ -58,24 +63,26 @@ CAUSAL_RULES = ("official", "tpu_inference")
 INDEXER_IMPLEMENTATIONS = ("xla", "pallas", "mosaic")  # tokamax's: "mosaic", "xla"
 TOP_K_IMPLEMENTATIONS = ("xla", "pallas", "mosaic_tpu")  # tokamax's: "mosaic_tpu", "xla"
 _NO_KERNEL = {
-    "lightning_indexer": "no Pallas kernel reads tokamax's 256-byte ue8m0 index record: this "
-                         "package's Pallas indexer reads its own fp8 index cache "
-                         "(Fp8IndexCache: e4m3 keys, f32 scales); use implementation='xla'",
+    "lightning_indexer": "the Pallas indexer reads only the 'head_along_sublane' records; use "
+                         "implementation='xla' for 'seq_along_lane'",
     "top_k": "this package has no standalone Pallas top-k (its top-k is lax.top_k inside the "
              "indexer); use implementation='xla'",
 }
 _FLOAT_Q = _checks.FLOAT_DTYPES + (jnp.dtype(jnp.float8_e4m3fn),)
 
 
-def _dispatch(op: str, names: tuple[str, ...], implementation, serve):
-    """``serve()`` under ``implementation`` (module docstring): names other than ``"xla"``
-    raise ``NotImplementedError``; a list passes each such failure on to the next name."""
+def _dispatch(op: str, names: tuple[str, ...], implementation, serve, serve_pallas=None):
+    """``serve()`` under ``implementation`` (module docstring): other names run
+    ``serve_pallas()`` or, without one, raise ``NotImplementedError``; a list passes each
+    failure on to the next name."""
     chosen = _backend.chosen_names(op, names, implementation, None) or ["xla"]
 
     def call(name):
-        if name != "xla":
+        if name == "xla":
+            return serve()
+        if serve_pallas is None:
             raise NotImplementedError(f"{op}: implementation {name!r}: {_NO_KERNEL[op]}")
-        return serve()
+        return serve_pallas()
 
     return _backend.first_serving(op, [(n, n) for n in chosen], call, group=len(chosen) > 1)
 
@@ -173,7 +180,39 @@ def lightning_indexer(q, indexer_weights, cache_kv, seq_lens, page_indices, cu_q
                              pages_per_seq=pps, rule=causal_rule)
         return (idx, bits) if return_scores else idx
 
-    return _dispatch("lightning_indexer", INDEXER_IMPLEMENTATIONS, implementation, serve)
+    def serve_pallas():
+        if cp != 1:
+            raise NotImplementedError(f"lightning_indexer: cp_size={cp}: context-parallel "
+                                      f"shards are not served (only cp_size=1)")
+        if layout != _ti.HEAD_ALONG_SUBLANE:
+            raise NotImplementedError(f"lightning_indexer: kv_layout {layout!r}: "
+                                      f"{_NO_KERNEL['lightning_indexer']}")
+        idx, bits = _pallas_indexer(q, indexer_weights, cache_kv, seq_lens, page_indices,
+                                    cu_q_lens, distribution, k=k, ratio=compression_ratio,
+                                    pages_per_seq=pps, rule=causal_rule)
+        return (idx, bits) if return_scores else idx
+
+    return _dispatch("lightning_indexer", INDEXER_IMPLEMENTATIONS, implementation, serve,
+                     serve_pallas)
+
+
+def _pallas_indexer(q, w, cache, seq_lens, page_indices, cu_q_lens, distribution, *, k: int,
+                    ratio: int, pages_per_seq: int, rule: str):
+    """The ``"pallas"`` path (module docstring): ``(i32[T, k], score bits i32[T, k])``; the
+    strict interpreter off TPU."""
+    num_rows, num_seqs = int(np.shape(q)[0]), int(np.shape(seq_lens)[0])
+    ps = _ti.check_index_cache("cache_kv", cache, _ti.HEAD_ALONG_SUBLANE)
+    if num_rows == 0 or num_seqs == 0 or pages_per_seq == 0:
+        neg = _score_bits(jnp.float32(-jnp.inf))
+        return (jnp.full((num_rows, k), -1, jnp.int32), jnp.full((num_rows, k), neg, jnp.int32))
+    fixed = Batch.from_fixed_stride(seq_lens, jnp.reshape(page_indices, (num_seqs, -1)),
+                                    cu_q_lens, distribution, page_size=ps)
+    q = jnp.asarray(q)
+    if q.dtype == jnp.float8_e4m3fn:  # exact in bf16
+        q = q.astype(jnp.bfloat16)
+    return _pallas_token.streamindex_topk_records(
+        q, jnp.asarray(w), jnp.asarray(cache), *fixed.arrays, k=k, pages_per_seq=pages_per_seq,
+        compression_ratio=ratio, causal_rule=rule, interpret=not _backend.on_tpu())
 
 
 def tokamax_scores(q: jax.Array, w: jax.Array, codes: jax.Array,
