@@ -122,7 +122,7 @@ def fused_v4_traffic(chip: str, *, rows: int, context: int, heads: int, ratio: i
     fp8 = fmt == "fp8"
     row_bytes = FP8_ROW_BYTES if fp8 else 4 * (HEAD_DIM if fmt == "f32" else WORDS)
     t = fused_traffic(rows=rows, heads=heads, gathered_rows=WINDOW + entries,
-                      meta_words=k or 1, table_words=pages,
+                      meta_words=k or 0, table_words=pages,
                       block=v4_blocks.block(chip, "fp8" if fp8 else "packed", heads),
                       q_itemsize=2, row_bytes=row_bytes,
                       min_row_bytes=FP8_STORED_BYTES if fp8 else 2 * HEAD_DIM, fp8=fp8)
