@@ -379,6 +379,35 @@ def test_window_state_then_csa_entries_is_the_one_call_op():
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), **TOL)
 
 
+@pytest.mark.kernel_gate
+def test_window_pass_writes_this_steps_rows_in_place_first():
+    """tokamax's ``mla_swa``: the window pass takes this step's rows (``new_kv``) and writes each
+    into the (stacked, layer 1 of 2) ``PlaneCache`` at its own position before attending, with
+    races detected: the returned cache equals the encoding of the full cache bit for bit (layer
+    0, spare rows and every other slot untouched; padding rows write nothing), and the state
+    equals the oracle's over the written values."""
+    b = with_values(batch(0, seed=8), plane_values)
+    rows = _rows(b)
+    cache, table, cu = b.window
+    ps = cache.shape[1]
+    before, new_kv = cache.copy(), np.full((b.q.shape[0], 512), np.nan, np.float32)
+    for r, rs in enumerate(rows):
+        if rs:
+            seq, p = rs
+            pid = table[cu[seq] // ps + p // ps]
+            new_kv[r], before[pid, p % ps] = cache[pid, p % ps], np.nan
+    other = np.random.default_rng(3).standard_normal(cache.shape).astype(np.float32)
+    full, stale = to_plane(np.stack([other, cache])), to_plane(np.stack([other, before]))
+    w_kw = b.kwargs(cast=to_plane)
+    st, written = v4_attention_state(b.q, PagedKV(stale, table, cu), *b.args()[2:],
+                                     sm_scale=SCALE, **w_kw, return_state=True, block=BLOCK,
+                                     acc_dtype=jnp.float32, interpret=True, layer=jnp.int32(1),
+                                     new_kv=jnp.asarray(new_kv, jnp.bfloat16))
+    assert written.logical_page_size == ps
+    np.testing.assert_array_equal(np.asarray(written.words), np.asarray(full.words))
+    check_state(st, state_oracle(b.q, lambda r: rows[r] and _window_rows(b, r, rows[r])))
+
+
 def test_state_refusals_name_the_numbers():
     b = batch(0)
     args, kw = b.args(cast=to_plane), b.kwargs(cast=to_plane)
@@ -424,7 +453,8 @@ def _counted(fn):
 
 
 @pytest.mark.kernel_gate
-@pytest.mark.parametrize("case", ["plane_window_state", "csa_from_state"])
+@pytest.mark.parametrize("case", ["plane_window_state", "plane_window_writes",
+                                  "csa_from_state"])
 def test_counted_bytes_equal_the_model(case):
     """The interpreter's count (logical bytes) equals ``fused_traffic``'s kernel side: the model
     minus the scalar-prefetched ``row_info`` and tables (copied before the grid, uncounted),
@@ -434,12 +464,14 @@ def test_counted_bytes_equal_the_model(case):
     bq = jnp.asarray(b.q, jnp.bfloat16)
     st = FlashState(jnp.zeros(b.q.shape, jnp.bfloat16), jnp.ones((t, h), jnp.float32),
                     jnp.zeros((t, h), jnp.float32))
-    if case == "plane_window_state":
+    writes = case == "plane_window_writes"
+    if case.startswith("plane_window"):
         w_kw = dict(b.kwargs(cast=to_plane), compress_ratio=0, compressed=None,
                     compressed_indices=None, compressed_pages_per_seq=0)
+        extra = dict(new_kv=jnp.zeros((t, 512), jnp.bfloat16)) if writes else {}
         n = _counted(lambda ip: v4_attention_state(
             bq, *b.args(cast=to_plane)[1:], sm_scale=SCALE, **w_kw, return_state=True,
-            block=BLOCK, interpret=ip))
+            block=BLOCK, interpret=ip, **extra))
         fmt, gathered, k, tables = "plane", b.window_size, 0, len(b.window[1]) + 1
         acc_in, acc_out = 0, 2
     else:
@@ -455,9 +487,13 @@ def test_counted_bytes_equal_the_model(case):
                                  row_bytes=formats.row_bytes(fmt),
                                  min_row_bytes=formats.stored_bytes(fmt),
                                  fp8=fmt == "csa", acc_in_itemsize=acc_in,
-                                 acc_out_itemsize=acc_out)
-    prefetch = 4 * (t * kernel.INFO_WORDS + tables)
-    assert n.bytes(lane_padded=False) == model.bytes_moved - prefetch + 4 * h, n.table()
+                                 acc_out_itemsize=acc_out,
+                                 written_rows=t * writes)
+    prefetch = 4 * (t * (kernel.INFO_WORDS + writes) + tables)  # + the rows' write positions
+    written = n.select("hbm", "hbm", "dma")  # a write's 1 KB read and 1 KB written: one copy
+    assert [c.nbytes for c in written] == [1024] * t * writes
+    assert n.bytes(lane_padded=False) + 1024 * len(written) == (
+        model.bytes_moved - prefetch + 4 * h), n.table()
     per_token = {"plane": 1024, "csa": 1024}[fmt]
     gathers = n.select("hbm", "vmem", "dma")
     assert sum(c.nbytes for c in gathers) == t * gathered * per_token

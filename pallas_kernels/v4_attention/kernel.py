@@ -15,7 +15,8 @@ Shapes: ``q bf16|f32[T, H, 512]``; both caches in one format (``formats``): pack
 ``entries i32[T, k]`` the ratio-4 row lists (ratio 128 walks an implicit iota, no list).
 Out ``q.dtype[T, H, 512]`` and ``f32[T, H, 1]`` LSE (natural log, ``-inf`` for an empty row).
 The flash-state protocol (``state``, tokamax's ``mla_swa`` / ``sparse_mla``): a row may start
-from an external state and return its state instead of its output (module ``state``).
+from an external state and return its state instead of its output (module ``state``); a call
+may first write this step's rows into a ``PlaneCache`` window cache in place (``writes``).
 
 Walk (scalar core, per query row = grid step): a stream of ``nw + nc`` positions, the window's
 ``nw`` tokens (``w_first .. w_end - 1``: contiguous, from ``row_info``) then the compressed
@@ -68,8 +69,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import aot, tpu
+from pallas_kernels import tpu
 from pallas_kernels.v4_attention import formats
+from pallas_kernels.v4_attention import writes as row_writes
 from pallas_kernels.v4_attention.blocks import DEFAULT_BLOCK
 from pallas_kernels.v4_attention.formats import (  # noqa: F401 (old names of this module)
     FP8_ROW_BYTES,
@@ -79,12 +81,13 @@ from pallas_kernels.v4_attention.formats import (  # noqa: F401 (old names of th
     WORDS,
     _decode_fp8,
 )
+from pallas_kernels.v4_attention.traffic import INFO_WORDS, fused_traffic
 from reference import v4_attention as v4
 from reference.core import batch
 from reference.formats import stacked
 
-# row_info words per query row
-_WFIRST, _WN, _WSLOT0, _CN, _CSLOT0, _CLIMIT, INFO_WORDS = range(7)
+# row_info words per query row (INFO_WORDS of them: ``traffic``)
+_WFIRST, _WN, _WSLOT0, _CN, _CSLOT0, _CLIMIT = range(INFO_WORDS)
 NEG = -1e30  # finite running-max start: a fully masked block adds exp(-inf) = 0, never NaN
 _kernel_cache = formats.kernel_cache  # old names (pallas_kernels.v4.fused re-exports them)
 _format = formats.describe
@@ -245,16 +248,20 @@ def _finish(outs, sink_ref, acc_ref, m, l_sum, *, state_out: bool):
 
 
 def _kernel(info_ref, wtab_ref, ctab_ref, layer_ref, q_ref, sink_ref, ent_hbm, *refs, fmt,
-            listed, cdt, sm_scale, state_in=False, state_out=False, **walk_statics):
-    """One grid step = one query row (module docstring). Refs: prefetch ``info`` (SMEM
-    i32[T * 7]), ``wtab`` / ``ctab`` (SMEM page tables), ``layer`` (SMEM i32[1]); inputs ``q``
+            listed, cdt, sm_scale, state_in=False, state_out=False, writes=False,
+            **walk_statics):
+    """One grid step = one query row (module docstring). Refs: prefetch ``info`` (SMEM i32[T *
+    INFO_WORDS]), ``wtab`` / ``ctab`` (SMEM page tables), ``layer`` (SMEM i32[1]); inputs ``q``
     block [1, H, 512], ``sink`` f32[H, 1] (``-inf``: none), ``ent`` (HBM i32[T, k]), with
     ``state_in`` the state blocks ``acc`` [1, H, 512], ``l``, ``m`` [1, H, 1], then each cache's
     HBM parts (``formats.parts``), window first; outputs ``out`` [1, H, 512], ``lse`` [1, H, 1]
-    (``state_out``: ``acc``, ``l``, ``m``); scratch: the gather buffers ``[2, block, ...]``
-    (``formats.buffers``), their DMA semaphores ``[part, buffer]``, the lists of 2 rows (SMEM
-    i32[2, k]) and their semaphore, ``state`` (SMEM i32[4]: this row's cursor, rows in flight,
-    their buffer, whether the next row's first block was issued), the f32 accumulator [H, 512].
+    (``state_out``: ``acc``, ``l``, ``m``); with ``writes`` the new rows (HBM i32[2 T, 128])
+    after the caches and the window cache aliased as the last output (``writes``: info then
+    holds each row's write position after its ``T * INFO_WORDS``); scratch: the gather buffers
+    ``[2, block, ...]`` (``formats.buffers``), their DMA semaphores ``[part, buffer]``, the
+    lists of 2 rows (SMEM i32[2, k]) and their semaphore, ``state`` (SMEM i32[4]: this row's
+    cursor, rows in flight, their buffer, whether the next row's first block was issued), the
+    f32 accumulator [H, 512].
 
     Pipeline: a row's block b+1 is issued before block b is attended; its last block issues the
     next row's first block (and loads that row's list), so the DMA round trip is hidden across
@@ -263,10 +270,12 @@ def _kernel(info_ref, wtab_ref, ctab_ref, layer_ref, q_ref, sink_ref, ent_hbm, *
     n_state = 3 if state_in else 0
     state_refs, refs = refs[:n_state], refs[n_state:]
     w_src, c_src = refs[:nparts], refs[nparts:2 * nparts]
+    new_hbm, refs = (refs[2 * nparts], refs[2 * nparts + 1:]) if writes else (None,
+                                                                             refs[2 * nparts:])
     n_out = 3 if state_out else 2
-    outs = refs[2 * nparts:2 * nparts + n_out]
-    bufs = refs[2 * nparts + n_out:2 * nparts + n_out + nbufs]
-    ent_smem, sems, esem, state, acc_ref = refs[2 * nparts + n_out + nbufs:]
+    outs, cache_out = refs[:n_out], (refs[n_out] if writes else None)
+    refs = refs[n_out + writes:]
+    bufs, (ent_smem, sems, esem, state, acc_ref) = refs[:nbufs], refs[nbufs:]
     t, num_rows = pl.program_id(0), pl.num_programs(0)
     layer, num_layers = layer_ref[0], walk_statics.pop("layers")
     walk_statics.update(fmt=fmt, listed=listed, layer=jnp.clip(layer, 0, num_layers - 1),
@@ -285,6 +294,12 @@ def _kernel(info_ref, wtab_ref, ctab_ref, layer_ref, q_ref, sink_ref, ent_hbm, *
 
     @pl.when(t == 0)
     def _():
+        if writes:  # this step's rows into the window cache, before any read
+            row_writes.write_rows(
+                info_ref, wtab_ref, new_hbm, cache_out, esem.at[0], base=num_rows * INFO_WORDS,
+                info_words=INFO_WORDS, slot_word=_WSLOT0, num_rows=num_rows,
+                w_page=walk_statics["w_page"], w_pages=walk_statics["w_pages"],
+                layer=walk_statics["layer"], layer_ok=walk_statics["layer_ok"])
         start_row(0, 0)
 
     state[3] = 0
@@ -325,36 +340,6 @@ def _kernel(info_ref, wtab_ref, ctab_ref, layer_ref, q_ref, sink_ref, ent_hbm, *
     _finish(outs, sink_ref, acc_ref, m, l_sum, state_out=state_out)
 
 
-def fused_traffic(*, rows: int, heads: int, gathered_rows: int, meta_words: int,
-                  table_words: int, block: int, q_itemsize: int, row_bytes: int,
-                  min_row_bytes: int = 2 * v4.HEAD_DIM, fp8: bool = False,
-                  acc_in_itemsize: int = 0, acc_out_itemsize: int = 0) -> aot.Traffic:
-    """Modelled HBM traffic of one fused call where every query row gathers ``gathered_rows``
-    rows (window + selected entries) of ``row_bytes`` each (packed and plane: 1024 B, one DMA;
-    fp8 / CSA: ``FP8_ROW_BYTES`` = 1024 B in 2 DMAs, the 512 B record and the 512 B rope row it
-    shares with 3 tokens): those rows, q read once, out written once (plus its f32 LSE), the
-    rows' lists (``meta_words``) and ``row_info`` into SMEM, the page tables once. With a flash
-    state: ``acc_in_itemsize`` (0: none) reads the state's ``acc`` in that itemsize and its f32
-    ``l`` and ``m``; ``acc_out_itemsize`` (0: the normalized output and LSE) writes the state
-    in their place. The minimum moves each row once at ``min_row_bytes`` (512 bf16 features:
-    1024 B; fp8 / CSA: the 640 B stored per token) plus q, out and the state. VMEM: the gather
-    blocks (fp8 / CSA: nope, rope and quarter buffers), the f32 accumulator, q, out and state
-    blocks double-buffered."""
-    dim = v4.HEAD_DIM
-    out_itemsize = acc_out_itemsize or q_itemsize
-    per_head = dim * q_itemsize + dim * out_itemsize + (8 if acc_out_itemsize else 4)
-    per_head += (dim * acc_in_itemsize + 8) if acc_in_itemsize else 0
-    q_out = rows * heads * per_head
-    smem = 4 * (rows * (meta_words + INFO_WORDS) + table_words)
-    moved = rows * gathered_rows * row_bytes + q_out + smem
-    bytes_min = rows * gathered_rows * min_row_bytes + q_out
-    flops = 2 * rows * heads * gathered_rows * 2 * dim
-    buf_bytes = 3 * 4 * LANES if fp8 else row_bytes
-    vmem = (2 * block * buf_bytes + 4 * heads * dim
-            + 2 * heads * dim * (q_itemsize + out_itemsize + acc_in_itemsize))
-    return aot.Traffic(int(moved), int(bytes_min), int(flops), int(vmem))
-
-
 def _scratch(fmt: str, block: int, w_parts, heads: int, dim: int, k: int) -> list:
     """The kernel's scratch (``_kernel``'s docstring)."""
     return formats.buffers(fmt, block, w_parts) + [
@@ -387,13 +372,17 @@ def _state_io(state, return_state: bool, acc_dtype, q, row_block):
 
 def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn_sink, *,
                gathered_rows: int, block: int, sm_scale: float, vmem_limit_bytes: int | None,
-               interpret, state=None, return_state: bool = False, acc_dtype=None):
+               interpret, state=None, return_state: bool = False, acc_dtype=None,
+               new_rows=None):
     """The ``pallas_call`` (see ``_kernel``): caches stacked ``[L, P, ps, Wc]`` (packed u32 or
     f32) or stacked format pytrees (``formats``), both caches in one format, read at ``layer``
     (i32). ``state``: the rows' starting flash state ``(acc f32|bf16[T, H, 512], l f32[T, H],
     m f32[T, H])`` or None (empty); ``return_state``: return the state ``(acc acc_dtype[T, H,
     512], l, m f32[T, H, 1])`` (``acc_dtype`` default q's) instead of (``q.dtype[T, H, 512]``,
-    ``f32[T, H, 1]``)."""
+    ``f32[T, H, 1]``). ``new_rows``: ``i32[2 T, 128]`` plane words (``writes.pack_rows``) the
+    kernel writes into the (plane) window cache first, ``info`` then ending in the rows'
+    positions (``writes.write_positions``); the updated stacked window words are returned
+    last, aliased to the input."""
     num_rows, heads, dim = q.shape
     listed = entries is not None
     ent = entries.astype(jnp.int32) if listed else jnp.zeros((num_rows, 1), jnp.int32)
@@ -406,19 +395,24 @@ def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn
         _kernel, fmt=fmt, listed=listed, block=block, w_page=w_page, c_page=c_page,
         w_pages=w_pages, c_pages=c_pages, layers=layers, sm_scale=float(sm_scale),
         cdt=jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16,
-        state_in=state is not None, state_out=return_state)
+        state_in=state is not None, state_out=return_state, writes=new_rows is not None)
     sink = (jnp.full((heads, 1), -jnp.inf, jnp.float32) if attn_sink is None
             else attn_sink.astype(jnp.float32).reshape(heads, 1))
     row_block = lambda t, *_: (t, 0, 0)  # noqa: E731
     acc_dtype = jnp.dtype(q.dtype if acc_dtype is None else acc_dtype)
     state_ins, state_specs, out_shape, out_specs = _state_io(state, return_state, acc_dtype, q,
                                                              row_block)
+    any_spec, extra_ins, aliases = pl.BlockSpec(memory_space=pl.ANY), [], {}
+    if new_rows is not None:  # the window words (input 7 + state) become the last output
+        extra_ins, aliases = [new_rows], {7 + len(state_ins): len(out_shape)}
+        out_shape = out_shape + [jax.ShapeDtypeStruct(w_parts[0].shape, w_parts[0].dtype)]
+        out_specs = out_specs + [any_spec]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4, grid=(num_rows,),
         in_specs=[pl.BlockSpec((1, heads, dim), row_block),
                   pl.BlockSpec((heads, 1), lambda t, *_: (0, 0)),
                   pl.BlockSpec(memory_space=pl.ANY)] + state_specs
-        + [pl.BlockSpec(memory_space=pl.ANY)] * (len(w_parts) + len(c_parts)),
+        + [any_spec] * (len(w_parts) + len(c_parts) + len(extra_ins)),
         out_specs=out_specs, scratch_shapes=_scratch(fmt, block, w_parts, heads, dim, k))
     t = fused_traffic(rows=num_rows, heads=heads, gathered_rows=gathered_rows,
                       meta_words=k if listed else 0,
@@ -427,9 +421,10 @@ def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn
                       row_bytes=formats.row_bytes(fmt, w_parts[0].shape[-1]),
                       min_row_bytes=formats.stored_bytes(fmt), fp8=fmt in ("fp8", "csa"),
                       acc_in_itemsize=0 if state is None else state[0].dtype.itemsize,
-                      acc_out_itemsize=acc_dtype.itemsize if return_state else 0)
+                      acc_out_itemsize=acc_dtype.itemsize if return_state else 0,
+                      written_rows=0 if new_rows is None else num_rows)
     call = pl.pallas_call(
-        kernel, grid_spec=grid_spec, out_shape=out_shape,
+        kernel, grid_spec=grid_spec, out_shape=out_shape, input_output_aliases=aliases,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",),
             vmem_limit_bytes=tpu.vmem_limit(t.vmem_bytes, tpu.device_chip(), vmem_limit_bytes)),
@@ -438,17 +433,20 @@ def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn
         interpret=tpu.interpret_params(interpret), name="v4_fused_attention")
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     return call(info, tpu.smem_page_table(w_table), tpu.smem_page_table(c_table), layer,
-                tpu.in_hbm(q), sink, ent, *state_ins, *map(tpu.in_hbm, w_parts + c_parts))
+                tpu.in_hbm(q), sink, ent, *state_ins, *map(tpu.in_hbm, w_parts + c_parts),
+                *extra_ins)
 
 
 def fused_rows(q, window: v4.PagedKV, kv_lens, cu_q_lens, distribution, *, compressed,
                compressed_indices, attn_sink, block: int, vmem_limit_bytes, interpret, layer,
                precision: str, state=None, return_state: bool = False, acc_dtype=None,
-               **statics):
+               new_kv=None, **statics):
     """Check and run one fused call (``v4_attention_fused``'s arguments, ``statics`` its static
-    ones; ``state`` / ``return_state`` / ``acc_dtype``: ``fused_call``'s). Returns
-    ``fused_call``'s outputs, q's precision cast applied (``precision="bf16"``: the kernel runs
-    on q cast to bf16; its normalized output is cast back to q's dtype)."""
+    ones; ``state`` / ``return_state`` / ``acc_dtype``: ``fused_call``'s; ``new_kv f32|bf16[T,
+    512]``: this step's rows, written into the plane window cache first, ``writes``). Returns
+    ``(fused_call's outputs, the updated stacked window words or None)``, q's precision cast
+    applied (``precision="bf16"``: the kernel runs on q cast to bf16; its normalized output is
+    cast back to q's dtype)."""
     w_read, c_read, w_cache, c_cache = check_fused_args(
         q, window, kv_lens, cu_q_lens, distribution, compressed, compressed_indices, attn_sink,
         block=block, layer=layer, precision=precision, **statics)
@@ -465,6 +463,11 @@ def fused_rows(q, window: v4.PagedKV, kv_lens, cu_q_lens, distribution, *, compr
         c_table, capacity = compressed.page_indices, cb.capacity_tokens  # entries
     info = row_info(rows, wb, cb, compressed_indices, window_size=statics["window_size"],
                     compress_ratio=ratio)
+    new_rows = None
+    if new_kv is not None:
+        row_writes.check_new_kv(new_kv, q, w_cache)
+        info = jnp.concatenate([info, row_writes.write_positions(rows, wb)])
+        new_rows = row_writes.pack_rows(new_kv)
     selected = compressed_indices.shape[1] if ratio == 4 else capacity
     q_in = q.astype(jnp.bfloat16) if precision == "bf16" else q  # f32 q: rounded to bf16
     res = fused_call(q_in, w_cache, c_cache, w_read.layer, compressed_indices, info,
@@ -472,11 +475,13 @@ def fused_rows(q, window: v4.PagedKV, kv_lens, cu_q_lens, distribution, *, compr
                      gathered_rows=statics["window_size"] + selected, block=block,
                      sm_scale=statics["sm_scale"], vmem_limit_bytes=vmem_limit_bytes,
                      interpret=interpret, state=state, return_state=return_state,
-                     acc_dtype=q.dtype if acc_dtype is None else acc_dtype)
-    if return_state:
-        return res
-    out, lse = res
-    return (out.astype(q.dtype) if precision == "bf16" else out), lse
+                     acc_dtype=q.dtype if acc_dtype is None else acc_dtype,
+                     new_rows=new_rows)
+    res = list(res)
+    words = res.pop() if new_kv is not None else None
+    if not return_state and precision == "bf16":
+        res[0] = res[0].astype(q.dtype)
+    return res, words
 
 
 @v4.checks_layers
@@ -501,12 +506,13 @@ def v4_attention_fused(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array,
     (a positive multiple of 8; ``blocks.py`` holds the table), and ``precision`` (``"f32"`` |
     ``"bf16"``: module docstring, "Precision").
     """
-    out, lse = fused_rows(q, window, kv_lens, cu_q_lens, distribution, sm_scale=sm_scale,
-                          window_size=window_size, compress_ratio=compress_ratio,
-                          window_pages_per_seq=window_pages_per_seq,
-                          compressed_pages_per_seq=compressed_pages_per_seq,
-                          compressed=compressed, compressed_indices=compressed_indices,
-                          attn_sink=attn_sink, block=block, vmem_limit_bytes=vmem_limit_bytes,
-                          interpret=interpret, layer=layer, precision=precision)
+    (out, lse), _ = fused_rows(
+        q, window, kv_lens, cu_q_lens, distribution, sm_scale=sm_scale,
+        window_size=window_size, compress_ratio=compress_ratio,
+        window_pages_per_seq=window_pages_per_seq,
+        compressed_pages_per_seq=compressed_pages_per_seq, compressed=compressed,
+        compressed_indices=compressed_indices, attn_sink=attn_sink, block=block,
+        vmem_limit_bytes=vmem_limit_bytes, interpret=interpret, layer=layer,
+        precision=precision)
     lse = lse[..., 0]
     return (out, lse) if return_lse else out

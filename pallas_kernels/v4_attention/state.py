@@ -21,7 +21,8 @@ of empty, and with ``return_state`` writes the state instead of normalizing):
 
 - ``v4_attention_state``: ``v4_attention_fused``'s op (window + compressed by the ratio, every
   mask of ``reference.v4_attention``) from and / or to a state. The window pass of the split is
-  ``compress_ratio=0, return_state=True`` (tokamax's ``mla_swa`` with ``unnormalized_output``).
+  ``compress_ratio=0, return_state=True`` (tokamax's ``mla_swa`` with ``unnormalized_output``),
+  with ``new_kv`` writing this step's rows into its ``PlaneCache`` first, in place (``writes``).
 - ``v4_entries_from_state``: the compressed source alone, tokamax's ``sparse_mla``: each row
   walks its listed entries with NO position mask (no ``kv_lens``): entry ``e`` of the row's
   sequence is read iff ``0 <= e < `` the sequence's entry capacity (``min(pages_per_seq * ps,
@@ -46,7 +47,7 @@ from pallas_kernels.v4_attention import formats, kernel
 from pallas_kernels.v4_attention.blocks import DEFAULT_BLOCK
 from reference import v4_attention as v4
 from reference.core import batch, checks
-from reference.formats import stacked
+from reference.formats import stacked, tokamax_v4
 from reference.mla import sinks
 from reference.quant.bf16 import check_precision
 
@@ -112,7 +113,8 @@ def v4_attention_state(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array,
                        attn_sink: jax.Array | None = None, state: FlashState | None = None,
                        return_state: bool = False, return_lse: bool = False,
                        block: int = DEFAULT_BLOCK, vmem_limit_bytes: int | None = None,
-                       interpret=False, layer=None, precision: str = "f32", acc_dtype=None):
+                       interpret=False, layer=None, precision: str = "f32", acc_dtype=None,
+                       new_kv: jax.Array | None = None):
     """``v4_attention_fused``'s op from and / or to a flash state (module docstring).
 
     Args: as ``kernel.v4_attention_fused`` (q f32|bf16[T, H, 512]; both caches in one format,
@@ -122,23 +124,31 @@ def v4_attention_state(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array,
       return_state: return the row's ``FlashState`` (``acc`` in ``acc_dtype``, default q's
         dtype) instead of the normalized output; takes no ``attn_sink`` (ValueError).
       acc_dtype: f32 | bf16 | None (q's dtype), static.
+      new_kv: f32|bf16[T, 512] or None: this step's window rows, written (as bf16) into the
+        window cache, a ``PlaneCache``, at each row's own position before the call attends
+        (tokamax's ``mla_swa``; ``writes``); the cache is updated in place when donated.
 
     Returns:
       ``FlashState`` (``return_state``), else ``q.dtype[T, H, 512]`` (normalized, the sink
-      applied once) and with ``return_lse`` the sink-free ``f32[T, H]`` (``m + log l``).
+      applied once) and with ``return_lse`` the sink-free ``f32[T, H]`` (``m + log l``); with
+      ``new_kv``: ``(that, the updated window PlaneCache)``.
     """
     state = check_state(state, q, return_state=return_state, attn_sink=attn_sink,
                         acc_dtype=acc_dtype)
-    res = kernel.fused_rows(q, window, kv_lens, cu_q_lens, distribution, sm_scale=sm_scale,
-                            window_size=window_size, compress_ratio=compress_ratio,
-                            window_pages_per_seq=window_pages_per_seq,
-                            compressed_pages_per_seq=compressed_pages_per_seq,
-                            compressed=compressed, compressed_indices=compressed_indices,
-                            attn_sink=attn_sink, block=block,
-                            vmem_limit_bytes=vmem_limit_bytes, interpret=interpret, layer=layer,
-                            precision=precision, state=state, return_state=return_state,
-                            acc_dtype=acc_dtype)
-    return _result(res, return_state=return_state, return_lse=return_lse)
+    res, words = kernel.fused_rows(
+        q, window, kv_lens, cu_q_lens, distribution, sm_scale=sm_scale,
+        window_size=window_size, compress_ratio=compress_ratio,
+        window_pages_per_seq=window_pages_per_seq,
+        compressed_pages_per_seq=compressed_pages_per_seq, compressed=compressed,
+        compressed_indices=compressed_indices, attn_sink=attn_sink, block=block,
+        vmem_limit_bytes=vmem_limit_bytes, interpret=interpret, layer=layer,
+        precision=precision, state=state, return_state=return_state, acc_dtype=acc_dtype,
+        new_kv=new_kv)
+    result = _result(res, return_state=return_state, return_lse=return_lse)
+    if new_kv is None:
+        return result
+    words = words[0] if stacked.cache_rank(window.cache) == stacked.CACHE_RANK else words
+    return result, tokamax_v4.PlaneCache(words, window.cache.logical_page_size)
 
 
 def check_entries_args(q, compressed: v4.PagedKV, cu_q_lens, distribution, compressed_indices,
