@@ -154,12 +154,6 @@ def stored_bytes(fmt: str) -> int:
     return FP8_STORED_BYTES if fmt in ("fp8", "csa") else 2 * v4.HEAD_DIM
 
 
-def buffer_bytes(fmt: str, width: int = WORDS) -> int:
-    """VMEM bytes per gathered row of one gather buffer (fp8 / CSA: nope, rope and quarter
-    rows)."""
-    return 3 * 4 * LANES if fmt in ("fp8", "csa") else row_bytes(fmt, width)
-
-
 def buffers(fmt: str, block: int, w_parts) -> list:
     """The two gather buffers of ``block`` rows (a leading 2) of each part."""
     if fmt in ("fp8", "csa"):
