@@ -43,6 +43,13 @@ TABLE: dict[str, dict[tuple, Row]] = block_table.checked({
 }, FALLBACK)
 
 
+def table_format(kernel_format: str) -> str:
+    """The table's format key of a kernel cache format (``formats.FORMATS``): ``"fp8"`` for the
+    two-DMA fp8 formats (MODEL1 ``"fp8"``, tokamax ``"csa"``), else ``"packed"`` (one DMA per
+    token: packed, f32 and tokamax ``"plane"`` rows)."""
+    return "fp8" if kernel_format in ("fp8", "csa") else "packed"
+
+
 def shape_key(fmt: str | None = None, heads: int | None = None) -> tuple:
     """The table key: ``(fmt, pow2(heads))`` (``fmt``: ``"packed"`` or ``"fp8"``), shorter when
     a part is unknown."""

@@ -23,15 +23,16 @@ from pallas_kernels.mla import blocks as mla_blocks
 from pallas_kernels.mla import kernel as mla_kernel
 from pallas_kernels.mla.traffic import PREP_BYTES_PER_ENTRY, mla_traffic
 from pallas_kernels.v4_attention import blocks as v4_blocks
+from pallas_kernels.v4_attention import formats
 from pallas_kernels.v4_attention.entry import v4_attention
-from pallas_kernels.v4_attention.kernel import (
+from pallas_kernels.v4_attention.kernel import (  # noqa: F401 (FP8_*: pallas_kernels.v4's names)
     FP8_ROW_BYTES,
     FP8_STORED_BYTES,
     INFO_WORDS,
     fused_traffic,
 )
 from reference.formats import model1 as v4_cache
-from reference.formats import packed_cache
+from reference.formats import packed_cache, tokamax_v4
 from reference.formats.cache_format import CacheFormat
 from reference.v4_attention import HEAD_DIM, PagedKV
 
@@ -46,8 +47,16 @@ BF16_REGIME_FORMATS = ("packed", "f32")  # bf16_regime_cases: the serving format
 
 
 def _cache_spec(pages: int, fmt: str):
-    """A window / compressed cache struct of ``pages`` pages of ``PAGE`` rows in ``fmt``."""
+    """A window / compressed cache struct of ``pages`` pages of ``PAGE`` rows in ``fmt``
+    (``FORMATS``, ``"f32"``, or tokamax's ``"plane"`` / ``"csa"``)."""
     sd = jax.ShapeDtypeStruct
+    if fmt == "plane":
+        return tokamax_v4.PlaneCache(sd((pages, formats.PLANE_ROWS * PAGE, formats.LANES),
+                                        jnp.int32), logical_page_size=PAGE)
+    if fmt == "csa":
+        return tokamax_v4.CsaCache(sd((pages, PAGE, formats.LANES), jnp.int32),
+                                   sd((pages, v4_cache.rope_rows(PAGE), formats.LANES),
+                                      jnp.int32))
     if fmt == "f32":
         return sd((pages, PAGE, HEAD_DIM), jnp.float32)
     if fmt == "fp8":
@@ -119,13 +128,22 @@ def fused_v4_traffic(chip: str, *, rows: int, context: int, heads: int, ratio: i
     values (as the kernel's own call); the block is the table's for ``chip``."""
     entries = 0 if not ratio else (k if ratio == 4 else context // ratio)
     pages = rows * (context // PAGE) + (rows * -(-(context // ratio) // PAGE) if ratio else 1)
-    fp8 = fmt == "fp8"
-    row_bytes = FP8_ROW_BYTES if fp8 else 4 * (HEAD_DIM if fmt == "f32" else WORDS)
-    t = fused_traffic(rows=rows, heads=heads, gathered_rows=WINDOW + entries,
-                      meta_words=k or 1, table_words=pages,
-                      block=v4_blocks.block(chip, "fp8" if fp8 else "packed", heads),
-                      q_itemsize=2, row_bytes=row_bytes,
-                      min_row_bytes=FP8_STORED_BYTES if fp8 else 2 * HEAD_DIM, fp8=fp8)
+    return _fused_model(chip, fmt, rows=rows, heads=heads, gathered=WINDOW + entries,
+                        meta=k or 0, tables=pages)
+
+
+def _fused_model(chip: str, fmt: str, *, rows: int, heads: int, gathered: int, meta: int,
+                 tables: int, **state) -> aot.Traffic:
+    """``fused_traffic`` of one call in ``fmt`` (``formats``' bytes per token) with a bf16 q,
+    plus the ``row_info`` XLA writes; ``state``: its ``acc_in_itemsize`` / ``acc_out_itemsize``."""
+    kfmt = "plain" if fmt == "f32" else fmt
+    t = fused_traffic(rows=rows, heads=heads, gathered_rows=gathered, meta_words=meta,
+                      table_words=tables,
+                      block=v4_blocks.block(chip, v4_blocks.table_format(kfmt), heads),
+                      q_itemsize=2, row_bytes=formats.row_bytes(kfmt, HEAD_DIM if fmt == "f32"
+                                                                else WORDS),
+                      min_row_bytes=formats.stored_bytes(kfmt), fp8=kfmt in ("fp8", "csa"),
+                      **state)
     return aot.Traffic(t.bytes_moved + rows * INFO_WORDS * 4, t.bytes_min, t.flops,
                        t.vmem_bytes)  # + row_info written by XLA
 
@@ -175,3 +193,80 @@ def bf16_regime_cases() -> list[aot.CompileCase]:
     dims = dict(rows=rows, context=context, heads=heads, ratio=ratio, k=k)
     return [_case(f"v4_attention_fused_{fmt}_precision_bf16", name, dims, fused=True, fmt=fmt,
                   precision="bf16") for fmt in BF16_REGIME_FORMATS]
+
+
+# ----------------------------------------------------------------------------- tokamax's split
+
+TOKAMAX_PARTS = ("window_writes_state_plane", "entries_from_state_csa", "hca_plane")
+
+
+def tokamax_traffic(chip: str, part: str, *, rows: int, context: int, heads: int, ratio: int,
+                    k: int | None) -> aot.Traffic:
+    """The model of one ``tokamax_cases`` call (``TOKAMAX_PARTS``) at a ``SHAPES`` row: the
+    window pass (this step's rows written in place first, ``WINDOW`` plane rows, no list, the
+    window table and a 1-slot stand-in, the bf16 state written), the CSA pass (``k`` CSA
+    entries in 2 DMAs each, the list, a 1-slot window table and the compressed one, the bf16
+    state read, the output written), or the HCA layer in one call (window and every visible
+    entry, plane rows)."""
+    w_pages = rows * (context // PAGE)
+    c_pages = rows * -(-(context // max(ratio, 1)) // PAGE)
+    dims = dict(rows=rows, heads=heads)
+    if part == "window_writes_state_plane":
+        return _fused_model(chip, "plane", **dims, gathered=WINDOW, meta=0, tables=w_pages + 1,
+                            acc_out_itemsize=2, written_rows=rows)
+    if part == "entries_from_state_csa":
+        return _fused_model(chip, "csa", **dims, gathered=k, meta=k, tables=1 + c_pages,
+                            acc_in_itemsize=2)
+    return fused_v4_traffic(chip, rows=rows, context=context, heads=heads, ratio=ratio, k=k,
+                            fmt="plane")
+
+
+def _tokamax_fn(part: str, ratio: int, context: int, c_pages: int):
+    """The call of one ``TOKAMAX_PARTS`` case, a function of ``specs``' arguments plus the
+    state."""
+    from pallas_kernels.v4_attention.state import v4_attention_state, v4_entries_from_state
+
+    if part == "window_writes_state_plane":  # the window's words apart: argument 1, to donate
+        return lambda q, words, table, w_cu, kv, cu, d, new_kv: v4_attention_state(
+            q, PagedKV(tokamax_v4.PlaneCache(words, PAGE), table, w_cu), kv, cu, d,
+            sm_scale=SCALE, window_size=WINDOW, compress_ratio=0,
+            window_pages_per_seq=context // PAGE, return_state=True, new_kv=new_kv)
+    if part == "entries_from_state_csa":
+        return lambda q, c, cu, d, i, st, sink: v4_entries_from_state(
+            q, c, cu, d, i, st, sm_scale=SCALE, compressed_pages_per_seq=c_pages,
+            attn_sink=sink)
+    return lambda q, w, kv, cu, d, c: v4_attention(
+        q, w, kv, cu, d, sm_scale=SCALE, window_size=WINDOW, compress_ratio=ratio,
+        window_pages_per_seq=context // PAGE, compressed_pages_per_seq=c_pages, compressed=c)
+
+
+def tokamax_cases() -> list[aot.CompileCase]:
+    """tokamax's V4 split on tokamax's cache formats (``TOKAMAX_PARTS``): at the V4-Flash CSA
+    decode shape (``SHAPES[0]``) the window pass on a ``PlaneCache`` writing this step's rows
+    in place, then returning the bf16 flash state (``mla_swa(unnormalized_output=True)``; the
+    cache's words are argument 1, to donate) and the CSA entries from that state on a
+    ``CsaCache``, normalized with the sink (``sparse_mla``); at the HCA shape (``SHAPES[1]``)
+    the whole layer in one fused call on ``PlaneCache`` window and compressed caches."""
+    from pallas_kernels.v4_attention.state import FlashState
+
+    sd = jax.ShapeDtypeStruct
+    cases = []
+    for part, row in zip(TOKAMAX_PARTS, (SHAPES[0], SHAPES[0], SHAPES[1]), strict=True):
+        name, rows, context, heads, ratio, k = row
+        dims = dict(rows=rows, context=context, heads=heads, ratio=ratio, k=k)
+        c_pages = -(-(context // ratio) // PAGE)
+        q, w, kv, cu, d, c, i = specs(**dims, fmt="csa" if ratio == 4 else "plane")
+        if part == "window_writes_state_plane":
+            plane = specs(**dims, fmt="plane")[1]
+            args = [q, plane.cache.words, *plane[1:], kv, cu, d, sd((rows, HEAD_DIM), q.dtype)]
+        elif part == "entries_from_state_csa":
+            state = FlashState(sd(q.shape, jnp.bfloat16), sd(q.shape[:2], jnp.float32),
+                               sd(q.shape[:2], jnp.float32))
+            args = [q, c, cu, d, i, state, sd((heads,), jnp.float32)]
+        else:
+            args = [q, w, kv, cu, d, c]
+        fn = _tokamax_fn(part, ratio, context, c_pages)
+        cases.append(aot.CompileCase(f"v4_tokamax_{part}", name, lambda chip, fn=fn: fn, args,
+                                     functools.partial(tokamax_traffic, part=part, **dims),
+                                     tags=("decode",)))
+    return cases

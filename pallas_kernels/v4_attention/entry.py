@@ -3,7 +3,8 @@ one of two implementations by ``fused=`` (a public contract):
 
 - ``fused=True`` (the default): ``pallas_kernels.v4_attention.kernel.v4_attention_fused``, one
   kernel, one online softmax over the window and compressed sources (1.00x the minimum bytes per
-  decode row by its model; packed, f32 or fp8 MODEL1 caches);
+  decode row by its model; packed, f32, fp8 MODEL1 or tokamax ``CsaCache`` / ``PlaneCache``
+  caches, both caches in one format);
 - ``fused=False``: ``pallas_kernels.v4_attention.two_pass.v4_attention_two_pass`` (once called
   "milestone 1"), the token-sparse MLA kernel run once per source, the two states merged in XLA
   (1.43x at V4-Flash decode; packed / plain caches only, an fp8 ``Fp8V4Cache`` is refused).
@@ -11,7 +12,8 @@ one of two implementations by ``fused=`` (a public contract):
 Math: ``reference.v4_attention`` is the definition, ``precision="f32"`` or ``"bf16"`` (the
 official ``sparse_attn`` rounding; fused only, the two-pass form refuses it). Shapes:
 ``q f32|bf16[T, H, 512]``; caches ``f32[P, ps, 512]``, packed ``u32[P, ps, 256]``
-(``reference.packed_cache``) or (fused only) ``Fp8V4Cache`` (``reference.v4_cache``), stacked
+(``reference.packed_cache``) or (fused only) ``Fp8V4Cache`` (``reference.v4_cache``) or
+tokamax's ``CsaCache`` / ``PlaneCache`` (``reference.formats.tokamax_v4``), stacked
 ``[L, ...]`` read in place at ``layer=``. Out ``q.dtype[T, H, 512]``, LSE ``f32[T, H]``.
 """
 
@@ -24,10 +26,10 @@ import jax
 from pallas_kernels import tpu
 from pallas_kernels.mla import blocks as mla_blocks
 from pallas_kernels.v4_attention import blocks as v4_blocks
+from pallas_kernels.v4_attention import formats
 from pallas_kernels.v4_attention.kernel import v4_attention_fused
 from pallas_kernels.v4_attention.two_pass import two_pass
 from reference import v4_attention as v4
-from reference.formats import model1 as v4_cache
 
 
 @v4.checks_layers
@@ -73,7 +75,7 @@ def v4_attention(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array, cu_q_lens
     if fused:
         block = mla_blocks.pick(blocks, "tokens_per_block", tokens_per_block)
         if not block:  # None (or 0, as before): the table's row for the chip, clamped
-            fmt = "fp8" if isinstance(window.cache, v4_cache.Fp8V4Cache) else "packed"
+            fmt = v4_blocks.table_format(formats.kernel_format(window.cache))
             block = v4_blocks.block(tpu.device_chip(), fmt, q.shape[1])
         return v4_attention_fused(q, window, kv_lens, cu_q_lens, distribution, **statics,
                                   compressed=compressed, compressed_indices=compressed_indices,

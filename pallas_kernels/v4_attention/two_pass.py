@@ -47,6 +47,7 @@ import numpy as np
 
 from pallas_kernels.mla import blocks as mla_blocks
 from pallas_kernels.mla import sparse_mla
+from pallas_kernels.v4_attention import formats
 from reference import v4_attention as v4
 from reference.core import batch
 from reference.formats import model1 as v4_cache
@@ -91,6 +92,11 @@ def two_pass(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array, cu_q_lens: ja
                 f"{name} is an fp8 Fp8V4Cache: the two-pass form (fused=False, the MLA kernel) "
                 f"reads packed bf16 or f32 caches only; the fused kernel (fused=True, the "
                 f"default) reads fp8 caches")
+        if kv is not None and not formats.is_array(kv.cache):
+            raise NotImplementedError(
+                f"{name} is {formats.describe(kv.cache)}: the two-pass form (fused=False) "
+                f"reads packed bf16 or f32 caches only; the fused kernel (fused=True, the "
+                f"default) reads tokamax's cache formats")
     w_one = stacked.resolve("window.cache", window.cache, layer).one
     c_one = None
     if compressed is not None:

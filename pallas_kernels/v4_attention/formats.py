@@ -1,0 +1,302 @@
+"""How the fused V4 attention kernel (``kernel``) reads each cache format: the HBM parts of a
+cache, the gather buffers, the DMAs of one token, and the decode of a gathered block into
+matmul operands in q's feature order. Five formats (``kernel_format``):
+
+- ``"packed"``: ``u32[L, P, ps, 256]`` (``reference.formats.packed_cache``: word ``j`` holds
+  features ``j`` (low half) and ``j + 256``); one 1 KB row DMA per token.
+- ``"plain"``: ``f32[L, P, ps, 512]``; one 2 KB row DMA per token.
+- ``"fp8"``: MODEL1 ``Fp8V4Cache`` (``reference.formats.model1``: ``nope u32[L, P, ps, 128]``,
+  ``rope u32[L, P, ceil(ps / 4), 128]``); per token its 512 B nope record and the 512 B rope row
+  it shares with 3 tokens (two DMAs), plus its quarter ``off % 4`` in a VMEM side buffer.
+- ``"csa"``: tokamax's ``CsaCache`` (``reference.formats.tokamax_v4``: ``nope i32[L, P, ps,
+  128]``, ``rope i32[L, P, ps // 4, 128]``): MODEL1's DMAs and byte placement, read as i32 and
+  bitcast to u32 in VMEM; only the scales differ: 64 lane-periodic ue8m0 scales, byte 3 of
+  words 64..127, scale ``j`` for every feature ``d < 448`` with ``d % 64 == j``, so byte plane
+  ``p``'s lane ``w`` takes plane 3's byte at lane ``64 + w % 64`` (``_csa_scales``).
+- ``"plane"``: tokamax's ``PlaneCache`` (window / HCA rows, ``words i32[L, P, rows, 128]``,
+  ``logical_page_size`` tokens used per page): token ``k`` of a page is rows ``2k, 2k + 1``
+  (row ``2k`` word ``w`` = bf16 ``f_w | f_{128 + w} << 16``, row ``2k + 1`` word ``w`` =
+  ``f_{256 + w} | f_{384 + w} << 16``); one DMA of the two contiguous rows (1 KB) per token
+  into rows ``2n, 2n + 1`` of a ``[2 * block, 128]`` buffer, decoded by two stride-2 sublane
+  loads into four 128-lane operands in q's natural feature order (no permutation of q).
+
+Every decode is exact (bf16 halves, e4m3 times a power-of-two scale) and selects rows past the
+live count to zero (a select: a NaN in VMEM cannot leak).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from reference import v4_attention as v4
+from reference.core import checks
+from reference.formats import model1 as v4_cache
+from reference.formats import packed_cache, tokamax_v4
+from reference.quant import fp8
+
+WORDS = packed_cache.packed_words(v4.HEAD_DIM)  # 256
+HALF = v4.HEAD_DIM // 2  # features per word half
+LANES = v4_cache.LANES  # 128: an fp8 token's nope record, and one rope row of 4 tokens
+FP8_ROW_BYTES = 2 * 4 * LANES  # what the 2 DMAs of an fp8 / CSA token move: 1024 B
+FP8_STORED_BYTES = v4_cache.STORED_BYTES_PER_TOKEN  # 640 B of HBM per fp8 / CSA token
+PLANE_ROWS = tokamax_v4.ROWS_PER_TOKEN  # 2 rows of 128 words per PlaneCache token
+PLANE_ROW_BYTES = PLANE_ROWS * 4 * LANES  # one DMA of a PlaneCache token: 1024 B, all stored
+FORMATS = ("packed", "plain", "fp8", "csa", "plane")
+_HIGH = -65536  # 0xFFFF0000 as an i32: a word's high bf16 half
+
+
+def kernel_cache(cache):
+    """A stacked cache as the kernel reads it: packed u32, f32, ``Fp8V4Cache``, ``CsaCache`` or
+    ``PlaneCache`` as given; plain bf16 packed (a full copy per call: the documented slow path,
+    as in ``pallas_kernels.mla``)."""
+    if is_array(cache) and jnp.result_type(cache) == jnp.bfloat16:
+        return packed_cache.pack_cache(cache)
+    return cache
+
+
+def is_array(cache) -> bool:
+    """Whether ``cache`` is a plain array (f32 / bf16 rows or packed words), not a format
+    pytree."""
+    return not isinstance(cache, (v4_cache.Fp8V4Cache, tokamax_v4.CsaCache,
+                                  tokamax_v4.PlaneCache))
+
+
+def kernel_format(cache) -> str:
+    """The kernel's name for how it reads ``cache`` (``FORMATS``)."""
+    if isinstance(cache, v4_cache.Fp8V4Cache):
+        return "fp8"
+    if isinstance(cache, tokamax_v4.CsaCache):
+        return "csa"
+    if isinstance(cache, tokamax_v4.PlaneCache):
+        return "plane"
+    return "packed" if packed_cache.is_packed(cache) else "plain"
+
+
+def describe(cache) -> str:
+    """A cache's format in words, for messages: ``"fp8 (Fp8V4Cache)"``, ``"csa (tokamax
+    CsaCache)"``, ``"plane (tokamax PlaneCache)"``, or its array dtype (``uint32``: packed bf16
+    words; ``float32``)."""
+    fmt = kernel_format(cache)
+    if fmt == "fp8":
+        return "fp8 (Fp8V4Cache)"
+    if fmt in ("csa", "plane"):
+        return f"{fmt} (tokamax {type(cache).__name__})"
+    return f"{jnp.result_type(cache)} ({'packed bf16' if fmt == 'packed' else 'f32'})"
+
+
+def _int32(name: str, x) -> None:
+    if jnp.result_type(x) != jnp.int32:
+        raise TypeError(f"{name} must be int32 (tokamax's 32-bit words), got dtype "
+                        f"{jnp.result_type(x)}")
+
+
+def check_tokamax_cache(name: str, one):
+    """Static checks of one layer of a tokamax cache (``CsaCache``: ``nope i32[P, ps, 128]``,
+    ``rope i32[P, ps // 4, 128]``, ``ps % 4 == 0``; ``PlaneCache``: ``words i32[P, rows, 128]``,
+    ``0 < logical_page_size <= rows // 2``). Returns the ``f32[P, ps, 512]`` struct of its
+    logical rows, what ``reference.v4_attention``'s checks read; any other cache as given."""
+    if isinstance(one, tokamax_v4.CsaCache):
+        for part, x in (("nope", one.nope), ("rope", one.rope)):
+            checks.rank(f"{name}.{part}", x, 3)
+            _int32(f"{name}.{part}", x)
+            checks.dim(f"{name}.{part}", x, 2, LANES, "128 lanes")
+        pages, ps = np.shape(one.nope)[:2]
+        if ps % v4_cache.ROPE_TOKENS_PER_ROW:
+            raise ValueError(f"{name}.nope page size {ps} must be a multiple of 4 (a rope row "
+                             f"holds 4 entries; tokamax binds ps == 4 * rope rows)")
+        checks.dim(f"{name}.rope", one.rope, 0, pages, f"{name}.nope.shape[0] (pages)")
+        checks.dim(f"{name}.rope", one.rope, 1, ps // v4_cache.ROPE_TOKENS_PER_ROW,
+                   f"{name}.nope.shape[1] // 4")
+    elif isinstance(one, tokamax_v4.PlaneCache):
+        checks.rank(f"{name}.words", one.words, 3)
+        _int32(f"{name}.words", one.words)
+        checks.dim(f"{name}.words", one.words, 2, LANES, "128 lanes")
+        rows, lps = np.shape(one.words)[1], one.logical_page_size
+        checks.positive_int(f"{name}.logical_page_size", lps)
+        if lps * PLANE_ROWS > rows:
+            raise ValueError(f"{name}.logical_page_size={lps} needs {PLANE_ROWS * lps} rows "
+                             f"per page ({PLANE_ROWS} per token), but {name}.words has {rows}")
+    else:
+        return one
+    return jax.ShapeDtypeStruct(tuple(one.shape), jnp.float32)
+
+
+def parts(cache) -> tuple:
+    """A stacked kernel cache's HBM arrays: ``(nope, rope)`` of an ``Fp8V4Cache`` /
+    ``CsaCache``, ``(words,)`` of a ``PlaneCache``, else the array alone."""
+    if isinstance(cache, (v4_cache.Fp8V4Cache, tokamax_v4.CsaCache)):
+        return cache.nope, cache.rope
+    if isinstance(cache, tokamax_v4.PlaneCache):
+        return (cache.words,)
+    return (cache,)
+
+
+def paging(cache) -> tuple[int, int, int]:
+    """``(layers, pages, tokens per page)`` of a stacked kernel cache (its logical shape: a
+    ``PlaneCache`` page holds ``logical_page_size`` tokens)."""
+    layers, pages, page_size = tuple(cache.shape)[:3]
+    return int(layers), int(pages), int(page_size)
+
+
+def row_bytes(fmt: str, width: int = WORDS) -> int:
+    """HBM bytes the DMAs of one gathered token move (packed / plain: ``4 * width``)."""
+    return {"fp8": FP8_ROW_BYTES, "csa": FP8_ROW_BYTES, "plane": PLANE_ROW_BYTES}.get(
+        fmt, 4 * width)
+
+
+def stored_bytes(fmt: str) -> int:
+    """The minimum HBM bytes of one token: 640 B stored per fp8 / CSA token, else its 512
+    bf16 features (1024 B)."""
+    return FP8_STORED_BYTES if fmt in ("fp8", "csa") else 2 * v4.HEAD_DIM
+
+
+def buffers(fmt: str, block: int, w_parts) -> list:
+    """The two gather buffers of ``block`` rows (a leading 2) of each part."""
+    if fmt in ("fp8", "csa"):
+        dt = w_parts[0].dtype
+        return [pltpu.VMEM((2, block, LANES), dt), pltpu.VMEM((2, block, LANES), dt),
+                pltpu.VMEM((2, block, LANES), jnp.int32)]  # nope, rope rows, quarters
+    if fmt == "plane":
+        return [pltpu.VMEM((2, PLANE_ROWS * block, LANES), jnp.int32)]
+    return [pltpu.VMEM((2, block, w_parts[0].shape[-1]), w_parts[0].dtype)]
+
+
+def _copy(src, buf, sems, part, layer, pid, row, b, n, rows: int = 1):
+    """``rows`` whole cache rows ``src[layer, pid, row:row + rows]`` -> rows ``n..`` of gather
+    buffer ``b`` of ``buf``, on semaphore ``sems[part, b]`` (whole rows: Mosaic refuses
+    part-row slices)."""
+    return pltpu.make_async_copy(src.at[layer, pid, pl.ds(row, rows)],
+                                 buf.at[b, pl.ds(n, rows)], sems.at[part, b])
+
+
+def issue(fmt: str, src, bufs, sems, layer, pid, off, b, n):
+    """Start the DMAs of the token at in-page slot ``off`` of page ``pid`` into row ``n`` of
+    gather buffer ``b`` (module docstring)."""
+    if fmt == "plane":
+        _copy(src[0], bufs[0], sems, 0, layer, pid, PLANE_ROWS * off, b, PLANE_ROWS * n,
+              PLANE_ROWS).start()
+        return
+    _copy(src[0], bufs[0], sems, 0, layer, pid, off, b, n).start()
+    if fmt in ("fp8", "csa"):
+        quarters = v4_cache.ROPE_TOKENS_PER_ROW
+        _copy(src[1], bufs[1], sems, 1, layer, pid, off // quarters, b, n).start()
+        bufs[2][b, pl.ds(n, 1), :] = jnp.full((1, LANES), off % quarters, jnp.int32)
+
+
+def wait(fmt: str, src, bufs, sems, b, n):
+    """Wait for the ``n`` tokens' DMAs into gather buffer ``b`` (one semaphore per part counts
+    them all; each wait takes one token's copy of that part)."""
+    rows = PLANE_ROWS if fmt == "plane" else 1
+    for part in range(len(src)):
+        copy = _copy(src[part], bufs[part], sems, part, 0, 0, 0, b, 0, rows)
+
+        def body(i, c, copy=copy):
+            copy.wait()
+            return c
+
+        jax.lax.fori_loop(0, n, body, 0)
+
+
+def _u32(x):
+    return x if x.dtype == jnp.uint32 else jax.lax.bitcast_convert_type(x, jnp.uint32)
+
+
+def _scale_of_byte(byte):
+    """ue8m0 bytes (u32) -> their f32 values ``bitcast(byte << 23)``; NaN for 0xFF."""
+    return jnp.where(byte == 0xFF, jnp.nan, pltpu.bitcast(byte << 23, jnp.float32))
+
+
+def _fp8_scales(nope):
+    """The 7 MODEL1 tile scales ``f32[rows, 1]`` of gathered fp8 records ``u32[rows, 128]``:
+    byte 3 of word ``64 + t``."""
+    return [_scale_of_byte(nope[:, v4_cache.SCALE_WORD0 + t:v4_cache.SCALE_WORD0 + t + 1] >> 24)
+            for t in range(v4_cache.V4_TILES)]
+
+
+def _csa_scales(nope):
+    """``f32[rows, 128]``: lane ``w``'s lane-periodic CSA scale, scale ``w % 64`` = byte 3 of
+    word ``64 + w % 64`` (lanes below 64 take it by a lane roll of 64)."""
+    s = _scale_of_byte(nope >> 24)
+    lane = jax.lax.broadcasted_iota(jnp.int32, nope.shape, 1)
+    return jnp.where(lane < 64, pltpu.roll(s, 64, 1), s)
+
+
+def _fp8_rope(rope, quarter):
+    """Gathered rope rows ``u32[rows, 128]`` (4 tokens each) and each row's quarter ``i32[rows,
+    1]`` -> ``f32[rows, 128]`` whose lanes 64..127 are the token's 64 rope values (features
+    448..511; lanes 0..63 junk, overwritten by the caller). The quarter is moved to lanes 0..31
+    by a select over 4 static lane rolls (a select: the other tokens' NaN cannot leak), then
+    its words are rolled to lanes 64..95 (low halves: rope 0..31) and 96..127 (high: 32..63)."""
+    words = rope
+    for qt in range(1, v4_cache.ROPE_TOKENS_PER_ROW):
+        words = jnp.where(quarter == qt, pltpu.roll(rope, LANES - v4_cache.ROPE_WORDS * qt, 1),
+                          words)
+    lane = jax.lax.broadcasted_iota(jnp.int32, rope.shape, 1)
+    low = pltpu.bitcast(pltpu.roll(words, 64, 1) << 16, jnp.float32)
+    high = pltpu.bitcast(pltpu.roll(words, 96, 1) & jnp.uint32(packed_cache.HIGH_MASK),
+                         jnp.float32)
+    return jnp.where(lane < 96, low, high)
+
+
+def _decode_fp8(nope, rope, quarter, csa: bool = False):
+    """Gathered fp8 tokens -> their values ``f32[rows, 512]`` in q's feature order, exactly
+    ``reference.v4_cache.dequantize_v4_rows``' (e4m3 times a power of two is exact in bf16).
+    Byte plane ``j`` of the record is features ``128 j .. 128 j + 127`` (plane 3: 384..447 on
+    lanes 0..63); MODEL1: tile ``t`` = plane ``t // 2``, lanes ``64 (t % 2)`` up; ``csa``: the
+    lane-periodic scales (``_csa_scales``); the rope fills plane 3's lanes 64..127
+    (``_fp8_rope``)."""
+    nope, rope = _u32(nope), _u32(rope)
+    lane = jax.lax.broadcasted_iota(jnp.int32, nope.shape, 1)
+    if csa:
+        per_lane = _csa_scales(nope)
+        scale = [per_lane] * 4
+    else:
+        tiles = _fp8_scales(nope)
+        scale = [jnp.where(lane < 64, tiles[2 * j], tiles[min(2 * j + 1, 6)]) for j in range(4)]
+    chunks = []
+    for j in range(4):
+        codes = ((nope >> (8 * j)) & 0xFF).astype(jnp.uint8)
+        vals = jax.lax.bitcast_convert_type(codes, fp8.FP8_DTYPE).astype(jnp.float32)
+        vals = vals * scale[j]
+        chunks.append(vals if j < 3 else jnp.where(lane < 64, vals, _fp8_rope(rope, quarter)))
+    return jnp.concatenate(chunks, axis=1)
+
+
+def _unpack(words, packed: bool):
+    """A block of gathered rows -> (features [0, 256), features [256, 512)), exact f32/bf16."""
+    if not packed:
+        return words[:, :HALF], words[:, HALF:]
+    low = pltpu.bitcast(words << 16, jnp.float32)
+    return low, pltpu.bitcast(words & jnp.uint32(packed_cache.HIGH_MASK), jnp.float32)
+
+
+def _plane_chunks(buf, b):
+    """A gathered block of PlaneCache tokens ``i32[2 * block, 128]`` -> ``[(first feature,
+    f32[block, 128])]``: rows ``2n`` (features ``w``, ``128 + w``) and ``2n + 1`` (``256 + w``,
+    ``384 + w``) by stride-2 sublane loads, each word's low and high bf16 halves."""
+    block = buf.shape[1] // PLANE_ROWS
+    out = []
+    for r in range(PLANE_ROWS):
+        words = buf[b, pl.ds(r, block, stride=PLANE_ROWS), :]
+        out += [(2 * LANES * r, pltpu.bitcast(words << 16, jnp.float32)),
+                (2 * LANES * r + LANES, pltpu.bitcast(words & jnp.int32(_HIGH), jnp.float32))]
+    return out
+
+
+def operands(fmt: str, bufs, b, live, cdt):
+    """Gathered block ``b`` -> ``[(first q feature, operand cdt[block, width])]`` covering the
+    512 features, rows past the live count selected to zero (a select: NaN cannot leak)."""
+    if fmt in ("fp8", "csa"):
+        nbuf, rbuf, qbuf = bufs
+        x = _decode_fp8(nbuf[b], rbuf[b], qbuf[b][:, :1], csa=fmt == "csa")
+        chunks = [(0, x)]
+    elif fmt == "plane":
+        chunks = _plane_chunks(bufs[0], b)
+    else:
+        low, high = _unpack(bufs[0][b], fmt == "packed")
+        chunks = [(0, low), (HALF, high)]
+    return [(lo, jnp.where(live, x, 0.0).astype(cdt)) for lo, x in chunks]
