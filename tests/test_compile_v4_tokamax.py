@@ -1,6 +1,7 @@
 """Compile gate: the fused V4 attention kernel on tokamax's cache formats and its flash-state
 entries (``pallas_kernels.v4_attention.compile_cases.tokamax_cases``) AOT-compiles for v5e, v6e
-and tpu7x at V4-Flash decode shapes (64 rows x 8192 tokens, H=64, window 128, top-512): the
+and tpu7x at the engines' decode shapes (``tokamax_shapes``: 64 rows; V4-Flash H=64, top-512, at
+8192 and 65536 tokens; V4-Pro H=128, top-1024, at 8192; window 128): the
 window pass on a ``PlaneCache`` writing this step's rows in place (the cache donated: no copy
 of it) and returning the bf16 flash state, the CSA entries from that state on a ``CsaCache``
 (sink applied), and the HCA layer on ``PlaneCache`` caches in one call; no per-element
@@ -8,10 +9,11 @@ gather/scatter or loop in the XLA glue, the kernel's declared bytes equal the mo
 model's bytes within the stated factor of each call's minimum.
 
 The factors (the model, ``tokamax_traffic``; the same on every chip): the window pass and the
-HCA call 1.00x (plane rows move their 1024 stored bytes, one DMA per token; the state is the
-call's own I/O); the CSA pass 1.38x (2 DMAs move 1024 B per entry against the 640 B stored, as
-MODEL1 fp8). Per decode row at the CSA shape: window pass 263,216 B + CSA pass 723,888 B =
-987,104 B, 1.25x the one-call fused op's 789,424 B (packed or fp8 MODEL1 caches): q is read
+HCA call 1.00x at 8K, up to 1.02x at 64K (the page tables; plane rows move their 1024 stored
+bytes, one DMA per token; the state is the call's own I/O); the CSA pass 1.38x (2 DMAs move
+1024 B per entry against the 640 B stored, as MODEL1 fp8). Per decode row at the V4-Flash CSA
+8K shape: window pass 263,216 B + CSA pass 723,888 B = 987,104 B, 1.25x the one-call fused op's
+789,424 B (packed or fp8 MODEL1 caches): q is read
 twice and the bf16 state (64.5 KB) written and read back. The HCA call: 328,500 B, as packed.
 """
 
@@ -47,8 +49,10 @@ def _compile(case, chip, donate=()):
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 CASES = [(case, chip) for case in tokamax_cases() for chip in aot.CHIPS]
-MAX_RATIO = {"v4_tokamax_window_writes_state_plane": 1.01,
-             "v4_tokamax_entries_from_state_csa": 1.38, "v4_tokamax_hca_plane": 1.01}
+# At 65536 tokens the page tables (read whole into SMEM, 4 B per page) add 1.6% to the window
+# pass and 0.04% to the CSA pass: the bounds hold for both context lengths.
+MAX_RATIO = {"v4_tokamax_window_writes_state_plane": 1.02,
+             "v4_tokamax_entries_from_state_csa": 1.385, "v4_tokamax_hca_plane": 1.02}
 
 
 @pytest.mark.parametrize("case,chip", CASES,

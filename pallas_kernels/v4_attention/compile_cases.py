@@ -198,6 +198,7 @@ def bf16_regime_cases() -> list[aot.CompileCase]:
 # ----------------------------------------------------------------------------- tokamax's split
 
 TOKAMAX_PARTS = ("window_writes_state_plane", "entries_from_state_csa", "hca_plane")
+LONG_CONTEXT = 65536  # the engines' long-context decode shape (tokamax_shapes)
 
 
 def tokamax_traffic(chip: str, part: str, *, rows: int, context: int, heads: int, ratio: int,
@@ -240,19 +241,34 @@ def _tokamax_fn(part: str, ratio: int, context: int, c_pages: int):
         window_pages_per_seq=context // PAGE, compressed_pages_per_seq=c_pages, compressed=c)
 
 
+def _long(row: tuple, context: int) -> tuple:
+    """A ``SHAPES`` row at another context length (its name says the new length)."""
+    name, rows, old, heads, ratio, k = row
+    return (name.replace(f"x{old}", f"x{context}"), rows, context, heads, ratio, k)
+
+
+def tokamax_shapes() -> list[tuple[str, tuple]]:
+    """``(TOKAMAX_PARTS entry, SHAPES-style row)`` of each ``tokamax_cases`` case: the two CSA
+    passes at V4-Flash (8K and 64K contexts) and V4-Pro (8K), the HCA call at V4-Flash (8K and
+    64K); decode, 64 rows."""
+    flash_csa, flash_hca, pro_csa = SHAPES
+    csa_rows = (flash_csa, _long(flash_csa, LONG_CONTEXT), pro_csa)
+    return ([(part, row) for row in csa_rows for part in TOKAMAX_PARTS[:2]]
+            + [(TOKAMAX_PARTS[2], row) for row in (flash_hca, _long(flash_hca, LONG_CONTEXT))])
+
+
 def tokamax_cases() -> list[aot.CompileCase]:
-    """tokamax's V4 split on tokamax's cache formats (``TOKAMAX_PARTS``): at the V4-Flash CSA
-    decode shape (``SHAPES[0]``) the window pass on a ``PlaneCache`` writing this step's rows
+    """tokamax's V4 split on tokamax's cache formats (``TOKAMAX_PARTS``) at ``tokamax_shapes``:
+    at each CSA decode shape the window pass on a ``PlaneCache`` writing this step's rows
     in place, then returning the bf16 flash state (``mla_swa(unnormalized_output=True)``; the
     cache's words are argument 1, to donate) and the CSA entries from that state on a
-    ``CsaCache``, normalized with the sink (``sparse_mla``); at the HCA shape (``SHAPES[1]``)
-    the whole layer in one fused call on ``PlaneCache`` window and compressed caches."""
+    ``CsaCache``, normalized with the sink (``sparse_mla``); at each HCA shape the whole layer
+    in one fused call on ``PlaneCache`` window and compressed caches."""
     from pallas_kernels.v4_attention.state import FlashState
 
     sd = jax.ShapeDtypeStruct
     cases = []
-    for part, row in zip(TOKAMAX_PARTS, (SHAPES[0], SHAPES[0], SHAPES[1]), strict=True):
-        name, rows, context, heads, ratio, k = row
+    for part, (name, rows, context, heads, ratio, k) in tokamax_shapes():
         dims = dict(rows=rows, context=context, heads=heads, ratio=ratio, k=k)
         c_pages = -(-(context // ratio) // PAGE)
         q, w, kv, cu, d, c, i = specs(**dims, fmt="csa" if ratio == 4 else "plane")
