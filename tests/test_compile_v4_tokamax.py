@@ -12,8 +12,8 @@ The factors (the model, ``tokamax_traffic``; the same on every chip): the window
 HCA call 1.00x at 8K, up to 1.02x at 64K (the page tables; plane rows move their 1024 stored
 bytes, one DMA per token; the state is the call's own I/O); the CSA pass 1.38x (2 DMAs move
 1024 B per entry against the 640 B stored, as MODEL1 fp8). Per decode row at the V4-Flash CSA
-8K shape: window pass 263,216 B + CSA pass 723,888 B = 987,104 B, 1.25x the one-call fused op's
-789,424 B (packed or fp8 MODEL1 caches): q is read
+8K shape: window pass 265,268 B + CSA pass 723,888 B = 989,156 B, 1.25x the one-call fused op's
+789,424 B (packed or fp8 MODEL1 caches; the window pass includes its written row): q is read
 twice and the bf16 state (64.5 KB) written and read back. The HCA call: 328,500 B, as packed.
 """
 
