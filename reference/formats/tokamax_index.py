@@ -180,12 +180,16 @@ def write_index_records(cache, slots, records, *, kv_layout=HEAD_ALONG_SUBLANE) 
     num_pages = int(np.shape(cache)[0])
     s = _flat_slots(slots, num_pages * ps)
     records = jnp.asarray(records, jnp.uint8)
+    # Scattered into the 4-D cache as it is: a reshape to [entries, 256] (or [P, 132, ps]) has
+    # another TPU tiling than u8[P, rows, 4, lanes], and XLA would relay the whole cache out
+    # and back (seen in the AOT HLO of dsv4_compressor's indexer mode).
+    page, entry = s // ps, s % ps
+    cache = jnp.asarray(cache)
     if layout == HEAD_ALONG_SUBLANE:
-        flat = jnp.asarray(cache).reshape(num_pages * ps, RECORD_BYTES)
-        return flat.at[s].set(records, mode="drop").reshape(np.shape(cache))
-    rows = jnp.asarray(cache).reshape(num_pages, SEQ_BYTES, ps)
-    out = rows.at[s // ps, :, s % ps].set(records[:, :SEQ_BYTES], mode="drop")
-    return out.reshape(np.shape(cache))
+        return cache.at[page, entry // KV_PACKING, entry % KV_PACKING].set(records, mode="drop")
+    b = jnp.arange(SEQ_BYTES)
+    return cache.at[page[:, None], b // KV_PACKING, b % KV_PACKING, entry[:, None]].set(
+        records[:, :SEQ_BYTES], mode="drop")
 
 
 # --------------------------------------------------------------------------------- the readers
