@@ -308,9 +308,15 @@ def _compress_store(cache, rope_cache, state, positions, block_table, token_to_r
         nope, rope = tokamax_v4.encode_csa_records(rows)
         flat = cache.reshape(-1, LANES)
         flat = flat.at[_dest(store, slot, flat.shape[0])].set(nope, mode="drop")
-        rflat = rope_cache.reshape(-1, rope.shape[-1])
-        rflat = rflat.at[_dest(store, slot, rflat.shape[0])].set(rope, mode="drop")
-        return flat.reshape(cache.shape), rflat.reshape(rope_cache.shape)
+        # The rope quarter of slot s: words [32 (s % 4), +32) of rope row s // 4, scattered
+        # into the 128-word rows as they are (a [slots, 32] view has another TPU tiling: XLA
+        # would relay the whole rope cache out and back).
+        rrows = rope_cache.reshape(-1, LANES)
+        quarters = LANES // rope.shape[-1]
+        dest = _dest(store, slot, rrows.shape[0] * quarters)
+        lanes = (dest % quarters)[:, None] * rope.shape[-1] + jnp.arange(rope.shape[-1])
+        rrows = rrows.at[(dest // quarters)[:, None], lanes].set(rope, mode="drop")
+        return flat.reshape(cache.shape), rrows.reshape(rope_cache.shape)
     if mode == "indexer":
         records = tokamax_index.encode_index_records(rows, quant_block=quant_block)
         return tokamax_index.write_index_records(cache, jnp.where(store, slot, -1), records), None
