@@ -49,7 +49,8 @@ than ``-1`` reads nothing here (tokamax clamps the page number, gathers a clampe
 out-of-range page id but writes a clamped page slot); ``sparse_mla`` / ``hca_mla`` give zeros on
 rows outside every live sequence (tokamax's ``sparse_mla`` computes them from the last
 sequence's table); a live row with nothing visible returns ``l = 0``, ``m = -inf`` from
-``mla_swa`` (tokamax: ``m`` its mask value).
+``mla_swa`` under ``"xla"``, ``l = 0``, ``m = 0`` under ``"pallas"`` (the kernel's empty state;
+tokamax: ``m`` its mask value); each resumes the same (a state with ``l = 0`` holds nothing).
 """
 
 from __future__ import annotations
