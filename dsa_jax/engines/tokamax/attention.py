@@ -30,10 +30,15 @@ f32 logits and f32 accumulation, no rounding of ``e^(s - m)`` before ``P @ V``; 
 ``q.dtype`` (``mla_swa``'s unnormalized ``acc`` too, so a bf16 q rounds it to bf16 between the
 two ops, as in tokamax). Sums run in another order than tokamax's, so results agree with its
 ``"xla"`` implementation to f32 rounding before the final cast (``tests/
-test_tokamax_parity_attention.py`` states the bound).
+test_tokamax_parity_attention.py`` states the bound). ``"pallas"`` with a bf16 q feeds the MXU
+bf16 ``e^(s - m)`` (one bf16 rounding of each weight: within ``2**-8`` of ``max|out|`` of
+``"xla"``; f32 q: f32 order noise); its window cache bytes equal ``"xla"``'s exactly.
 
-``implementation``: ``None`` or ``"xla"`` (the jnp references, any platform), ``"pallas"`` (not
-yet: ``NotImplementedError``), or an ordered list of them (``dsa_jax.backend``'s rules: an
+``implementation``: ``None`` or ``"xla"`` (the jnp references, any platform), ``"pallas"``
+(``pallas_kernels.v4_attention.state``: ``mla_swa`` by ``v4_attention_state`` writing the rows
+in place, ``sparse_mla`` / ``hca_mla`` by ``v4_entries_from_state``; the strict interpreter off
+TPU; ``NotImplementedError`` for the u8 slab view and ``non_causal_block``), or an ordered list
+of them (``dsa_jax.backend``'s rules: an
 unknown name is a ``ValueError``; when every name raises ``NotImplementedError``, an
 ``ExceptionGroup``).
 
@@ -44,7 +49,8 @@ than ``-1`` reads nothing here (tokamax clamps the page number, gathers a clampe
 out-of-range page id but writes a clamped page slot); ``sparse_mla`` / ``hca_mla`` give zeros on
 rows outside every live sequence (tokamax's ``sparse_mla`` computes them from the last
 sequence's table); a live row with nothing visible returns ``l = 0``, ``m = -inf`` from
-``mla_swa`` (tokamax: ``m`` its mask value).
+``mla_swa`` under ``"xla"``, ``l = 0``, ``m = 0`` under ``"pallas"`` (the kernel's empty state;
+tokamax: ``m`` its mask value); each resumes the same (a state with ``l = 0`` holds nothing).
 """
 
 from __future__ import annotations
@@ -57,11 +63,12 @@ import numpy as np
 
 from dsa_jax import backend as _backend
 from dsa_jax.dispatch import static_float
+from pallas_kernels.v4_attention import state as _kernel_state
 from reference.core import batch
 from reference.core import checks as _checks
 from reference.formats import tokamax_v4
 from reference.mla import attend, sinks
-from reference.v4_attention import COMPRESS_RATIOS, HEAD_DIM
+from reference.v4_attention import COMPRESS_RATIOS, HEAD_DIM, PagedKV
 from reference.v4_attention import state as _state
 
 __all__ = ["CAUSAL_RULES", "hca_lens_to_attend", "hca_mla", "mla_swa", "sparse_mla"]
@@ -70,26 +77,44 @@ IMPLEMENTATIONS = ("xla", "pallas")
 HCA_RATIO = COMPRESS_RATIOS[-1]  # 128 tokens per HCA entry
 TOPK_MULTIPLE = 128  # tokamax's sparse_mla bind: K a positive multiple of 128
 CAUSAL_RULES = ("official", "indexer")
+PALLAS_KNOBS = ("interpret", "block", "vmem_limit_bytes")  # kernel_options of "pallas"
 
 
 # ----------------------------------------------------------------------------- checks
 
 
-def _serve(op: str, implementation, xla_call):
-    """``xla_call()`` under ``implementation`` (module docstring)."""
+def _serve(op: str, implementation, xla_call, pallas_call):
+    """``xla_call()`` or ``pallas_call()`` under ``implementation`` (module docstring)."""
     names = _backend.chosen_names(f"tokamax.{op}", IMPLEMENTATIONS, implementation, None)
     names = names or ["xla"]
 
     def call(name):
-        if name == "xla":
-            return xla_call()
-        raise NotImplementedError(
-            f"tokamax.{op}: implementation 'pallas' is not served yet: pallas_kernels."
-            f"v4_attention reads neither tokamax's cache bytes nor an external flash state "
-            f"(issue 29, in progress); use 'xla'")
+        return xla_call() if name == "xla" else pallas_call()
 
     return _backend.first_serving(f"tokamax.{op}", [(n, n) for n in names], call,
                                   group=len(names) > 1)
+
+
+def _knobs(op: str, kernel_options) -> tuple:
+    """The Pallas kernel's knobs (``PALLAS_KNOBS``) from ``kernel_options``; ``interpret``
+    defaults to ``not on_tpu()`` (the strict interpreter off TPU)."""
+    opts = dict(kernel_options or {})
+    unknown = sorted(set(opts) - set(PALLAS_KNOBS))
+    if unknown:
+        raise ValueError(f"{op}: kernel_options {unknown} are not knobs of the Pallas kernel; "
+                         f"its knobs: {list(PALLAS_KNOBS)}")
+    opts.setdefault("interpret", not _backend.on_tpu())
+    return tuple(sorted(opts.items()))  # hashable: a static argument
+
+
+def _no_slab(op: str, cache) -> None:
+    """The kernel reads the i32 words; the u8 slab view is a byte transpose of them (a
+    cache-sized relayout each call, and no in-place write): not served."""
+    if cache.is_slab:
+        raise NotImplementedError(
+            f"{op}: implementation 'pallas' reads the int32[P, S, 128] plane words; the "
+            f"uint8[P, S, 4, 128] slab view is a byte transpose of them (a cache-sized "
+            f"relayout per call, no in-place write); pass the int32 words or use 'xla'")
 
 
 def _ints(op: str, **arrays) -> None:
@@ -190,7 +215,7 @@ def mla_swa(q, new_kv, cache_kv, kv_lens, page_indices, cu_q_lens, distribution,
             attention_sinks, *, sliding_window: int, logical_page_size: int,
             sm_scale: float = 1.0, chunk_prefill_size: int | None = None,
             unnormalized_output: bool = False, non_causal_block: bool = False,
-            implementation=None):
+            implementation=None, kernel_options: dict | None = None):
     """tokamax's ``mla_swa``: write this step's window rows, then attend the sliding window.
 
     Args:
@@ -212,6 +237,10 @@ def mla_swa(q, new_kv, cache_kv, kv_lens, page_indices, cu_q_lens, distribution,
       non_causal_block: this step's rows also see each other both ways: row ``p`` sees tokens
         ``max(0, p - W + 1) .. kv_len - 1`` (tokamax's reference rule).
       implementation: ``None`` / ``"xla"`` / ``"pallas"`` / a list (module docstring).
+        ``"pallas"`` (``v4_attention_state``, the rows written in place) serves neither
+        ``non_causal_block=True`` nor the u8 slab view (``NotImplementedError``).
+      kernel_options: ``"pallas"``'s knobs (``PALLAS_KNOBS``: ``interpret``, default ``not
+        on_tpu()``; ``block``; ``vmem_limit_bytes``); unused by ``"xla"``.
 
     Returns:
       ``(out q.dtype[T, H, 512], updated_cache_kv, l f32[T, H], m f32[T, H])``: first, row ``j``
@@ -245,9 +274,16 @@ def mla_swa(q, new_kv, cache_kv, kv_lens, page_indices, cu_q_lens, distribution,
     statics = dict(sliding_window=sliding_window, pps=pps, sm_scale=static_float(
         op, "sm_scale", sm_scale), unnormalized=bool(unnormalized_output),
         non_causal=bool(non_causal_block))
-    return _serve("mla_swa", implementation, lambda: _mla_swa_xla(
-        q, new_kv, cache, kv_lens, page_indices, cu_q_lens, distribution, attention_sinks,
-        **statics))
+    args = (q, new_kv, cache, kv_lens, page_indices, cu_q_lens, distribution, attention_sinks)
+
+    def pallas():
+        if non_causal_block:
+            raise NotImplementedError(f"{op}: implementation 'pallas' has no non_causal_block "
+                                      f"(the kernel's window is causal); use 'xla'")
+        _no_slab(op, cache)
+        return _mla_swa_pallas(*args, **statics, knobs=_knobs(op, kernel_options))
+
+    return _serve("mla_swa", implementation, lambda: _mla_swa_xla(*args, **statics), pallas)
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "pps", "sm_scale",
@@ -281,7 +317,7 @@ def _mla_swa_xla(q, new_kv, cache, kv_lens, page_indices, cu_q_lens, distributio
 
 def sparse_mla(q, cache_kv_nope, cache_kv_rope, topk_indices, page_indices, cu_q_lens,
                distribution, attention_sinks, swa_accumution, swa_l, swa_m, *,
-               sm_scale: float = 1.0, implementation=None):
+               sm_scale: float = 1.0, implementation=None, kernel_options: dict | None = None):
     """tokamax's ``sparse_mla``: resume the window state over the listed CSA entries and apply
     the sink once.
 
@@ -301,7 +337,8 @@ def sparse_mla(q, cache_kv_nope, cache_kv_rope, topk_indices, page_indices, cu_q
         unnormalized_output=True)``'s ``out``, ``l``, ``m``); ``swa_accumution`` in ``q.dtype``
         (tokamax's spelling).
       sm_scale: logit scale (static float).
-      implementation: as ``mla_swa``.
+      implementation, kernel_options: as ``mla_swa`` (``"pallas"``: ``v4_entries_from_state``
+        on the ``CsaCache``).
 
     Returns:
       ``q.dtype[T, H, 512]``: ``acc' / (l' + e^(sink - m'))`` over the window state and the
@@ -327,9 +364,12 @@ def sparse_mla(q, cache_kv_nope, cache_kv_rope, topk_indices, page_indices, cu_q
     pps = _ragged(op, page_indices, cu_q_lens, distribution)
     _swa_state(op, q, swa_accumution, swa_l, swa_m)
     scale = static_float(op, "sm_scale", sm_scale)
-    return _serve("sparse_mla", implementation, lambda: _resume_xla(
-        q, cache, topk_indices.astype(jnp.int32), page_indices, cu_q_lens, distribution,
-        attention_sinks, swa_accumution, swa_l, swa_m, pps=pps, sm_scale=scale))
+    args = (q, cache, topk_indices.astype(jnp.int32), page_indices, cu_q_lens, distribution,
+            attention_sinks, swa_accumution, swa_l, swa_m)
+    return _serve("sparse_mla", implementation,
+                  lambda: _resume_xla(*args, pps=pps, sm_scale=scale),
+                  lambda: _resume_pallas(*args, pps=pps, sm_scale=scale,
+                                         knobs=_knobs(op, kernel_options)))
 
 
 @functools.partial(jax.jit, static_argnames=("pps", "sm_scale"))
@@ -345,12 +385,70 @@ def _resume_xla(q, cache, idx, page_indices, cu_q_lens, distribution, sink, acc,
     return jnp.where(rows.in_seq[:, None, None], out, 0.0).astype(q.dtype)
 
 
+def _entry_size(cache) -> int:
+    """Entries (tokens) per page: a ``PlaneCache``'s logical page size, a ``CsaCache``'s ps."""
+    if isinstance(cache, tokamax_v4.PlaneCache):
+        return cache.logical_page_size
+    return int(np.shape(cache.nope)[1])
+
+
+def _paged(cache, page_indices, num_seqs: int, pps: int) -> PagedKV:
+    """The kernel's ``PagedKV`` of a fixed-stride table: ``cu_lens = s * pps * ps``."""
+    cu = jnp.arange(num_seqs + 1, dtype=jnp.int32) * (pps * _entry_size(cache))
+    return PagedKV(cache, jnp.asarray(page_indices, jnp.int32), cu)
+
+
+def _live(q, cu_q_lens, distribution) -> jax.Array:
+    """``bool[T]``: rows inside a live sequence."""
+    num_seqs = cu_q_lens.shape[0] - 1
+    return batch.row_facts(q.shape[0], jnp.zeros((num_seqs,), jnp.int32), cu_q_lens,
+                           distribution).in_seq
+
+
+@functools.partial(jax.jit, static_argnames=("sliding_window", "pps", "sm_scale",
+                                             "unnormalized", "non_causal", "knobs"))
+def _mla_swa_pallas(q, new_kv, cache, kv_lens, page_indices, cu_q_lens, distribution, sink, *,
+                    sliding_window, pps, sm_scale, unnormalized, non_causal, knobs):
+    """``mla_swa`` by ``v4_attention_state`` (the window pass writing ``new_kv`` in place,
+    returning the state; ``acc`` in f32 when this op normalizes, then ``acc / (l + e^(sink -
+    m))`` here). A live row with nothing visible: ``l = 0, m = 0`` (the kernel's empty
+    state; ``"xla"``: ``m = -inf``)."""
+    del non_causal  # pallas() refuses it
+    cu_q_lens, distribution = cu_q_lens.astype(jnp.int32), distribution.astype(jnp.int32)
+    window = _paged(cache, page_indices, cu_q_lens.shape[0] - 1, pps)
+    st, new_cache = _kernel_state.v4_attention_state(
+        q, window, kv_lens.astype(jnp.int32), cu_q_lens, distribution, sm_scale=sm_scale,
+        window_size=sliding_window, compress_ratio=0, window_pages_per_seq=pps,
+        return_state=True, acc_dtype=None if unnormalized else jnp.float32, new_kv=new_kv,
+        **dict(knobs))
+    out = st.acc if unnormalized else _state.finish(_state.FlashState(*st), sink)
+    live = _live(q, cu_q_lens, distribution)[:, None]
+    out = jnp.where(live[..., None], out, 0.0).astype(q.dtype)
+    return (out, new_cache.words, jnp.where(live, st.l, 0.0), jnp.where(live, st.m, 0.0))
+
+
+@functools.partial(jax.jit, static_argnames=("pps", "sm_scale", "knobs"))
+def _resume_pallas(q, cache, idx, page_indices, cu_q_lens, distribution, sink, acc, l_, m, *,
+                   pps, sm_scale, knobs):
+    """``_resume_xla`` by ``v4_entries_from_state`` (``cache`` a ``CsaCache`` or an i32
+    ``PlaneCache``)."""
+    cu_q_lens, distribution = cu_q_lens.astype(jnp.int32), distribution.astype(jnp.int32)
+    state = _kernel_state.FlashState(acc, l_.astype(jnp.float32), m.astype(jnp.float32))
+    out = _kernel_state.v4_entries_from_state(
+        q, _paged(cache, page_indices, cu_q_lens.shape[0] - 1, pps), cu_q_lens, distribution,
+        idx, state, sm_scale=sm_scale, compressed_pages_per_seq=pps, attn_sink=sink,
+        **dict(knobs))
+    live = _live(q, cu_q_lens, distribution)
+    return jnp.where(live[:, None, None], out, 0.0).astype(q.dtype)
+
+
+
 # ----------------------------------------------------------------------------- HCA
 
 
 def hca_mla(q, cache_kv, kv_lens_to_attend, page_indices, cu_q_lens, distribution,
             attention_sinks, swa_accumution, swa_l, swa_m, *, logical_page_size: int,
-            sm_scale: float = 1.0, implementation=None):
+            sm_scale: float = 1.0, implementation=None, kernel_options: dict | None = None):
     """The V4 HCA part (ratio 128), tokamax-style: resume the window state over every visible
     compressed entry of a plane cache and apply the sink once. **This package's op**: tokamax
     0.0.17 has no HCA attention; the arguments follow ``sparse_mla`` and vLLM's TPU path
@@ -370,7 +468,11 @@ def hca_mla(q, cache_kv, kv_lens_to_attend, page_indices, cu_q_lens, distributio
       cu_q_lens, distribution, attention_sinks, swa_accumution, swa_l, swa_m: as
         ``sparse_mla``.
       logical_page_size: entries used per page (static, ``1 .. S // 2``).
-      sm_scale, implementation: as ``sparse_mla``.
+      sm_scale, implementation, kernel_options: as ``sparse_mla``. ``"pallas"`` is
+        ``v4_entries_from_state`` on the plane cache with the list ``j`` (``-1`` at ``j >=
+        kv_lens_to_attend[t]``), ``k = pps * logical_page_size``: the list (4 B per entry per
+        row) is written by XLA and read by the kernel, whose walk stops after the row's last
+        listed entry (entries read: the row's count); the u8 slab view is not served.
 
     Returns:
       ``q.dtype[T, H, 512]`` (zeros outside every live sequence).
@@ -387,9 +489,15 @@ def hca_mla(q, cache_kv, kv_lens_to_attend, page_indices, cu_q_lens, distributio
     capacity = pps * cache.logical_page_size
     idx = jnp.arange(capacity, dtype=jnp.int32)[None, :]
     idx = jnp.where(idx < jnp.asarray(kv_lens_to_attend, jnp.int32)[:, None], idx, -1)
-    return _serve("hca_mla", implementation, lambda: _resume_xla(
-        q, cache, idx, page_indices, cu_q_lens, distribution, attention_sinks,
-        swa_accumution, swa_l, swa_m, pps=pps, sm_scale=scale))
+    args = (q, cache, idx, page_indices, cu_q_lens, distribution, attention_sinks,
+            swa_accumution, swa_l, swa_m)
+
+    def pallas():
+        _no_slab(op, cache)
+        return _resume_pallas(*args, pps=pps, sm_scale=scale, knobs=_knobs(op, kernel_options))
+
+    return _serve("hca_mla", implementation, lambda: _resume_xla(*args, pps=pps,
+                                                                 sm_scale=scale), pallas)
 
 
 def hca_lens_to_attend(kv_lens, cu_q_lens, distribution, *, num_rows: int,
