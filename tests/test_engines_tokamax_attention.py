@@ -412,11 +412,12 @@ def test_refusals_are_named():
         tk.mla_swa(*args, **{**kw, "logical_page_size": 6})
     with pytest.raises(ValueError, match="int32\\[P, S, 128\\] or uint8"):
         tk.mla_swa(*args[:2], jnp.asarray(case.window.view(np.uint32)), *args[3:], **kw)
-    with pytest.raises(NotImplementedError, match="pallas"):
-        tk.mla_swa(*args, **kw, implementation="pallas")
+    with pytest.raises(NotImplementedError, match="pallas"):  # the kernel's window is causal
+        tk.mla_swa(*args, **{**kw, "non_causal_block": True}, implementation="pallas")
     with pytest.raises(ValueError, match="unknown implementation"):
         tk.mla_swa(*args, **kw, implementation="mosaic")
-    out = tk.mla_swa(*args, **kw, implementation=["pallas", "xla"])[0]  # falls through
+    out = tk.mla_swa(*args, **{**kw, "non_causal_block": True},
+                     implementation=["pallas", "xla"])[0]  # falls through to "xla"
     assert out.shape == case.q.shape
     state = _window_state(case)
     with pytest.raises(ValueError, match="positive multiple of 128"):
