@@ -388,11 +388,16 @@ def write_csa_rows(cache: CsaCache, rows, slots, pages=None) -> CsaCache:
 def _write_csa(cache: CsaCache, slots, rows) -> CsaCache:
     words = _csa_words(rows)
     nope = cache.nope.reshape(-1, LANES)
-    rope = cache.rope.reshape(-1, model1.ROPE_WORDS)  # entry s owns rope words row s
+    # Entry s owns rope words [32 (s % 4), +32) of rope row s // 4: scattered into the 128-word
+    # rows as they are (a [entries, 32] view has another TPU tiling, a relayout of the cache).
+    rope = cache.rope.reshape(-1, LANES)
+    quarters = LANES // model1.ROPE_WORDS
     ok = (slots >= 0) & (slots < nope.shape[0])
     at = jnp.where(ok, slots, nope.shape[0])
     nope = nope.at[at].set(_as(words[:, :model1.NOPE_WORDS], nope.dtype), mode="drop")
-    rope = rope.at[at].set(_as(words[:, model1.NOPE_WORDS:], rope.dtype), mode="drop")
+    lanes = (at % quarters)[:, None] * model1.ROPE_WORDS + jnp.arange(model1.ROPE_WORDS)
+    rope = rope.at[(at // quarters)[:, None], lanes].set(
+        _as(words[:, model1.NOPE_WORDS:], rope.dtype), mode="drop")
     return CsaCache(nope.reshape(cache.nope.shape), rope.reshape(cache.rope.shape))
 
 
