@@ -59,6 +59,16 @@ MAX_RATIO = {"v4_attention": {"flash_csa": 1.45, "flash_hca": 2.05, "pro_csa": 1
                          ids=[f"{c.kernel}-{c.shape}-{chip}" for c, chip in CASES])
 def test_compiles_without_per_element_glue_and_within_the_traffic_bound(case, chip):
     cost = xla_cost.analyze(case.compile(chip))  # CompileError names chip, shape, Mosaic's text
+    t = assert_gate(case, chip, cost, MAX_RATIO[case.kernel][case.shape.split("_decode")[0]])
+    if case.kernel.startswith("v4_attention_fused"):  # the kernel declares the model's bytes
+        assert cost.kernel_bytes == t.bytes_moved - case.specs[0].shape[0] * INFO_WORDS * 4
+
+
+def assert_gate(case, chip: str, cost, max_ratio: float):
+    """The V4 compile gate's checks of one compiled ``case`` on ``chip`` (``cost``:
+    ``xla_cost.analyze``'s): no loop and no per-element gather/scatter in the XLA glue, the
+    model's VMEM under the chip's, its bytes at least the minimum and at most ``max_ratio``
+    times it. Returns the model (``case.traffic(chip)``)."""
     rows = case.specs[0].shape[0]
     assert not cost.has_loop
     assert not [op.describe() for op in cost.indexed_ops
@@ -66,9 +76,8 @@ def test_compiles_without_per_element_glue_and_within_the_traffic_bound(case, ch
     t = case.traffic(chip)
     assert t.vmem_bytes < aot.chip_info(chip).vmem_capacity_bytes
     assert t.bytes_min <= t.bytes_moved
-    assert t.ratio <= MAX_RATIO[case.kernel][case.shape.split("_decode")[0]], (case.shape, t)
-    if case.kernel.startswith("v4_attention_fused"):  # the kernel declares the model's bytes
-        assert cost.kernel_bytes == t.bytes_moved - rows * INFO_WORDS * 4
+    assert t.ratio <= max_ratio, (case.shape, t)
+    return t
 
 
 # ----------------------------------------------------------------------------- the compressor

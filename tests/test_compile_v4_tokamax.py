@@ -24,6 +24,7 @@ import os
 import jax
 import numpy as np
 import pytest
+from test_compile_v4 import assert_gate
 
 from pallas_kernels import aot, xla_cost
 from pallas_kernels.measure import hlo
@@ -64,12 +65,5 @@ def test_compiles_without_per_element_glue_and_within_the_traffic_bound(case, ch
     if writes:  # the donated window cache is written in place: no XLA op makes a copy of it
         cache = np.prod(case.specs[1].shape) * 4  # the window's words
         assert not hlo.parse_large_results(compiled.as_text(), cache)
-    rows = case.specs[0].shape[0]
-    assert not cost.has_loop
-    assert not [op.describe() for op in cost.indexed_ops
-                if xla_cost.is_per_element(op, row_limit=rows)]
-    t = case.traffic(chip)
-    assert t.vmem_bytes < aot.chip_info(chip).vmem_capacity_bytes
-    assert t.bytes_min <= t.bytes_moved
-    assert t.ratio <= MAX_RATIO[case.kernel], (case.shape, t)
-    assert cost.kernel_bytes == t.bytes_moved - rows * INFO_WORDS * 4
+    t = assert_gate(case, chip, cost, MAX_RATIO[case.kernel])
+    assert cost.kernel_bytes == t.bytes_moved - case.specs[0].shape[0] * INFO_WORDS * 4

@@ -316,10 +316,10 @@ def _window_state(case):
     return win, l_, m
 
 
-def test_hca_mla_resumes_over_each_rows_visible_entries():
-    case = make_case(6, "mixed")
-    rng = np.random.default_rng(6)
-    lps, pps = 2, 4
+def hca_case(case, rng, lps: int = 2, pps: int = 4):
+    """An HCA ``PlaneCache`` for ``case``'s sequences (``pps`` pages of ``lps`` entries each,
+    in a random table; NaN words elsewhere) holding ``n[s]`` random bf16-valued entries of
+    sequence ``s``: ``(cache, table i32[S * pps], n i32[S], x f32[sum n, 512])``."""
     num_seqs = len(case.kv_lens)
     table = rng.permutation(num_seqs * pps + 1)[:num_seqs * pps].astype(np.int32)
     hca = tv.PlaneCache(jnp.full((num_seqs * pps + 1, 6, 128), NAN_WORD), lps)
@@ -327,7 +327,14 @@ def test_hca_mla_resumes_over_each_rows_visible_entries():
     slots = np.concatenate([table[s * pps + np.arange(k) // lps] * lps + np.arange(k) % lps
                             for s, k in enumerate(n)])
     x = np.asarray(jnp.asarray(rng.standard_normal((len(slots), D)), jnp.bfloat16), np.float32)
-    hca = tv.write_plane_rows(hca, x, slots)
+    return tv.write_plane_rows(hca, x, slots), table, n, x
+
+
+def test_hca_mla_resumes_over_each_rows_visible_entries():
+    case = make_case(6, "mixed")
+    rng = np.random.default_rng(6)
+    lps = 2
+    hca, table, n, x = hca_case(case, rng, lps)
     entries = np.split(x.astype(np.float64), np.cumsum(n)[:-1])
     counts = np.array([0 if rf is None else rng.integers(0, len(entries[rf[0]]) + 1)
                        for rf in case.rows], np.int32)

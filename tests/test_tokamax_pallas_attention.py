@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_engines_tokamax_attention import NAN_WORD, SM, close, make_case
+from test_engines_tokamax_attention import SM, close, hca_case, make_case
 
 from dsa_jax.engines.tokamax import attention as tk
 from pallas_kernels import chips
@@ -70,15 +70,8 @@ def test_sparse_mla_pallas_is_the_xla_path(q_dtype):
     assert not np.asarray(got, np.float32)[~_live_rows(case)].any()
 
 
-def _hca(case, rng, lps=2, pps=4):
-    num_seqs = len(case.kv_lens)
-    table = rng.permutation(num_seqs * pps + 1)[:num_seqs * pps].astype(np.int32)
-    hca = tv.PlaneCache(jnp.full((num_seqs * pps + 1, 6, 128), NAN_WORD), lps)
-    n = rng.integers(2, pps * lps + 1, num_seqs)
-    slots = np.concatenate([table[s * pps + np.arange(k) // lps] * lps + np.arange(k) % lps
-                            for s, k in enumerate(n)])
-    x = jnp.asarray(rng.standard_normal((len(slots), 512)), jnp.bfloat16)
-    hca = tv.write_plane_rows(hca, x, slots)
+def _hca(case, rng):
+    hca, table, n, _ = hca_case(case, rng)
     counts = np.array([0 if rf is None else rng.integers(0, n[rf[0]] + 1)
                        for rf in case.rows], np.int32)
     return hca, table, counts

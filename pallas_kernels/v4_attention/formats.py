@@ -44,7 +44,7 @@ LANES = v4_cache.LANES  # 128: an fp8 token's nope record, and one rope row of 4
 FP8_ROW_BYTES = 2 * 4 * LANES  # what the 2 DMAs of an fp8 / CSA token move: 1024 B
 FP8_STORED_BYTES = v4_cache.STORED_BYTES_PER_TOKEN  # 640 B of HBM per fp8 / CSA token
 PLANE_ROWS = tokamax_v4.ROWS_PER_TOKEN  # 2 rows of 128 words per PlaneCache token
-PLANE_ROW_BYTES = PLANE_ROWS * 4 * LANES  # one DMA of a PlaneCache token: 1024 B, all stored
+PLANE_ROW_BYTES = PLANE_ROWS * tokamax_v4.SLAB_ROWS * LANES  # one DMA per token: 1024 B, all stored
 FORMATS = ("packed", "plain", "fp8", "csa", "plane")
 _HIGH = -65536  # 0xFFFF0000 as an i32: a word's high bf16 half
 

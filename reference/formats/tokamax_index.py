@@ -45,12 +45,12 @@ import numpy as np
 from jax import lax
 
 from reference.core import checks as _checks
-from reference.formats import model1
+from reference.formats import model1, tokamax_v4
 from reference.quant import fp8
 
 HEAD_DIM = fp8.INDEX_HEAD_DIM  # 128 e4m3 key bytes
 LANES = model1.LANES
-KV_PACKING = 4  # 8-bit bytes per 32-bit word: entries per slab row / byte rows per sublane group
+KV_PACKING = tokamax_v4.SLAB_ROWS  # 4 bytes per 32-bit word: entries per slab row
 RECORD_BYTES = -(-(HEAD_DIM + HEAD_DIM // LANES) // LANES) * LANES  # 129 used -> 256
 SEQ_BYTES = HEAD_DIM + KV_PACKING  # 132 bytes per entry in "seq_along_lane"
 SEQ_GROUPS = SEQ_BYTES // KV_PACKING  # 33

@@ -63,6 +63,7 @@ import numpy as np
 
 from dsa_jax import backend as _backend
 from dsa_jax.dispatch import static_float
+from dsa_jax.engines.tokamax.indexer import CAUSAL_RULES  # one declaration of the rule names
 from pallas_kernels.v4_attention import state as _kernel_state
 from reference.core import batch
 from reference.core import checks as _checks
@@ -76,7 +77,6 @@ __all__ = ["CAUSAL_RULES", "hca_lens_to_attend", "hca_mla", "mla_swa", "sparse_m
 IMPLEMENTATIONS = ("xla", "pallas")
 HCA_RATIO = COMPRESS_RATIOS[-1]  # 128 tokens per HCA entry
 TOPK_MULTIPLE = 128  # tokamax's sparse_mla bind: K a positive multiple of 128
-CAUSAL_RULES = ("official", "indexer")
 PALLAS_KNOBS = ("interpret", "block", "vmem_limit_bytes")  # kernel_options of "pallas"
 
 
@@ -511,7 +511,7 @@ def hca_lens_to_attend(kv_lens, cu_q_lens, distribution, *, num_rows: int,
       num_rows: ``T`` (static).
       causal_rule: ``"official"``: entry ``j`` is visible at position ``p`` iff ``j < (p + 1) //
         r`` (an entry exists once its group's last token has arrived; the official model,
-        ``dsa_jax.v4_attention`` and vLLM's TPU HCA path); ``"indexer"``: iff ``j <= p // r``
+        ``dsa_jax.v4_attention`` and vLLM's TPU HCA path); ``"tpu_inference"``: iff ``j <= p // r``
         and ``j < kv_len // r`` (tokamax's / tpu-inference's indexer rule, which shows a row
         the entry of its own unfinished group; the two agree on the last row of a sequence).
       compress_ratio: ``r`` (static, default 128).
