@@ -2,9 +2,10 @@
 model, at one small decode shape per kernel (``scripts/cost/hbm_traffic.py``'s quick cases).
 
 Pinned: counted bytes (HBM<->VMEM lane-padded, HBM->SMEM logical) EQUAL the model's kernel
-side exactly, and each input is fetched the number of times the design says (every needed key
-page once per decode row, every selected row/page once): a change that re-fetches a block or
-a page fails here. A pinned mixed batch (decode rows beside a prefill chunk, general path) shows
+side exactly, counted DMA descriptors (pipeline block copies + started manual DMAs) EQUAL the
+model's ``dmas``, and each input is fetched the number of times the design says (every needed
+key page once per decode row, every selected row/page once): a change that re-fetches a block
+or a page fails here. The V4 compressor's decode step is counted the same way. A pinned mixed batch (decode rows beside a prefill chunk, general path) shows
 the decode sequences taking 1-row items. Also: the counter's own self test, and the loud
 failure when a hooked JAX internal is missing."""
 
@@ -33,6 +34,13 @@ def counted():
 
 
 @pytest.fixture(scope="module")
+def counted_compressor():
+    """(case, TrafficCount) of the V4 compressor's decode step (run once)."""
+    case = ht.compressor_case()
+    return case, ht.count(case)
+
+
+@pytest.fixture(scope="module")
 def counted_fp8():
     """kernel -> (case, TrafficCount) of the fp8-cache decode cases (each run once)."""
     return {c.kernel: (c, ht.count(c)) for c in ht.fp8_cases()}
@@ -46,6 +54,7 @@ def test_fp8_counted_bytes_equal_the_models_kernel_side_and_meet_the_issue_bound
     case, n = counted_fp8[kernel]
     assert n.dmas_unexecuted == 0
     assert n.bytes(lane_padded=True) == case.model_kernel_bytes, n.table()
+    assert n.descriptors == case.model.dmas, n.table()
     gathers = n.select("hbm", "vmem", "dma")
     if kernel.startswith("streamindex"):
         s = ht.FP8_DECODE
@@ -70,6 +79,38 @@ def test_counted_decode_bytes_equal_the_models_kernel_side(counted, kernel):
     assert total == case.model_kernel_bytes, (
         f"{kernel}: counted {total} B != model kernel side {case.model_kernel_bytes} B; "
         f"copies: {n.table()}")
+    assert n.descriptors == case.model.dmas, (
+        f"{kernel}: counted {n.descriptors} DMA descriptors != model {case.model.dmas}; "
+        f"copies: {n.table()}")
+
+
+def test_decode_descriptors_per_row_are_the_layouts():
+    """Per decode row, from the layouts: the indexer one DMA per causal key page (two with the
+    fp8 cache: keys and scale row), one score row out, the q and weight blocks in; sparse MLA
+    one DMA per selected token row (page mode: per selected page), its entries row into SMEM,
+    the q block in and the out block back. Checked on the models the counts equal."""
+    s, m = ht.DECODE, ht.MLA_DECODE
+    cases = {c.kernel: c for c in ht.decode_cases()}
+    for kernel in ("streamindex_topk", "streamindex_page_topk"):
+        assert cases[kernel].model.dmas == _pages(s) + s.rows * (1 + 2), kernel
+    assert cases["sparse_mla"].model.dmas == m.rows * (32 + 1 + 2)
+    assert cases["page_sparse_mla"].model.dmas == m.rows * (2 + 1 + 2)
+    fp8 = {c.kernel: c for c in ht.fp8_cases()}
+    assert fp8["streamindex_topk"].model.dmas == 2 * _pages(ht.FP8_DECODE) + 4 * 3
+
+
+def test_compressor_decode_counted_bytes_and_descriptors_equal_the_model(counted_compressor):
+    """The Pallas V4 compressor's decode step (4 sequences completing an entry, ratio 4, d 128;
+    5 output slots): counted bytes (an HBM -> HBM row copy read and written) and descriptors
+    equal ``compressor_traffic``'s; per completing sequence 7 descriptors (kv and score row,
+    kv and gate ring slot, the state's kv copy, score row in, gate row out), one per output
+    slot, plus the two ape blocks."""
+    case, n = counted_compressor
+    assert n.dmas_unexecuted == 0
+    counted = n.bytes(lane_padded=True) + n.bytes("hbm", "hbm")
+    assert counted == case.model.bytes_moved, n.table()
+    assert n.descriptors == case.model.dmas == 7 * 4 + 5 + 2, n.table()
+    assert n.count("hbm", "hbm", "dma") == 4  # one kv row per sequence into its ring
 
 
 def test_decode_indexer_reads_each_needed_key_page_once_and_each_row_once(counted):
@@ -106,6 +147,7 @@ def test_mixed_batch_decode_sequences_take_one_row_items(page_mode):
     case = ht.mixed_case(page_mode=page_mode)
     n = ht.count(case)
     assert n.bytes(lane_padded=True) == case.model_kernel_bytes, n.table()
+    assert n.descriptors == case.model.dmas, n.table()
     q_blocks = [c.shape[0] for c in n.select("hbm", "vmem", "block") if c.shape[-1] == s.dim]
     assert sorted(q_blocks) == [1, 1, 1, 1, 2, 8]
     pages = {"decode": 3 + 2 + 8, "prefill": 5 + 5}  # each item's causal pages, once
@@ -170,16 +212,19 @@ def test_indexer_with_an_empty_tail_work_item_moves_only_modelled_bytes():
     case = ht.indexer_case(ht.MTP, page_mode=False, block_rows=4, block_pages=2)
     n = ht.count(case)
     assert n.bytes(lane_padded=True) == case.model_kernel_bytes
+    assert n.descriptors == case.model.dmas
 
 
-def test_script_quick_writes_labelled_tables(tmp_path, counted, counted_fp8):
-    """The report of ``--quick`` (the decode and fp8 cases: the fixtures' counts, not run
-    again in the interpreter)."""
-    done = {(c.kernel, c.shape): n for c, n in [*counted.values(), *counted_fp8.values()]}
+def test_script_quick_writes_labelled_tables(tmp_path, counted, counted_fp8,
+                                            counted_compressor):
+    """The report of ``--quick`` (the decode, fp8 and compressor cases: the fixtures' counts,
+    not run again in the interpreter)."""
+    done = {(c.kernel, c.shape): n for c, n in [*counted.values(), *counted_fp8.values(),
+                                                counted_compressor]}
     assert len(done) == len(ht.all_cases(quick=True))
     assert hbm_traffic_script.main(["--quick", "--out", str(tmp_path)],
                                    count_case=lambda c: done[(c.kernel, c.shape)]) == 0
     md = (tmp_path / "hbm_traffic.md").read_text()
-    assert ht.LABEL in md
+    assert ht.LABEL in md and "counted DMAs" in md
     data = (tmp_path / "hbm_traffic.json").read_text()
     assert ht.LABEL in data and '"rows"' in data
