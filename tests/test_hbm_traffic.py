@@ -5,9 +5,10 @@ Pinned: counted bytes (HBM<->VMEM lane-padded, HBM->SMEM logical) EQUAL the mode
 side exactly, counted DMA descriptors (pipeline block copies + started manual DMAs) EQUAL the
 model's ``dmas``, and each input is fetched the number of times the design says (every needed
 key page once per decode row, every selected row/page once): a change that re-fetches a block
-or a page fails here. The V4 compressor's decode step is counted the same way. A pinned mixed batch (decode rows beside a prefill chunk, general path) shows
-the decode sequences taking 1-row items. Also: the counter's own self test, and the loud
-failure when a hooked JAX internal is missing."""
+or a page fails here. The V4 compressor's decode step and the V4 two-pass path are counted
+the same way. A pinned mixed batch (decode rows beside a prefill chunk, general path) shows the
+decode sequences taking 1-row items. Also: the counter's own self test, and the loud failure
+when a hooked JAX internal is missing."""
 
 from __future__ import annotations
 
@@ -136,6 +137,42 @@ def test_decode_sparse_mla_gathers_each_selection_once(counted):
     for n in (tok, page):
         assert n.count("hbm", "vmem", "block") == s.rows  # q
         assert n.count("vmem", "hbm", "block") == s.rows  # out
+
+
+def test_v4_two_pass_descriptors_are_two_mla_calls_with_lse():
+    """DeepSeek-V4's two-pass path (``fused=False``) at a tiny decode batch whose rows gather a
+    full window (16) and all k = 8 selected entries: counted descriptors equal the two token
+    MLA calls' ``mla_traffic`` dmas plus one LSE block per row per call (``v4_traffic``'s
+    sum)."""
+    import dataclasses
+
+    import numpy as np
+    from jax.experimental.pallas import tpu as pltpu
+    from v4_batches import make_v4_batch
+
+    from pallas_kernels.mla import traffic as mtraffic
+    from pallas_kernels.v4_attention.entry import v4_attention
+
+    b = make_v4_batch(11, q_lens=[1, 1], kv_lens=[80, 64], ratio=4, heads=2, window_size=16,
+                      window_page_size=4, comp_page_size=4, k=8)
+    b = dataclasses.replace(b, compressed_indices=np.array(
+        [np.arange(8) + 3, np.arange(8)[::-1] + 1], np.int32))
+    with counter.count_hbm_traffic() as n:
+        jax.block_until_ready(v4_attention(
+            b.q, *b.args()[1:], sm_scale=0.1, **b.kwargs(), fused=False,
+            interpret=pltpu.InterpretParams(dma_execution_mode="eager")))
+    rows = 2
+
+    def dmas(m):  # one call of m entries per row (the block shape does not enter the count)
+        shape = ht.mkernel.block_shape("token", heads=2, dim=512, v_dim=512, page_size=4,
+                                       units=m, meta_len=m, q_dtype="float32", fmt="f32")
+        return mtraffic.mla_traffic(rows=rows, heads=2, dim=512, v_dim=512, selected_rows=m,
+                                    fmt="f32", q_itemsize=4, meta_words=m, prep_bytes=0,
+                                    table_words=1, shape=shape).dmas
+
+    model = sum(dmas(m) + rows for m in (16, 8))  # + one LSE block per row and call
+    assert n.dmas_unexecuted == 0
+    assert n.descriptors == model == 64, n.table()
 
 
 @pytest.mark.parametrize("page_mode", [False, True])
