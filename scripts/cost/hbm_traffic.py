@@ -25,7 +25,8 @@ from pallas_kernels.measure.hbm_traffic import LABEL, all_cases, count, row  # n
 
 def markdown(rows: list[dict]) -> str:
     lines = [f"All \"counted\" bytes: {LABEL}; HBM<->VMEM copies with the minor dim padded "
-             "to 128 lanes as TPU tiles are (logical bytes in the JSON), HBM->SMEM logical. "
+             "to 128 lanes as TPU tiles are (logical bytes in the JSON), HBM->SMEM logical, an "
+             "HBM->HBM copy twice (read and written; in the total only). "
              "\"model\": the kernel module's traffic function at the same shapes and blocks (a "
              "model); its XLA side (work outside the pallas_call) is not a kernel copy and is "
              "subtracted before comparing. \"min\": the model's minimum (each input once, "
