@@ -128,9 +128,6 @@ def _parser() -> argparse.ArgumentParser:
                     "reference and the Pallas kernels.",
         epilog="run 'python -m dsa_jax run --help' for the flags and examples")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("tpu-bench", add_help=False,  # main() hands its arguments to tpu_bench
-                   help="time every kernel, the selection and the steps on a TPU "
-                        "(dsa_jax.measure.tpu_bench; 'tpu-bench --help' for its flags)")
     r = sub.add_parser("run", description=DESCRIPTION, epilog=EPILOG,
                        help="run the V3.2 or V4-Flash step on a synthetic batch and check it",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -194,6 +191,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--tp", type=positive_int, default=1, metavar="N",
                    help="model-axis size for --devices: MLA heads are split over it, so it "
                         "divides --devices and --heads (default 1)")
+    sub.add_parser("tpu-bench", add_help=False,  # main() hands its arguments to tpu_bench
+                   help="time every kernel, the selection and the steps on a TPU "
+                        "(dsa_jax.measure.tpu_bench; 'tpu-bench --help' for its flags)")
     return p
 
 

@@ -269,9 +269,9 @@ def _v4_step(decode: int):
             (inputs, params, caches, states, meta))
 
 
-def quick_kernel_cases() -> list[Case]:
-    """The ``gate_cases`` kernels at tiny decode shapes (2 sequences), interpreted: the
-    ``--allow-cpu`` plumbing check; no traffic model."""
+def quick_kernel_cases(interpret: bool = True) -> list[Case]:
+    """The ``gate_cases`` kernels at tiny decode shapes (2 sequences), in the Pallas interpreter
+    when ``interpret`` (the ``--allow-cpu`` plumbing check); no traffic model."""
     from pallas_kernels.indexer import compile_cases as icases
     from pallas_kernels.indexer.page import streamindex_page_topk
     from pallas_kernels.indexer.token import streamindex_topk
@@ -290,7 +290,7 @@ def quick_kernel_cases() -> list[Case]:
     for name, fn in (("streamindex_topk", functools.partial(streamindex_topk, k=32)),
                      ("streamindex_page_topk", functools.partial(streamindex_page_topk,
                                                                  k_pages=2))):
-        f = functools.partial(fn, pages_per_seq=ipps, one_token_per_seq=True, interpret=True)
+        f = functools.partial(fn, pages_per_seq=ipps, one_token_per_seq=True, interpret=interpret)
         out.append(Case("kernel", name, "decode 2x128 h4", lambda f=f: (f, fill_indexer(
             ispecs, rng))))
     for name, fn, sel, dt in (("sparse_mla", sparse_mla, 16, jnp.uint32),
@@ -298,7 +298,7 @@ def quick_kernel_cases() -> list[Case]:
         specs = mcases.batch_specs(rows=2, heads=4, dim=mcases.MLA_DIM, seqs=2, context=128,
                                    page_size=16, selected=sel, cache_dtype=dt)
         f = functools.partial(fn, sm_scale=mcases.MLA_SCALE, pages_per_seq=8,
-                              v_dim=mcases.MLA_V_DIM, interpret=True)
+                              v_dim=mcases.MLA_V_DIM, interpret=interpret)
         out.append(Case("kernel", name, "decode 2x128 h4", lambda f=f, specs=specs, n=name: (
             f, fill_mla(specs, rng, token=n == "sparse_mla"))))
     context = 2 * vcases.WINDOW
@@ -309,7 +309,7 @@ def quick_kernel_cases() -> list[Case]:
                 v4_attention, sm_scale=vcases.SCALE, window_size=vcases.WINDOW,
                 compress_ratio=ratio, window_pages_per_seq=context // vcases.PAGE,
                 compressed_pages_per_seq=-(-(context // ratio) // vcases.PAGE), fused=True,
-                interpret=True)
+                interpret=interpret)
             g = (lambda q, w, kv, cu, d, c, i, f=f: f(q, w, kv, cu, d, compressed=c,
                                                       compressed_indices=i))
             out.append(Case("kernel", f"v4_attention_fused_{fmt}",
@@ -320,15 +320,16 @@ def quick_kernel_cases() -> list[Case]:
     def comp(kv, score, ape, weight, cos, sin, skv, sscore, slots, kv_lens, cu, dist):
         return compress_step(kv, score, ape, weight, cos, sin,
                              vc.CompressorState(skv, sscore), slots, kv_lens, cu, dist,
-                             ratio=4, interpret=True)
+                             ratio=4, interpret=interpret)
     out.append(Case("kernel", "v4_compressor", "index d128 decode 2",
                     lambda: (comp, fill_compressor(specs, rng, ratio=4))))
     return out
 
 
-def cases(chip: str | None, quick: bool) -> list[Case]:
-    """Every row: kernels (``gate_cases(chip)``, or ``quick_kernel_cases``), selection, steps."""
-    kernels = quick_kernel_cases() if quick else gate_cases(chip)
+def cases(chip: str | None, quick: bool, interpret: bool = True) -> list[Case]:
+    """Every row: kernels (``gate_cases(chip)``, or ``quick_kernel_cases(interpret)``),
+    selection, steps."""
+    kernels = quick_kernel_cases(interpret) if quick else gate_cases(chip)
     sel = selection_cases((256, 1024), rows=8, k=64) if quick else selection_cases()
     return kernels + sel + step_cases(decode=2 if quick else 4)
 
@@ -400,10 +401,14 @@ def main(argv=None) -> int:
 
     kind = jax.devices()[0].device_kind
     chip = chips.of_kind(kind) if backend == "tpu" else None
+    if backend == "tpu" and chip is None:  # a TPU without a chips.py entry: the newest's blocks
+        chip = chips.NAMES[-1]
+        print(f"tpu-bench: {kind!r} is not in pallas_kernels.chips; blocks and models of "
+              f"{chip}", file=sys.stderr)
     quick = args.quick or backend != "tpu"
     only = set(filter(None, args.only.split(",")))
     rows = []
-    for case in cases(chip, quick):
+    for case in cases(chip, quick, interpret=backend != "tpu"):
         if not only or only & {case.group, case.name}:
             rows.append(time_case(case, args.iters, args.warmup))
             r = rows[-1]
