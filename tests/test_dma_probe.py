@@ -68,3 +68,13 @@ def test_mosaic_dma_forms_are_as_pinned(chip):
                for form in EXPECTED if not _matches(EXPECTED[form], got[form])]
     assert not changed, (f"libtpu {'.'.join(map(str, _libtpu()))} on {chip} changed what Mosaic "
                          "accepts:\n" + "\n".join(changed))
+
+
+def test_the_interpreters_on_a_dynamic_length_dma_are_as_pinned():
+    """Mosaic compiles a DMA of a traced number of rows; of the CPU interpreters only the TPU
+    one (``pltpu.InterpretParams``) runs it (and copies the right rows): a kernel using one
+    must be tested with it, not with ``interpret=True``."""
+    got = dma_probe.interpreter_facts()
+    assert got["run dynamic length, TPU interpreter"] == (True, ""), got
+    ok, msg = got["run dynamic length, interpret=True"]
+    assert not ok and msg.startswith("trace: TypeError: Shapes must be 1D sequences"), got

@@ -9,6 +9,8 @@ Every form is a small Pallas kernel reading rows of a ``u32[P, ps, 128]`` cache 
    inside a page (the run ends inside the page; the start is not a multiple of 8).
 3. ``run dynamic length``: ``pl.ds(start, n)`` with a traced ``n``; the result says where it is
    refused (``trace`` / ``lower`` / ``compile``) and the first line of the message.
+   ``run dynamic length, TPU interpreter`` / ``, interpret=True``: the same kernel interpreted
+   on the CPU (what interpret-mode tests would run; chip-independent), checked for its rows.
 4. ``flat run n``: the cache reshaped to ``u32[P * ps, 128]`` outside the kernel, then one DMA
    of ``n`` rows at the dynamic flat row ``page * ps + row``; the result also says whether the
    compiled program holds a ``copy`` of the whole cache (the reshape not being a bitcast), at
@@ -20,8 +22,9 @@ Every form is a small Pallas kernel reading rows of a ``u32[P, ps, 128]`` cache 
    ``buf.at[pl.ds(j, n, stride=4)]``.
 
 A form is ``(True, "")`` when it compiles, else ``(False, "<stage>: <first line>")``.
-``probe(chip)`` returns every form for ``chip`` (``tests/test_dma_probe.py`` pins today's
-outcome); ``python -m scripts.probes.dma_probe [--chips v5e,v6e,tpu7x]`` prints the table.
+``probe(chip)`` returns every compiled form for ``chip``, ``interpreter_facts()`` the interpreted
+ones (``tests/test_dma_probe.py`` pins today's outcome); ``python -m scripts.probes.dma_probe
+[--chips v5e,v6e,tpu7x]`` prints the table.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ def _stage_compile(fn, specs, chip: str):
         return None, f"{stage}: {_first_line(e)}"
 
 
-def _gather(kernel, cache_shape, buf_rows: int, *, flat: bool = False):
+def _gather(kernel, cache_shape, buf_rows: int, *, flat: bool = False, interpret=False):
     """``(fn, specs)``: ``pallas_call`` of ``kernel(tbl_smem, cache_hbm, out, buf, sem)`` with
     ``tbl`` i32[4] = (page, row, length, j); ``flat`` reshapes the cache to ``[P * ps, 128]``
     before the call (outside the kernel)."""
@@ -86,7 +89,8 @@ def _gather(kernel, cache_shape, buf_rows: int, *, flat: bool = False):
                 out_specs=pl.BlockSpec((8, LANES), lambda i, *_: (0, 0)),
                 scratch_shapes=[pltpu.VMEM((buf_rows, LANES), jnp.uint32),
                                 pltpu.SemaphoreType.DMA((1,))]),
-            out_shape=jax.ShapeDtypeStruct((8, LANES), jnp.uint32))(tbl, cache)
+            out_shape=jax.ShapeDtypeStruct((8, LANES), jnp.uint32),
+            interpret=interpret)(tbl, cache)
     return f, [jax.ShapeDtypeStruct((4,), jnp.int32),
                jax.ShapeDtypeStruct(cache_shape, jnp.uint32)]
 
@@ -116,6 +120,21 @@ def run_dma(chip: str, n: int, *, dynamic_len: bool = False) -> tuple[bool, str]
     compiled, err = _stage_compile(*_gather(kernel, (PAGES, PAGE_SIZE, LANES), _buf_rows(n)),
                                    chip)
     return compiled is not None, err
+
+
+def dynamic_length_interprets(tpu_interpreter: bool = True) -> tuple[bool, str]:
+    """Form 3 interpreted on the CPU (no chip), by the Pallas TPU interpreter
+    (``pltpu.InterpretParams()``) or by ``interpret=True``: does the kernel trace and run (rows
+    5:8 of page 2), and copy the right rows?"""
+    kernel = functools.partial(_run_kernel, n=8, dynamic_len=True)
+    f, _ = _gather(kernel, (4, 16, LANES), 8,
+                   interpret=pltpu.InterpretParams() if tpu_interpreter else True)
+    cache = jnp.arange(4 * 16 * LANES, dtype=jnp.uint32).reshape(4, 16, LANES)
+    try:
+        out = jax.jit(f)(jnp.asarray([2, 5, 3, 0], jnp.int32), cache)
+    except Exception as e:  # the interpreter's discharge rules raise several types
+        return False, f"trace: {_first_line(e)}"
+    return bool((out[:3] == 2 * cache[2, 5:8]).all()), ""
 
 
 def _copies_cache(compiled, page_size: int) -> bool:
@@ -203,3 +222,9 @@ def probe(chip: str) -> dict:
     got.update(probe_strided(chip))
     got["dma to strided vmem"] = dma_to_strided_vmem(chip)
     return got
+
+
+def interpreter_facts() -> dict:
+    """Form 3 interpreted on the CPU (chip-independent): ``{form: (ok, detail)}``."""
+    return {"run dynamic length, TPU interpreter": dynamic_length_interprets(),
+            "run dynamic length, interpret=True": dynamic_length_interprets(False)}

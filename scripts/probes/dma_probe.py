@@ -14,7 +14,7 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from pallas_kernels import chips  # noqa: E402
-from pallas_kernels.measure.dma_probe import probe  # noqa: E402
+from pallas_kernels.measure.dma_probe import interpreter_facts, probe  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -25,6 +25,8 @@ def main(argv=None) -> int:
     for chip in chips.parse(args.chips):
         for what, got in probe(chip).items():
             print(f"{chip:6s} {what}: {got}")
+    for what, got in interpreter_facts().items():
+        print(f"{'cpu':6s} {what}: {got}")
     return 0
 
 
