@@ -37,6 +37,9 @@ EXPECTED: dict[str, tuple[bool, object]] = {
     **{f"run {n}": (True, "") for n in dma_probe.RUNS},
     # a DMA of a traced number of rows compiles (Mosaic's memref<?x128> enqueue_dma)
     "run dynamic length": (True, ""),
+    # ... and into VMEM at a dynamic row (runs packed one after another in one buffer)
+    "run 8 to a dynamic vmem row": (True, ""),
+    "run dynamic length to a dynamic vmem row": (True, ""),
     # the [P * ps, 128] view is a bitcast when a page is whole (8, 128) tiles, else a copy
     "flat run 1": (True, False),
     "flat run 8": (True, False),

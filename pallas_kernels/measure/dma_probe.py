@@ -9,6 +9,8 @@ Every form is a small Pallas kernel reading rows of a ``u32[P, ps, 128]`` cache 
    inside a page (the run ends inside the page; the start is not a multiple of 8).
 3. ``run dynamic length``: ``pl.ds(start, n)`` with a traced ``n``; the result says where it is
    refused (``trace`` / ``lower`` / ``compile``) and the first line of the message.
+   ``run 8 / dynamic length to a dynamic vmem row``: forms 2 and 3 into VMEM at a dynamic row
+   (runs packed one after another in one buffer).
    ``run dynamic length, TPU interpreter`` / ``, interpret=True``: the same kernel interpreted
    on the CPU (what interpret-mode tests would run; chip-independent), checked for its rows.
 4. ``flat run n``: the cache reshaped to ``u32[P * ps, 128]`` outside the kernel, then one DMA
@@ -99,12 +101,12 @@ def _sum_rows(out_ref, buf):
     out_ref[...] = buf[0:8] + buf[buf.shape[0] - 8:]  # (Mosaic has no u32 reductions)
 
 
-def _run_kernel(tbl, cache, out_ref, buf, sem, *, n, dynamic_len=False, flat=0):
+def _run_kernel(tbl, cache, out_ref, buf, sem, *, n, dynamic_len=False, flat=0, dst_row=False):
     page, row = tbl[0], tbl[1]
     size = tbl[2] if dynamic_len else n
     src = (cache.at[pl.ds(page * flat + row, size)] if flat
            else cache.at[page, pl.ds(row, size)])
-    copy = pltpu.make_async_copy(src, buf.at[pl.ds(0, size)], sem.at[0])
+    copy = pltpu.make_async_copy(src, buf.at[pl.ds(tbl[3] if dst_row else 0, size)], sem.at[0])
     copy.start()
     copy.wait()
     _sum_rows(out_ref, buf)
@@ -114,11 +116,13 @@ def _buf_rows(n: int) -> int:
     return max(8, -(-n // 8) * 8)
 
 
-def run_dma(chip: str, n: int, *, dynamic_len: bool = False) -> tuple[bool, str]:
-    """Forms 1-3: one DMA of ``n`` rows at a dynamic (page, row) of ``u32[P, ps, 128]``."""
-    kernel = functools.partial(_run_kernel, n=n, dynamic_len=dynamic_len)
-    compiled, err = _stage_compile(*_gather(kernel, (PAGES, PAGE_SIZE, LANES), _buf_rows(n)),
-                                   chip)
+def run_dma(chip: str, n: int, *, dynamic_len: bool = False,
+            dst_row: bool = False) -> tuple[bool, str]:
+    """Forms 1-3: one DMA of ``n`` rows at a dynamic (page, row) of ``u32[P, ps, 128]`` into
+    VMEM rows ``[0, n)`` (``dst_row``: at a dynamic VMEM row, into a buffer of ``2 n`` rows)."""
+    kernel = functools.partial(_run_kernel, n=n, dynamic_len=dynamic_len, dst_row=dst_row)
+    rows = _buf_rows(2 * n if dst_row else n)
+    compiled, err = _stage_compile(*_gather(kernel, (PAGES, PAGE_SIZE, LANES), rows), chip)
     return compiled is not None, err
 
 
@@ -216,6 +220,9 @@ def probe(chip: str) -> dict:
     for n in RUNS:
         got[f"run {n}"] = run_dma(chip, n)
     got["run dynamic length"] = run_dma(chip, 8, dynamic_len=True)
+    got["run 8 to a dynamic vmem row"] = run_dma(chip, 8, dst_row=True)
+    got["run dynamic length to a dynamic vmem row"] = run_dma(chip, 8, dynamic_len=True,
+                                                              dst_row=True)
     for n in (1, 8):
         got[f"flat run {n}"] = flat_run_dma(chip, n)
     got[f"flat run 1, ps={ODD_PAGE_SIZE}"] = flat_run_dma(chip, 1, ODD_PAGE_SIZE)
