@@ -1,0 +1,88 @@
+"""The V4 step's window rows written by the fused attention kernel (``dsa_jax.v4_step`` on the
+Pallas backend, ``dsa_jax.v4_step_writes.attend_writing``; ``pallas_kernels.v4_attention.writes``)
+against the XLA scatter it replaces (``write_windows`` before the attention), bit for bit: one
+step's outputs and every window stack, packed bf16 words, f32 and fp8 MODEL1, in the strict
+interpreter. The batch mixes decode rows, a 3-row chunk and an 8-row prefill from position 0
+(fp8: rope rows shared by 3 and by 4 of the step's tokens), two padding rows outside every
+sequence, and NaN in every window slot the step writes (the writes must replace them) and in
+the fp8 rope quarters of tokens no row writes or reads."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from argparse import Namespace
+
+import jax
+import numpy as np
+import pytest
+
+from dsa_jax import v4_cli
+from dsa_jax.v4_step import v4_step_body
+from pallas_kernels.v4_attention import writes
+from reference.formats import model1
+
+pytestmark = pytest.mark.kernel_gate
+step_mod = importlib.import_module("dsa_jax.v4_step")  # the package exports the function
+
+Q_LENS, KV_LENS = [1, 3, 8], [40, 21, 8]
+
+
+def _batch(fmt: str):
+    """One synthetic step at tiny dims (``v4_cli.build``), window stacks in ``fmt``; NaN in
+    each slot a row of the step writes (fp8: its nope record; and the rope quarters of the
+    page positions past every sequence's length, never read)."""
+    args = Namespace(quick=True, context=256, prefill=8, heads=2, topk=16, layers=2,
+                     page_size=16)
+    rng = np.random.default_rng(7)
+    layout, inputs, params, caches, states, meta = v4_cli.build(
+        rng, v4_cli.sizes(args), Q_LENS, KV_LENS)
+    layout = dataclasses.replace(layout, window_cache_format=fmt, compressed_cache_format=fmt)
+    lay = layout.layout_for(0)
+    ps = layout.window_page_size
+    table, cu = np.asarray(meta.window_page_indices), np.asarray(meta.window_cu_lens)
+    fields = [f for f in caches._fields if f.endswith("_window") and getattr(caches, f) is not None]
+    out = {}
+    for f in fields:
+        x = np.array(getattr(caches, f))
+        for s, (ql, kv) in enumerate(zip(Q_LENS, KV_LENS, strict=True)):
+            for p in range(kv - ql, kv):
+                x[:, table[cu[s] // ps + p // ps], p % ps] = np.nan
+        cache = lay.to_cache(x, "window")
+        if fmt == "fp8":  # unread quarters of the last pages' rope rows: NaN bits
+            rope = np.array(cache.rope)
+            for s, kv in enumerate(KV_LENS):
+                pid = table[cu[s] // ps + (kv - 1) // ps]
+                quarter = rope[:, pid].view(np.uint32).reshape(rope.shape[0], -1, 4, 32)
+                for p in range(kv, -(-kv // ps) * ps):
+                    quarter[:, (p % ps) // 4, p % 4] = 0x7FC00000
+            cache = model1.Fp8V4Cache(cache.nope, rope)
+        out[f] = cache
+    for r, f in ((4, "csa_compressed"), (128, "hca_compressed")):  # one format per kernel
+        if getattr(caches, f) is not None:
+            out[f] = layout.layout_for(r).to_cache(np.asarray(getattr(caches, f)), "compressed")
+    return layout, inputs, params, caches._replace(**out), states, meta, fields
+
+
+def _run(batch, fused: bool, monkeypatch):
+    layout, inputs, params, caches, states, meta, _ = batch
+    monkeypatch.setattr(step_mod, "fuses_writes", lambda *a: fused)
+    fn = jax.jit(functools.partial(
+        v4_step_body, layout=layout, sm_scale=None, qat=False, exact=True, backend="pallas",
+        kernel_options=(("interpret", True),), precision="bf16"))
+    return fn(inputs, params, caches, states, meta)
+
+
+@pytest.mark.parametrize("fmt", ["packed", "fp8"])
+def test_fused_window_writes_equal_the_scatter_bit_for_bit(fmt, monkeypatch):
+    batch = _batch(fmt)
+    assert all(writes.writable(getattr(batch[3], f)) for f in batch[-1])
+    got, want = _run(batch, True, monkeypatch), _run(batch, False, monkeypatch)
+    np.testing.assert_array_equal(np.asarray(got.out), np.asarray(want.out))
+    assert not np.isnan(np.asarray(got.out)[:, :sum(Q_LENS)]).any()
+    for f in batch[-1]:
+        for a, b in zip(jax.tree.leaves(getattr(got.caches, f)),
+                        jax.tree.leaves(getattr(want.caches, f)), strict=True):
+            a, b = np.asarray(a), np.asarray(b)
+            assert a.tobytes() == b.tobytes(), f  # bits, NaN payloads included
