@@ -296,11 +296,10 @@ def _kernel(info_ref, wtab_ref, ctab_ref, layer_ref, q_ref, sink_ref, ent_hbm, *
     def _():
         if writes:  # this step's rows into the window cache, before any read
             row_writes.write_rows(
-                info_ref, wtab_ref, new_hbm, cache_out, esem.at[0], fmt=fmt,
-                base=num_rows * INFO_WORDS, info_words=INFO_WORDS, slot_word=_WSLOT0,
-                num_rows=num_rows,
+                info_ref, wtab_ref, new_hbm, cache_out, esem.at[0], base=num_rows * INFO_WORDS,
+                info_words=INFO_WORDS, slot_word=_WSLOT0, num_rows=num_rows,
                 w_page=walk_statics["w_page"], w_pages=walk_statics["w_pages"],
-                layer=walk_statics["layer"], layer_ok=walk_statics["layer_ok"])
+                layer=walk_statics["layer"], layer_ok=walk_statics["layer_ok"], fmt=fmt)
         start_row(0, 0)
 
     state[3] = 0
@@ -381,9 +380,9 @@ def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn
     m f32[T, H])`` or None (empty); ``return_state``: return the state ``(acc acc_dtype[T, H,
     512], l, m f32[T, H, 1])`` (``acc_dtype`` default q's) instead of (``q.dtype[T, H, 512]``,
     ``f32[T, H, 1]``). ``new_rows``: this step's rows encoded per window cache part
-    (``writes.row_parts``), which the kernel writes into the window cache first, ``info`` then
-    ending in their positions; the updated stacked window parts are returned last, aliased to
-    the inputs."""
+    (``writes.row_parts``; one part: the array alone, as the plane words once), which the
+    kernel writes into the window cache first, ``info`` then ending in their positions; the
+    updated stacked window parts are returned last, aliased to the inputs."""
     num_rows, heads, dim = q.shape
     listed = entries is not None
     ent = entries.astype(jnp.int32) if listed else jnp.zeros((num_rows, 1), jnp.int32)
@@ -405,7 +404,7 @@ def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn
                                                              row_block)
     any_spec, extra_ins, aliases = pl.BlockSpec(memory_space=pl.ANY), [], {}
     if new_rows is not None:  # the window parts (inputs 7 + state ..) become the last outputs
-        extra_ins = list(new_rows)
+        extra_ins = list(new_rows) if isinstance(new_rows, (tuple, list)) else [new_rows]
         aliases = {7 + len(state_ins) + i: len(out_shape) + i for i in range(len(w_parts))}
         out_shape = out_shape + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in w_parts]
         out_specs = out_specs + [any_spec] * len(w_parts)

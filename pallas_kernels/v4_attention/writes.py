@@ -168,14 +168,17 @@ def updated_cache(cache, parts, given):
     return out
 
 
-def write_rows(info_ref, wtab_ref, new_refs, cache_outs, sem, *, fmt: str, base: int,
-               info_words: int, slot_word: int, num_rows: int, w_page: int, w_pages: int,
-               layer, layer_ok):
+def write_rows(info_ref, wtab_ref, new_hbm, cache_out, sem, *, base: int, info_words: int,
+               slot_word: int, num_rows: int, w_page: int, w_pages: int, layer, layer_ok,
+               fmt: str = "plane"):
     """Kernel side (grid step 0): for each cache part ``i`` (``part_rows(fmt)[i] = (n,
-    per_row)``), DMA each written token's ``n`` rows ``new_refs[i][n r : n r + n]`` into
-    ``cache_outs[i][layer, pid, n (off // per_row) ...]`` and wait for all. ``info_ref[base + i
-    T + r]`` is token ``r``'s position for part ``i`` (``row_parts``; ``-1``: none),
-    ``info_ref[r * info_words + slot_word]`` its sequence's first window page slot."""
+    per_row)``), DMA each written token's ``n`` rows ``new_hbm[i][n r : n r + n]`` into
+    ``cache_out[i][layer, pid, n (off // per_row) ...]`` and wait for all (one part: the refs
+    themselves or 1-tuples). ``info_ref[base + i T + r]`` is token ``r``'s position for part
+    ``i`` (``row_parts``; ``-1``: none), ``info_ref[r * info_words + slot_word]`` its
+    sequence's first window page slot."""
+    one = not isinstance(new_hbm, (tuple, list))
+    new_refs, cache_outs = ((new_hbm,), (cache_out,)) if one else (new_hbm, cache_out)
     issued = []
     for i, (n, per_row) in enumerate(part_rows(fmt)):
         src, dst = new_refs[i], cache_outs[i]
