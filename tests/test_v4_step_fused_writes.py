@@ -15,13 +15,17 @@ import importlib
 from argparse import Namespace
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dsa_jax import v4_cli
 from dsa_jax.v4_step import v4_step_body
-from pallas_kernels.v4_attention import writes
+from pallas_kernels import chips, xla_cost
+from pallas_kernels.v4_attention import compile_cases, writes
+from pallas_kernels.v4_attention.state import v4_attention_state
 from reference.formats import model1
+from reference.v4_attention import PagedKV
 
 pytestmark = pytest.mark.kernel_gate
 step_mod = importlib.import_module("dsa_jax.v4_step")  # the package exports the function
@@ -86,3 +90,33 @@ def test_fused_window_writes_equal_the_scatter_bit_for_bit(fmt, monkeypatch):
                         jax.tree.leaves(getattr(want.caches, f)), strict=True):
             a, b = np.asarray(a), np.asarray(b)
             assert a.tobytes() == b.tobytes(), f  # bits, NaN payloads included
+
+
+@pytest.mark.parametrize("fmt", ["packed", "f32", "fp8"])
+def test_the_writing_kernel_compiles_in_place(fmt):
+    """``v4_attention_state(new_kv=...)`` on a packed, f32 or fp8 MODEL1 window cache, donated,
+    AOT for the default chip at a small decode shape: Mosaic takes the HBM -> HBM row DMAs
+    (fp8: the nope record and the whole rope row), XLA neither copies a cache part nor
+    scatters into one (the rows move by the kernel's DMAs only)."""
+    q, window, kv, cu, d, _, _ = compile_cases.specs(rows=8, context=1024, heads=8, ratio=0,
+                                                     k=None, fmt=fmt)
+
+    leaves, tree = jax.tree.flatten(window.cache)  # the parts apart, to donate
+
+    def fn(q, table, w_cu, kv, cu, d, new_kv, *parts):
+        return v4_attention_state(
+            q, PagedKV(jax.tree.unflatten(tree, parts), table, w_cu), kv, cu, d,
+            sm_scale=compile_cases.SCALE, window_size=compile_cases.WINDOW, compress_ratio=0,
+            window_pages_per_seq=1024 // compile_cases.PAGE, new_kv=new_kv)
+
+    new_kv = jax.ShapeDtypeStruct((q.shape[0], 512), jnp.bfloat16)
+    compiled = xla_cost.compile_program(
+        fn, [q, *window[1:], kv, cu, d, new_kv, *leaves], chips.DEFAULT,
+        donate_argnums=tuple(range(7, 7 + len(leaves))), case=f"v4_writes_{fmt}")
+    cost = xla_cost.analyze(compiled)
+    assert len(cost.kernels) == 1 and not cost.has_loop
+    sizes = {int(np.prod(x.shape)) for x in leaves}
+    big = xla_cost.parse_large_results(compiled.as_text(), 1 << 20)
+    assert not [x for x in big if x.opcode.startswith(("copy", "scatter", "fusion"))
+                and int(np.prod(xla_cost.dims(xla_cost.strip_layout(x.shape).lstrip("(")
+                                               .split("]")[0] + "]"))) in sizes], big
