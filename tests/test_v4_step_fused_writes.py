@@ -120,3 +120,31 @@ def test_the_writing_kernel_compiles_in_place(fmt):
     assert not [x for x in big if x.opcode.startswith(("copy", "scatter", "fusion"))
                 and int(np.prod(xla_cost.dims(xla_cost.strip_layout(x.shape).lstrip("(")
                                                .split("]")[0] + "]"))) in sizes], big
+
+
+def test_f32_rows_written_at_a_layer_of_a_stack_equal_the_scatter():
+    """An f32 window stack ``[2, P, 16, 512]`` written at layer 1 by the kernel (strict
+    interpreter; a decode row, a 3-row chunk, a padding row) equals the rows stored by the
+    XLA scatter, layer 0 untouched, and the output equals the call on the scattered stack."""
+    rng = np.random.default_rng(3)
+    ps, pps, kv_lens, q_lens = 16, 4, [20, 5], [1, 3]
+    table = rng.permutation(2 * pps + 1)[:2 * pps].astype(np.int32)
+    cache = rng.standard_normal((2, 2 * pps + 1, ps, 512)).astype(np.float32)
+    rows = rng.standard_normal((sum(q_lens) + 1, 512)).astype(np.float32)
+    want = cache.copy()
+    for s, (kv, ql) in enumerate(zip(kv_lens, q_lens, strict=True)):
+        for j, p in enumerate(range(kv - ql, kv)):
+            r = sum(q_lens[:s]) + j
+            want[1, table[s * pps + p // ps], p % ps] = rows[r]
+            cache[1, table[s * pps + p // ps], p % ps] = np.nan  # the write must replace it
+    q = jnp.asarray(rng.standard_normal((len(rows), 4, 512)), jnp.float32)
+    args = (jnp.asarray(kv_lens, jnp.int32), jnp.asarray([0, 1, 4], jnp.int32),
+            jnp.asarray([1, 2, 2], jnp.int32))
+    kw = dict(sm_scale=0.05, window_size=16, compress_ratio=0, window_pages_per_seq=pps,
+              layer=1, interpret=True, block=8)
+    cu = jnp.asarray([0, pps * ps, 2 * pps * ps], jnp.int32)
+    out, got = v4_attention_state(q, PagedKV(jnp.asarray(cache), table, cu), *args,
+                                  new_kv=jnp.asarray(rows), **kw)
+    ref = v4_attention_state(q, PagedKV(jnp.asarray(want), table, cu), *args, **kw)
+    assert np.asarray(got).tobytes() == want.tobytes()
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
