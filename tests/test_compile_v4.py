@@ -207,7 +207,7 @@ def test_fp8_v4_step_compiles_in_place_without_per_element_glue():
     BENCHMARKS.md "The DeepSeek-V4 step")."""
     mod = _v4_step_cost_script()
     fmts = dict(window_format="fp8", compressed_format="fp8", index_format="fp8")
-    fn, specs, donate, rows, _ = mod.program(4, 8, 2048, fmts)
+    fn, specs, donate, rows, layout = mod.program(4, 8, 2048, fmts)
     compiled = xla_cost.compile_program(fn, specs, chips.DEFAULT, donate_argnums=donate,
                                         case="v4_step_fp8")
     cost = xla_cost.analyze(compiled)
@@ -223,3 +223,25 @@ def test_fp8_v4_step_compiles_in_place_without_per_element_glue():
     assert len(caches) == 2 * 5 + 1  # 3 window + 2 compressed MODEL1 caches, the index keys
     copies = _hbm_copies(compiled.as_text(), {math.prod(x.shape) for x in caches})
     assert not copies, copies
+    # the window rows are written by the attention kernels (pallas_kernels.v4_attention.writes):
+    # no XLA scatter into a window cache part
+    pages = rows * layout.window_pages_per_seq + 1
+    assert not window_scatters(cost, [specs[i] for i in donate], pages)
+
+
+def window_scatters(cost, donated, window_pages: int) -> list[str]:
+    """The XLA scatters of a compiled V4 step whose operand is a window cache part: a donated
+    u32 ``[Lx, P, rows, 128]`` array with the window cache's ``P`` pages (``v4_cli.build``'s
+    tables: one spare page; the compressed caches have fewer), or its ``[Lx * P, rows, 128]``
+    view (the MODEL1 writer's): same element count and minor dims."""
+    parts = {(math.prod(x.shape), tuple(x.shape[2:])) for x in donated
+             if x.dtype == np.uint32 and len(x.shape) == 4 and x.shape[1] == window_pages}
+    assert len(parts) == 4  # nope and rope of the [2, ...] SWA and [1, ...] CSA / HCA stacks
+
+    def key(shape: str):
+        d = xla_cost.dims(xla_cost.strip_layout(shape).lstrip("(").split("]")[0] + "]")
+        return math.prod(d), tuple(d[-2:])
+
+    return [op.describe() for op in cost.indexed_ops if op.kind == "scatter"
+            and op.operand_shapes[0].lstrip("(").startswith("u32")
+            and key(op.operand_shapes[0]) in parts]
