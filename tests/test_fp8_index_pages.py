@@ -206,10 +206,10 @@ def test_scores_equal_the_fp8_cache_path():
 
 
 def test_topk_bytes_and_dmas_equal_the_model():
-    """Compressed decode (ratio 4) plus a short prefill, under the interpreter's counter: the
-    top-k is the fp8 cache path's; the counted bytes (lane padded) equal the model's, and the
-    counted DMAs too: one per fetched page and one per score row (the fp8 cache: one more per
-    page, its scale row)."""
+    """Compressed decode (ratio 4) plus a short prefill, under the interpreter's counter, the
+    pages read in place from layer 1 of a stack: the top-k is the fp8 cache path's; the counted
+    bytes (lane padded) equal the model's, and the counted DMAs too: one per fetched page and
+    one per score row (the fp8 cache: one more per page, its scale row)."""
     ratio, q_lens, seq_lens = 4, [1, 1, 3], [380, 17, 200]
     qw, cache, pages, meta = make_case(np.random.default_rng(), q_lens=q_lens,
                                        seq_lens=seq_lens, ratio=ratio, pad_row=False)
@@ -218,8 +218,9 @@ def test_topk_bytes_and_dmas_equal_the_model():
     run = dict(k=8, pages_per_seq=PPS, block_rows=blocks.block_rows,
                block_pages=blocks.block_pages, exact=True, compression_ratio=ratio,
                interpret=pltpu.InterpretParams(dma_execution_mode="eager"))
+    stack = jnp.stack([jnp.full_like(pages, NAN), pages])  # layer 0 all NaN: never read
     with counter.count_hbm_traffic() as mine:
-        got = np.asarray(streamindex_topk_fp8_pages(*qw, pages, *meta, **run))
+        got = np.asarray(streamindex_topk_fp8_pages(*qw, stack, *meta, **run, layer=1))
     with counter.count_hbm_traffic() as theirs:
         want = np.asarray(token.streamindex_topk(*qw, cache, *meta, **run))
     np.testing.assert_array_equal(got, want)
@@ -233,6 +234,20 @@ def test_topk_bytes_and_dmas_equal_the_model():
     assert theirs.bytes(lane_padded=True) == model.bytes_moved  # the same bytes
     page_dmas = mine.count("hbm", "vmem", kind="dma")
     assert theirs.count("hbm", "vmem", kind="dma") == 2 * page_dmas > 0
+
+
+def test_entry_refusals_name_the_numbers():
+    """Refused before any kernel runs: a layer outside the stack, pages that are not bytes, a
+    page size the Fp8IndexCache checks refuse (not a multiple of 32)."""
+    qw, _, pages, meta = make_case(np.random.default_rng(), q_lens=[1], seq_lens=[8])
+    kw = dict(k=2, pages_per_seq=PPS, interpret=True)
+    with pytest.raises(ValueError, match=r"layer=2 is outside \[0, 2\)"):
+        streamindex_topk_fp8_pages(*qw, jnp.stack([pages, pages]), *meta, **kw, layer=2)
+    with pytest.raises(TypeError, match="uint8"):
+        streamindex_topk_fp8_pages(*qw, pages.astype(jnp.int8), *meta, **kw)
+    small = fip.quantize_index_pages(jnp.zeros((NUM_PAGES, 16, D)))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        streamindex_topk_fp8_pages(*qw, small, *meta, **kw)
 
 
 # ------------------------------------------------------------------------------- AOT gate

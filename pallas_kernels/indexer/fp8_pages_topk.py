@@ -10,6 +10,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import aot
 from pallas_kernels.indexer import fp8_pages
@@ -52,7 +53,21 @@ _STATICS = ("k", "pages_per_seq", "one_token_per_seq", "num_segments", "fill",
             "compression_ratio")
 
 
-@stacked.checks_layer(cache_pos=2)
+def _checks_layer(fn):
+    """``reference.formats.stacked.checks_layer`` for pages: a Python-int ``layer=`` is checked
+    against the stack (``u8[L, P, G, 4, 128]``) before tracing; jit's attributes stay
+    reachable (``lower``...)."""
+    @functools.wraps(fn)
+    def call(q, weights, cache_kv, *args, layer=None, **kwargs):
+        if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool):
+            stacked.resolve("cache_kv", fp8_pages.wrap(cache_kv), int(layer))
+        return fn(q, weights, cache_kv, *args, layer=layer, **kwargs)
+
+    call.lower = fn.lower
+    return call
+
+
+@_checks_layer
 @functools.partial(jax.jit, static_argnames=_STATICS)
 def streamindex_topk_fp8_pages(q: jax.Array, weights: jax.Array, cache_kv: jax.Array,
                                seq_lens: jax.Array, page_indices: jax.Array,
