@@ -157,14 +157,14 @@ H, PS, PPS, NUM_PAGES = 2, 32, 4, 12  # capacity 128: whole lanes (the model's s
 NAN = 0xFF  # e4m3fn NaN code; 0xFFFFFFFF: an f32 NaN scale
 
 
-def make_case(rng, *, q_lens, seq_lens, ratio=1, pad_row=True):
+def make_case(rng, *, q_lens, seq_lens, ratio=1, pad_row=True, scale_fmt="ue8m0"):
     """Indexer arguments with both caches (``Fp8IndexCache``, the same bytes as pages): every
     slot no row may read (unused pages, slots past a sequence's entries) holds NaN codes and a
     NaN scale; a padding sequence and (``pad_row``) a padding row (NaN q) at the end."""
     table = np.full((len(q_lens) + 1) * PPS, 10 ** 6, np.int32)
     perm = rng.permutation(NUM_PAGES)
     keys = rng.standard_normal((NUM_PAGES, PS, D)) * np.exp(rng.uniform(-3, 3, (NUM_PAGES, PS, 1)))
-    cache = fp8_cache.quantize_index_cache(jnp.asarray(keys, jnp.float32))
+    cache = fp8_cache.quantize_index_cache(jnp.asarray(keys, jnp.float32), scale_fmt=scale_fmt)
     k8 = np.asarray(cache.keys).view(np.uint8).copy()
     sc = np.asarray(cache.scales).view(np.uint32).copy()
     used = np.zeros((NUM_PAGES, PS), bool)
@@ -212,7 +212,8 @@ def test_topk_bytes_and_dmas_equal_the_model():
     one per score row (the fp8 cache: one more per page, its scale row)."""
     ratio, q_lens, seq_lens = 4, [1, 1, 3], [380, 17, 200]
     qw, cache, pages, meta = make_case(np.random.default_rng(), q_lens=q_lens,
-                                       seq_lens=seq_lens, ratio=ratio, pad_row=False)
+                                       seq_lens=seq_lens, ratio=ratio, pad_row=False,
+                                       scale_fmt=None)  # f32 scales, not powers of two
     blocks = resolve_blocks(None, block_rows=4, block_pages=2, chip=None,
                             one_token_per_seq=False, pages_per_seq=PPS)
     run = dict(k=8, pages_per_seq=PPS, block_rows=blocks.block_rows,
@@ -256,30 +257,37 @@ GATE_ROWS, GATE_TOKENS, GATE_RATIO, GATE_K, GATE_HEADS, GATE_PAGE = 64, 8192, 4,
 
 
 def _gate_fn(q, w, pages, seq_lens, table, cu_q, cu_kv, dist):
+    pps = table.shape[0] // seq_lens.shape[0]
     return streamindex_topk_fp8_pages(q, w, pages, seq_lens, table, cu_q, cu_kv, dist,
-                                      k=GATE_K, pages_per_seq=table.shape[0] // seq_lens.shape[0],
-                                      one_token_per_seq=True, compression_ratio=GATE_RATIO,
-                                      chip=_gate_fn.chip)
+                                      k=_gate_fn.k, pages_per_seq=pps, one_token_per_seq=True,
+                                      compression_ratio=_gate_fn.ratio, chip=_gate_fn.chip)
+
+
+def _gate_specs(tokens: int, ratio: int, q_dtype) -> list:
+    pps = tokens // ratio // GATE_PAGE
+    num_pages = GATE_ROWS * pps
+    i32 = jnp.int32
+    return [jax.ShapeDtypeStruct((GATE_ROWS, GATE_HEADS, D), q_dtype),
+            jax.ShapeDtypeStruct((GATE_ROWS, GATE_HEADS), jnp.float32),
+            jax.ShapeDtypeStruct((num_pages, *fp8_pages.page_shape(GATE_PAGE)), jnp.uint8),
+            jax.ShapeDtypeStruct((GATE_ROWS,), i32),
+            jax.ShapeDtypeStruct((GATE_ROWS * pps,), i32),
+            jax.ShapeDtypeStruct((GATE_ROWS + 1,), i32),
+            jax.ShapeDtypeStruct((GATE_ROWS + 1,), i32), jax.ShapeDtypeStruct((3,), i32)]
 
 
 @pytest.mark.kernel_gate
 def test_compiles_on_every_chip_without_a_cache_copy():
-    """V4-Flash decode (64 rows x 8192 tokens, 2048 entries in pages of 64): compiles for each
-    chip, the cache read in place (no cache-sized op in the HLO but its parameter)."""
-    pps = GATE_TOKENS // GATE_RATIO // GATE_PAGE
-    num_pages = GATE_ROWS * pps
-    i32 = jnp.int32
-    specs = [jax.ShapeDtypeStruct((GATE_ROWS, GATE_HEADS, D), jnp.bfloat16),
-             jax.ShapeDtypeStruct((GATE_ROWS, GATE_HEADS), jnp.float32),
-             jax.ShapeDtypeStruct((num_pages, *fp8_pages.page_shape(GATE_PAGE)), jnp.uint8),
-             jax.ShapeDtypeStruct((GATE_ROWS,), i32),
-             jax.ShapeDtypeStruct((GATE_ROWS * pps,), i32),
-             jax.ShapeDtypeStruct((GATE_ROWS + 1,), i32),
-             jax.ShapeDtypeStruct((GATE_ROWS + 1,), i32), jax.ShapeDtypeStruct((3,), i32)]
-    dims = ",".join(str(d) for d in specs[2].shape)
-    cache_sized = re.compile(r"=\s*\(?u8\[(1,)?" + dims + r"\]")
-    for chip in chips.NAMES:
-        _gate_fn.chip = chip
+    """V4-Flash decode (64 rows x 8192 tokens, 2048 entries in pages of 64, k = 512): compiles
+    for each chip, the cache read in place (no cache-sized op in the HLO but its parameter);
+    and V3.2's decode (64 x 4096, k = 2048) with an fp8 q on the newest chip (its fp8 MXU)."""
+    cases = [(chip, GATE_TOKENS, GATE_RATIO, GATE_K, jnp.bfloat16) for chip in chips.NAMES]
+    cases.append((chips.NEWEST, 4096, 1, 2048, fp8.FP8_DTYPE))
+    for chip, tokens, ratio, k, q_dtype in cases:
+        specs = _gate_specs(tokens, ratio, q_dtype)
+        dims = ",".join(str(d) for d in specs[2].shape)
+        cache_sized = re.compile(r"=\s*\(?u8\[(1,)?" + dims + r"\]")
+        _gate_fn.chip, _gate_fn.ratio, _gate_fn.k = chip, ratio, k
         text = aot.aot_compile(_gate_fn, specs, chip, "fp8 index pages decode").as_text()
         producers = [ln for ln in text.splitlines() if cache_sized.search(ln)
                      and not re.search(r"\b(parameter|bitcast)\(", ln)]
