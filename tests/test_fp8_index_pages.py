@@ -206,29 +206,29 @@ def test_scores_equal_the_fp8_cache_path():
 
 
 def test_topk_bytes_and_dmas_equal_the_model():
-    """Compressed decode (ratio 4) plus a short prefill, under the interpreter's counter, the
+    """Compressed decode (ratio 4, one row per sequence) under the interpreter's counter, the
     pages read in place from layer 1 of a stack: the top-k is the fp8 cache path's; the counted
     bytes (lane padded) equal the model's, and the counted DMAs too: one per fetched page and
     one per score row (the fp8 cache: one more per page, its scale row)."""
-    ratio, q_lens, seq_lens = 4, [1, 1, 3], [380, 17, 200]
+    ratio, q_lens, seq_lens = 4, [1, 1, 1], [380, 17, 200]
     qw, cache, pages, meta = make_case(np.random.default_rng(), q_lens=q_lens,
-                                       seq_lens=seq_lens, ratio=ratio, pad_row=False,
+                                       seq_lens=seq_lens, ratio=ratio,
                                        scale_fmt=None)  # f32 scales, not powers of two
-    blocks = resolve_blocks(None, block_rows=4, block_pages=2, chip=None,
-                            one_token_per_seq=False, pages_per_seq=PPS)
+    blocks = resolve_blocks(None, block_rows=1, block_pages=2, chip=None,
+                            one_token_per_seq=True, pages_per_seq=PPS)
     run = dict(k=8, pages_per_seq=PPS, block_rows=blocks.block_rows,
                block_pages=blocks.block_pages, exact=True, compression_ratio=ratio,
-               interpret=pltpu.InterpretParams(dma_execution_mode="eager"))
+               one_token_per_seq=True, interpret=pltpu.InterpretParams(dma_execution_mode="eager"))
     stack = jnp.stack([jnp.full_like(pages, NAN), pages])  # layer 0 all NaN: never read
     with counter.count_hbm_traffic() as mine:
         got = np.asarray(streamindex_topk_fp8_pages(*qw, stack, *meta, **run, layer=1))
     with counter.count_hbm_traffic() as theirs:
         want = np.asarray(token.streamindex_topk(*qw, cache, *meta, **run))
     np.testing.assert_array_equal(got, want)
-    assert (got[:, 0] >= 0).all()
-    model, dmas = traffic(q_lens + [0], seq_lens + [5], heads=H, page_size=PS,
+    assert (got[:-1, 0] >= 0).all() and (got[-1] == -1).all()
+    model, dmas = traffic(q_lens, seq_lens, heads=H, page_size=PS,  # the active sequences
                           pages_per_seq=PPS, q_itemsize=2, blocks=blocks,
-                          one_token_per_seq=False, compression_ratio=ratio)
+                          one_token_per_seq=True, compression_ratio=ratio)
     assert mine.dmas_unexecuted == 0
     assert mine.bytes(lane_padded=True) == model.bytes_moved
     assert mine.count(kind="dma") == dmas
