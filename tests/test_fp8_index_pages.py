@@ -208,8 +208,9 @@ def test_scores_equal_the_fp8_cache_path():
 def test_topk_bytes_and_dmas_equal_the_model():
     """Compressed decode (ratio 4, one row per sequence) under the interpreter's counter, the
     pages read in place from layer 1 of a stack: the top-k is the fp8 cache path's; the counted
-    bytes (lane padded) equal the model's, and the counted DMAs too: one per fetched page and
-    one per score row (the fp8 cache: one more per page, its scale row)."""
+    bytes (lane padded) equal the model's, and the counted descriptors too: one DMA per fetched
+    page, one per score row, the q and weight blocks (the fp8 cache: one more per page, its
+    scale row)."""
     ratio, q_lens, seq_lens = 4, [1, 1, 1], [380, 17, 200]
     qw, cache, pages, meta = make_case(np.random.default_rng(), q_lens=q_lens,
                                        seq_lens=seq_lens, ratio=ratio,
@@ -226,15 +227,16 @@ def test_topk_bytes_and_dmas_equal_the_model():
         want = np.asarray(token.streamindex_topk(*qw, cache, *meta, **run))
     np.testing.assert_array_equal(got, want)
     assert (got[:-1, 0] >= 0).all() and (got[-1] == -1).all()
-    model, dmas = traffic(q_lens, seq_lens, heads=H, page_size=PS,  # the active sequences
+    model = traffic(q_lens, seq_lens, heads=H, page_size=PS,  # the active sequences
                           pages_per_seq=PPS, q_itemsize=2, blocks=blocks,
                           one_token_per_seq=True, compression_ratio=ratio)
     assert mine.dmas_unexecuted == 0
     assert mine.bytes(lane_padded=True) == model.bytes_moved
-    assert mine.count(kind="dma") == dmas
+    assert mine.descriptors == model.dmas
     assert theirs.bytes(lane_padded=True) == model.bytes_moved  # the same bytes
     page_dmas = mine.count("hbm", "vmem", kind="dma")
     assert theirs.count("hbm", "vmem", kind="dma") == 2 * page_dmas > 0
+    assert theirs.descriptors == model.dmas + page_dmas
 
 
 def test_entry_refusals_name_the_numbers():

@@ -6,6 +6,7 @@ same order (``fp8_pages``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -147,19 +148,18 @@ def streamindex_scores_fp8_pages(q, weights, cache_kv, seq_lens, page_indices, c
 
 def traffic(q_lens, kv_lens, *, heads: int, page_size: int, pages_per_seq: int,
             q_itemsize: int, blocks: IndexerBlocks, one_token_per_seq: bool,
-            chunk_bytes: int = SCORE_CHUNK_BYTES,
-            compression_ratio: int = 1) -> tuple[aot.Traffic, int]:
-    """``(traffic, dmas)`` of ``streamindex_topk_fp8_pages``' score kernel for a batch of
-    sequences ``(q_lens[i], kv_lens[i])`` (tokens; ``page_size`` in entries).
+            chunk_bytes: int = SCORE_CHUNK_BYTES, compression_ratio: int = 1) -> aot.Traffic:
+    """HBM bytes, MXU flops, VMEM and DMA descriptors of ``streamindex_topk_fp8_pages``' score
+    kernel for a batch of sequences ``(q_lens[i], kv_lens[i])`` (tokens; ``page_size`` in
+    entries): ``indexer.traffic.traffic``'s fp8-cache model, but one DMA per fetched page.
 
-    Bytes: ``indexer.traffic.traffic``'s fp8-cache model (a fetched page moves ``ps * 128`` key
-    bytes and ``4 * scale_lanes(ps)`` scale bytes: the same, since ``page_groups(ps) * 512 = ps *
-    128 + 4 * scale_lanes(ps)``). DMAs (manual descriptors): one per fetched page (the
-    ``Fp8IndexCache``: two) plus one per score row an item writes; q and the weight column
-    move as pipeline blocks (in ``bytes_moved``, not here)."""
-    dim = fp8.INDEX_HEAD_DIM
-    model = itraffic.traffic(q_lens, kv_lens, heads=heads, dim=dim, page_size=page_size,
-                             pages_per_seq=pages_per_seq, key_itemsize=1,
+    Bytes are the fp8 cache's: a fetched page moves ``page_groups(ps) * 512 = ps * 128 + 4 *
+    scale_lanes(ps)`` bytes, its keys and scale rows in one DMA (the ``Fp8IndexCache``: the same
+    bytes in two). ``dmas``: the fp8 model's descriptors less one per fetched page (its scale
+    row's own DMA): per decode row ``pages needed + 1 + 2`` (pages, the score row, the q block
+    and weight column)."""
+    model = itraffic.traffic(q_lens, kv_lens, heads=heads, dim=fp8.INDEX_HEAD_DIM,
+                             page_size=page_size, pages_per_seq=pages_per_seq, key_itemsize=1,
                              q_itemsize=q_itemsize, blocks=blocks, page_mode=False,
                              one_token_per_seq=one_token_per_seq, chunk_bytes=chunk_bytes,
                              scale_lanes=fp8_cache.scale_lanes(page_size),
@@ -168,11 +168,11 @@ def traffic(q_lens, kv_lens, *, heads: int, page_size: int, pages_per_seq: int,
     cap = pages_per_seq * page_size
     c = chunk_rows(total, cap, blocks.block_rows, chunk_bytes)
     ladder = row_ladder(blocks.block_rows, c, one_token_per_seq)
-    dmas = 0
+    pages = 0
     for row0 in sorted({min(i * c, total - c) for i in range(-(-total // c))}):
         for items in itraffic.replay_items(q_lens, kv_lens, row0=row0, rows=c,
                                            total_rows=total, ladder=ladder,
                                            page_size=page_size, capacity=cap,
                                            compression_ratio=compression_ratio):
-            dmas += sum(pages + n for _, n, pages in items)
-    return model, dmas
+            pages += sum(p for _, _, p in items)
+    return dataclasses.replace(model, dmas=model.dmas - pages)
