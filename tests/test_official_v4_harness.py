@@ -78,3 +78,13 @@ def test_sparse_attn_meets_a_float64_softmax_with_the_sink():
         e = np.exp(s - mx)
         want = e @ keys / (e.sum(-1, keepdims=True) + np.exp(sink.double().numpy()[:, None] - mx))
         np.testing.assert_allclose(got[0, r], want, atol=2e-2 * np.abs(want).max())
+
+
+def test_cuda_topk_takes_the_lowest_indices_among_ties_and_restores_torch():
+    x = torch.tensor([[1.0, 3, 3, 0, 3, -float("inf"), 3], [0, 0, 0, 0, 2, 0, 0]]).bfloat16()
+    saved = torch.Tensor.topk
+    with kc.cuda_topk():
+        values, idx = x.topk(3, dim=-1)
+    assert torch.Tensor.topk is saved
+    np.testing.assert_array_equal(idx.numpy(), [[1, 2, 4], [4, 0, 1]])
+    np.testing.assert_array_equal(values.float().numpy(), [[3, 3, 3], [2, 0, 0]])

@@ -24,17 +24,23 @@ What the attention layer needs in the ``args.dtype = "bf16"`` path is real here:
   function): the Sylvester (natural order) Walsh-Hadamard butterflies in f32, times ``scale``,
   rounded once to the input dtype.
 
+``cuda_topk()`` (a context manager) swaps ``torch.Tensor.topk`` for the CUDA kernel's selection
+rule (``TensorTopK.cu::gatherTopK``: among values tied at the k-th, the lowest indices win;
+then sorted by value), so the official indexer run on CPU selects what it selects on a GPU
+(torch's CPU ``topk`` breaks ties by libstdc++'s partial sort, not by index: the notes' D4).
+
 ``fp8_gemm``, ``fp4_gemm`` and ``hc_split_sinkhorn`` (the fp8 / fp4 Linears and the
 hyper-connections, unused by ``Attention`` in the bf16 path) raise ``NotImplementedError``."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
 
 import torch
 
-__all__ = ["FP4_GRID", "SPARSE_ATTN_BLOCK", "act_quant", "fp4_act_quant", "fp4_round",
+__all__ = ["FP4_GRID", "SPARSE_ATTN_BLOCK", "act_quant", "cuda_topk", "fp4_act_quant", "fp4_round",
            "fp8_gemm", "fp4_gemm", "hadamard_transform", "hc_split_sinkhorn", "install",
            "pow2_ceil", "sparse_attn"]
 
@@ -149,6 +155,24 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor,
         m_run = m_new
     sum_exp = sum_exp + torch.exp(attn_sink.to(torch.float32) - m_run)
     return (acc_o / sum_exp[..., None]).to(torch.bfloat16)
+
+
+def _topk_lowest_index_first(x, k, dim=-1, largest=True, sorted=True):  # noqa: A002
+    """``torch.topk`` with the CUDA tie rule: a stable sort (equal values keep index order),
+    the first ``k``."""
+    values, indices = torch.sort(x, dim=dim, descending=largest, stable=True)
+    return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+
+@contextlib.contextmanager
+def cuda_topk():
+    """Within the block, ``Tensor.topk`` selects as the CUDA kernel does (module docstring)."""
+    saved = torch.Tensor.topk
+    torch.Tensor.topk = _topk_lowest_index_first
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = saved
 
 
 def fp8_gemm(*args, **kwargs):

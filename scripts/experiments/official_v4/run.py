@@ -104,11 +104,16 @@ def make_weights(model, cfgs, seed):
     return weights
 
 
-def run_official(model, cfgs, weights, x, schedule):
+def run_official(model, cfgs, weights, x, schedule, topk="cpu"):
     """Drive one fresh official ``Attention`` per layer over ``schedule`` (new tokens per call).
     Returns ``(outs, sets)``: per layer ``f32[N, dim]``, and per position the CSA row's entry
-    set (a sorted tuple)."""
+    set (a sorted tuple). ``topk="cuda"``: its ``torch.topk`` with the CUDA tie rule
+    (``kernels_cpu.cuda_topk``), else torch's CPU one."""
+    import contextlib
+
     import torch
+
+    from scripts.experiments.official_v4 import kernels_cpu
 
     outs, sets = [], {}
     for i, cfg in enumerate(cfgs):
@@ -124,7 +129,8 @@ def run_official(model, cfgs, weights, x, schedule):
                 return idx
             attn.indexer.forward = recorded
         rows, done = [], 0
-        with torch.inference_mode():
+        rule = kernels_cpu.cuda_topk() if topk == "cuda" else contextlib.nullcontext()
+        with torch.inference_mode(), rule:
             for q in schedule:
                 rows.append(attn(x[None, done:done + q], done)[0].float().numpy())
                 done += q
@@ -224,7 +230,7 @@ def _maxdiff(a, b, rows):
     return float(np.abs(a[rows] - b[rows]).max()) if len(rows) else 0.0
 
 
-def compare_run(model, cfgs, weights, prefill, decodes, seed):
+def compare_run(model, cfgs, weights, prefill, decodes, seed, topk):
     """One of the issue's runs: every comparison of the table; returns the printed rows and
     the totals ``{ratio: (max diff vs official over all calls, ...)}`` and CSA counts."""
     import torch
@@ -234,8 +240,8 @@ def compare_run(model, cfgs, weights, prefill, decodes, seed):
     xt = torch.from_numpy(rng.standard_normal((n, TINY["dim"]), dtype=np.float32)).bfloat16()
     x = xt.float().numpy()
     split = [prefill] + [1] * decodes
-    off, off_sets = run_official(model, cfgs, weights, xt, split)
-    one, one_sets = run_official(model, cfgs, weights, xt, [n])
+    off, off_sets = run_official(model, cfgs, weights, xt, split, topk)
+    one, one_sets = run_official(model, cfgs, weights, xt, [n], topk)
     st, st_sets, st_scores = run_statement(cfgs, weights, x, split)
     sp, sp_sets = run_step(cfgs, weights, x, split)
     pre, dec = np.arange(prefill), np.arange(prefill, n)
@@ -249,6 +255,11 @@ def compare_run(model, cfgs, weights, prefill, decodes, seed):
     same = [sum(s[p] == off_sets[p] for p in dec) for s in (st_sets, sp_sets, one_sets)]
     lines.append(f"| CSA sets equal, decode rows | {same[0]} / {len(dec)} | {same[1]} / "
                  f"{len(dec)} | {same[2]} / {len(dec)} | |")
+    agree = np.array([p for p in dec if st_sets[p] == off_sets[p]], int)
+    csa = RATIOS.index(4)
+    lines.append(f"| CSA output, decode rows with equal sets (statement / step) | "
+                 f"{_maxdiff(st[csa], off[csa], agree):.4f} | "
+                 f"{_maxdiff(sp[csa], off[csa], agree):.4f} | | |")
     trace = trace_set_differences(off_sets, st_sets, st_scores, dec)
     step_vs_statement = sum(sp_sets[p] == st_sets[p] for p in dec)
     trace.append(f"  step vs statement: sets equal on {step_vs_statement} / {len(dec)} decode "
@@ -268,6 +279,9 @@ def main(argv=None) -> int:
                     help="directory holding the released inference/model.py (unmodified)")
     ap.add_argument("--quick", action="store_true", help="short runs (a smoke test)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--topk", choices=("cpu", "cuda"), default="cpu",
+                    help="the official indexer's torch.topk tie rule: torch's CPU one (as the "
+                         "code runs here) or the CUDA kernel's (lowest index first, as on a GPU)")
     args = ap.parse_args(argv)
     if importlib.util.find_spec("torch") is None:
         print("official_v4.run needs torch (pip install torch; CPU is enough)", file=sys.stderr)
@@ -283,9 +297,9 @@ def main(argv=None) -> int:
     same_tot, rows_tot = np.zeros(3, int), 0
     for prefill, decodes in (QUICK_RUNS if args.quick else RUNS):
         lines, trace, w, same, rows = compare_run(model, cfgs, weights, prefill, decodes,
-                                                  args.seed)
+                                                  args.seed, args.topk)
         print(f"\nrun: prefill {prefill} then {decodes} decodes (seed {args.seed}; official "
-              f"code from {args.official})\n{HEADER}")
+              f"code from {args.official}, {args.topk} topk)\n{HEADER}")
         print("\n".join(lines))
         print("CSA rows whose sets differ, statement vs official (package bf16 scores):")
         print("\n".join(trace), flush=True)
