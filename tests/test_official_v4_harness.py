@@ -4,7 +4,8 @@
 the official code: the fp8 / fp4 QAT stand-ins equal ``reference.quant.qat``'s simulations bit
 for bit on bf16 inputs, the Hadamard stand-in is the Sylvester rotation rounded once, and the
 sparse attention stand-in meets a float64 softmax with the sink in the denominator (``-1`` slots
-and unreferenced NaN rows ignored). Needs torch (skipped without it, as in CI)."""
+and unreferenced NaN rows ignored); ``cuda_ops`` selects ties as torch's CUDA top-k and rounds a
+bf16 ``rsqrt`` once. Needs torch (skipped without it, as in CI)."""
 
 from __future__ import annotations
 
@@ -80,11 +81,15 @@ def test_sparse_attn_meets_a_float64_softmax_with_the_sink():
         np.testing.assert_allclose(got[0, r], want, atol=2e-2 * np.abs(want).max())
 
 
-def test_cuda_topk_takes_the_lowest_indices_among_ties_and_restores_torch():
+def test_cuda_ops_topk_takes_the_lowest_indices_among_ties_rsqrt_rounds_once():
     x = torch.tensor([[1.0, 3, 3, 0, 3, -float("inf"), 3], [0, 0, 0, 0, 2, 0, 0]]).bfloat16()
-    saved = torch.Tensor.topk
-    with kc.cuda_topk():
+    v = torch.tensor([0.890625, 1.0390625, 4.0]).bfloat16()  # 3 elements: torch's scalar path
+    saved = torch.Tensor.topk, torch.rsqrt
+    with kc.cuda_ops():
         values, idx = x.topk(3, dim=-1)
-    assert torch.Tensor.topk is saved
+        r = torch.rsqrt(v)
+    assert (torch.Tensor.topk, torch.rsqrt) == saved
     np.testing.assert_array_equal(idx.numpy(), [[1, 2, 4], [4, 0, 1]])
     np.testing.assert_array_equal(values.float().numpy(), [[3, 3, 3], [2, 0, 0]])
+    want = torch.from_numpy(1 / np.sqrt(v.double().numpy())).bfloat16()  # one rounding
+    np.testing.assert_array_equal(r.float().numpy(), want.float().numpy())

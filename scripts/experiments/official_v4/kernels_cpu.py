@@ -24,10 +24,15 @@ What the attention layer needs in the ``args.dtype = "bf16"`` path is real here:
   function): the Sylvester (natural order) Walsh-Hadamard butterflies in f32, times ``scale``,
   rounded once to the input dtype.
 
-``cuda_topk()`` (a context manager) swaps ``torch.Tensor.topk`` for the CUDA kernel's selection
-rule (``TensorTopK.cu::gatherTopK``: among values tied at the k-th, the lowest indices win;
-then sorted by value), so the official indexer run on CPU selects what it selects on a GPU
-(torch's CPU ``topk`` breaks ties by libstdc++'s partial sort, not by index: the notes' D4).
+``cuda_ops()`` (a context manager) swaps two torch ops the layer calls for what torch's CUDA
+kernels compute, so the official code run on CPU computes what it computes on a GPU:
+``Tensor.topk`` with the CUDA selection rule (``TensorTopK.cu::gatherTopK``: among values tied
+at the k-th, the lowest indices win; then sorted by value; torch's CPU ``topk`` breaks ties by
+libstdc++'s partial sort, not by index: the notes' D4), and ``torch.rsqrt`` of a bf16 tensor
+computed in f32 and rounded once (CUDA's f32 opmath; torch 2.14's CPU bf16 ``rsqrt`` does so
+on its vectorized body but computes ``bf16(1 / bf16(sqrt(x)))`` on the elements outside it,
+the last ``n % 32`` and every tensor under 32 elements: the per-head q norm of a decode row
+with few heads; measured: 28% of the positive bf16 inputs then differ by an ulp).
 
 ``fp8_gemm``, ``fp4_gemm`` and ``hc_split_sinkhorn`` (the fp8 / fp4 Linears and the
 hyper-connections, unused by ``Attention`` in the bf16 path) raise ``NotImplementedError``."""
@@ -40,7 +45,7 @@ import types
 
 import torch
 
-__all__ = ["FP4_GRID", "SPARSE_ATTN_BLOCK", "act_quant", "cuda_topk", "fp4_act_quant", "fp4_round",
+__all__ = ["FP4_GRID", "SPARSE_ATTN_BLOCK", "act_quant", "cuda_ops", "fp4_act_quant", "fp4_round",
            "fp8_gemm", "fp4_gemm", "hadamard_transform", "hc_split_sinkhorn", "install",
            "pow2_ceil", "sparse_attn"]
 
@@ -164,15 +169,26 @@ def _topk_lowest_index_first(x, k, dim=-1, largest=True, sorted=True):  # noqa: 
     return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
 
 
+_TORCH_RSQRT = torch.rsqrt
+
+
+def _rsqrt_rounded_once(x, *args, **kwargs):
+    """``torch.rsqrt``; a bf16 input computed in f32, rounded once."""
+    if isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 and not args and not kwargs:
+        return _TORCH_RSQRT(x.to(torch.float32)).to(torch.bfloat16)
+    return _TORCH_RSQRT(x, *args, **kwargs)
+
+
 @contextlib.contextmanager
-def cuda_topk():
-    """Within the block, ``Tensor.topk`` selects as the CUDA kernel does (module docstring)."""
-    saved = torch.Tensor.topk
-    torch.Tensor.topk = _topk_lowest_index_first
+def cuda_ops():
+    """Within the block, ``Tensor.topk`` and ``torch.rsqrt`` compute as torch's CUDA kernels
+    (module docstring)."""
+    saved = torch.Tensor.topk, torch.rsqrt
+    torch.Tensor.topk, torch.rsqrt = _topk_lowest_index_first, _rsqrt_rounded_once
     try:
         yield
     finally:
-        torch.Tensor.topk = saved
+        torch.Tensor.topk, torch.rsqrt = saved
 
 
 def fp8_gemm(*args, **kwargs):

@@ -104,20 +104,28 @@ def make_weights(model, cfgs, seed):
     return weights
 
 
-def run_official(model, cfgs, weights, x, schedule, topk="cpu"):
+def run_official(model, cfgs, weights, x, schedule, torch_ops="cpu"):
     """Drive one fresh official ``Attention`` per layer over ``schedule`` (new tokens per call).
-    Returns ``(outs, sets)``: per layer ``f32[N, dim]``, and per position the CSA row's entry
-    set (a sorted tuple). ``topk="cuda"``: its ``torch.topk`` with the CUDA tie rule
-    (``kernels_cpu.cuda_topk``), else torch's CPU one."""
+    Returns ``(outs, sets, held)``: per layer ``f32[N, dim]``; per position the CSA row's
+    entry set (a sorted tuple); per layer the attention's q of every call and, at the end, the
+    window ring, the compressed entries and the index keys. ``torch_ops="cuda"``: its
+    ``torch.topk`` and bf16 ``torch.rsqrt`` as on a GPU (``kernels_cpu.cuda_ops``), else
+    torch's CPU ones."""
     import contextlib
 
     import torch
 
     from scripts.experiments.official_v4 import kernels_cpu
 
-    outs, sets = [], {}
+    outs, sets, held = [], {}, []
     for i, cfg in enumerate(cfgs):
         attn = model.Attention(i, model_args(model, cfg))
+        qs, attend = [], model.sparse_attn
+
+        def recorded_attn(q, *rest, qs=qs, attend=attend):
+            qs.append(q[0].float().numpy())
+            return attend(q, *rest)
+        model.sparse_attn = recorded_attn
         attn.load_state_dict(weights[i][0], strict=False)
         log = []
         if cfg.compress_ratio == 4:
@@ -129,26 +137,33 @@ def run_official(model, cfgs, weights, x, schedule, topk="cpu"):
                 return idx
             attn.indexer.forward = recorded
         rows, done = [], 0
-        rule = kernels_cpu.cuda_topk() if topk == "cuda" else contextlib.nullcontext()
+        rule = kernels_cpu.cuda_ops() if torch_ops == "cuda" else contextlib.nullcontext()
         with torch.inference_mode(), rule:
             for q in schedule:
                 rows.append(attn(x[None, done:done + q], done)[0].float().numpy())
                 done += q
+        model.sparse_attn = attend
         outs.append(np.concatenate(rows))
+        cache = attn.kv_cache[0].float().numpy()
+        held.append({"q": np.concatenate(qs), "window": cache[:cfg.window_size],
+                     "compressed": cache[cfg.window_size:]})
+        if cfg.compress_ratio == 4:
+            held[-1]["index_keys"] = attn.indexer.kv_cache[0].float().numpy()
         for start, offset, idx in log:
             for r, row in enumerate(idx.tolist()):
                 sets[start + r] = tuple(sorted(v - offset for v in row if v >= 0))
-    return outs, sets
+    return outs, sets, held
 
 
 def run_statement(cfgs, weights, x, schedule):
-    """The statement, bf16 regime, QAT on: ``(outs, sets, scores)`` (``scores``: per position
-    the CSA row's bf16 index scores, for tracing set differences)."""
+    """The statement, bf16 regime, QAT on: ``(outs, sets, scores, states)`` (``scores``: per
+    position the CSA row's bf16 index scores, for tracing set differences; ``states``: each
+    layer's final ``V4LayerState``)."""
     import jax.numpy as jnp
 
     from reference import deepseek_v4 as dv4
 
-    outs, sets, scores = [], {}, {}
+    outs, sets, scores, states = [], {}, {}, []
     for i, cfg in enumerate(cfgs):
         state, rows, done = dv4.init_state(cfg, 1, MAX_SEQ), [], 0
         for q in schedule:
@@ -164,7 +179,8 @@ def run_statement(cfgs, weights, x, schedule):
                     scores[done + r] = sc
             done += q
         outs.append(np.concatenate(rows))
-    return outs, sets, scores
+        states.append(state)
+    return outs, sets, scores, states
 
 
 def run_step(cfgs, weights, x, schedule):
@@ -226,11 +242,47 @@ def trace_set_differences(official, ours, scores, rows):
     return lines
 
 
+def _differ(a, b) -> str:
+    """``"n / total differ, max m ulp"``: elements that differ, and the largest difference in
+    bf16 ulps of its row's largest magnitude (one e4m3 code of the row max is 16 ulps)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if not a.size:
+        return "none yet"
+    big = np.maximum(np.abs(a).max(-1, keepdims=True), 2.0 ** -126)
+    ulps = np.abs(a - b) / 2.0 ** (np.floor(np.log2(big)) - 7)
+    return f"{int((a != b).sum())} / {a.size} differ, max {float(ulps.max()):.2g} ulp"
+
+
+def trace_intermediates(cfgs, weights, x, held, states):
+    """Where the two sides part, per layer: the attention's q (``v4_project``'s vs the one the
+    official ``sparse_attn`` got), the final window ring, compressed entries and index keys
+    (the statement's state vs the official caches), element by element."""
+    import jax.numpy as jnp
+
+    from dsa_jax.v4_layer import v4_project
+
+    n, lines = x.shape[0], []
+    for i, cfg in enumerate(cfgs):
+        q = v4_project(weights[i][1], x, jnp.arange(n, dtype=jnp.int32), cfg,
+                       max_seq_len=MAX_SEQ, qat=True, precision="bf16")["q"]
+        parts = [f"q {_differ(q, held[i]['q'])}",
+                 f"window ring {_differ(states[i].window[0], held[i]['window'])}"]
+        r, st = cfg.compress_ratio, states[i]
+        if r:
+            ours, theirs = st.compressed[0, :n // r], held[i]["compressed"][:n // r]
+            parts.append(f"entries {_differ(ours, theirs)}")
+        if r == 4:
+            ours, theirs = st.index_keys[0, :n // 4], held[i]["index_keys"][:n // 4]
+            parts.append(f"index keys {_differ(ours, theirs)}")
+        lines.append(f"  {NAMES[r]}, statement vs official: " + "; ".join(parts))
+    return lines
+
+
 def _maxdiff(a, b, rows):
     return float(np.abs(a[rows] - b[rows]).max()) if len(rows) else 0.0
 
 
-def compare_run(model, cfgs, weights, prefill, decodes, seed, topk):
+def compare_run(model, cfgs, weights, prefill, decodes, seed, torch_ops):
     """One of the issue's runs: every comparison of the table; returns the printed rows and
     the totals ``{ratio: (max diff vs official over all calls, ...)}`` and CSA counts."""
     import torch
@@ -240,9 +292,9 @@ def compare_run(model, cfgs, weights, prefill, decodes, seed, topk):
     xt = torch.from_numpy(rng.standard_normal((n, TINY["dim"]), dtype=np.float32)).bfloat16()
     x = xt.float().numpy()
     split = [prefill] + [1] * decodes
-    off, off_sets = run_official(model, cfgs, weights, xt, split, topk)
-    one, one_sets = run_official(model, cfgs, weights, xt, [n], topk)
-    st, st_sets, st_scores = run_statement(cfgs, weights, x, split)
+    off, off_sets, held = run_official(model, cfgs, weights, xt, split, torch_ops)
+    one, one_sets, _ = run_official(model, cfgs, weights, xt, [n], torch_ops)
+    st, st_sets, st_scores, states = run_statement(cfgs, weights, x, split)
     sp, sp_sets = run_step(cfgs, weights, x, split)
     pre, dec = np.arange(prefill), np.arange(prefill, n)
     lines, worst = [], {}
@@ -260,7 +312,8 @@ def compare_run(model, cfgs, weights, prefill, decodes, seed, topk):
     lines.append(f"| CSA output, decode rows with equal sets (statement / step) | "
                  f"{_maxdiff(st[csa], off[csa], agree):.4f} | "
                  f"{_maxdiff(sp[csa], off[csa], agree):.4f} | | |")
-    trace = trace_set_differences(off_sets, st_sets, st_scores, dec)
+    trace = trace_intermediates(cfgs, weights, x, held, states)
+    trace += trace_set_differences(off_sets, st_sets, st_scores, dec)
     step_vs_statement = sum(sp_sets[p] == st_sets[p] for p in dec)
     trace.append(f"  step vs statement: sets equal on {step_vs_statement} / {len(dec)} decode "
                  f"rows; outputs max abs diff "
@@ -279,9 +332,10 @@ def main(argv=None) -> int:
                     help="directory holding the released inference/model.py (unmodified)")
     ap.add_argument("--quick", action="store_true", help="short runs (a smoke test)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--topk", choices=("cpu", "cuda"), default="cpu",
-                    help="the official indexer's torch.topk tie rule: torch's CPU one (as the "
-                         "code runs here) or the CUDA kernel's (lowest index first, as on a GPU)")
+    ap.add_argument("--torch-ops", choices=("cpu", "cuda"), default="cpu",
+                    help="the official code's torch.topk (its indexer's tie rule) and bf16 "
+                         "torch.rsqrt (its per-head q norm): torch's CPU kernels, as the code "
+                         "runs here, or what torch's CUDA kernels compute, as on a GPU")
     args = ap.parse_args(argv)
     if importlib.util.find_spec("torch") is None:
         print("official_v4.run needs torch (pip install torch; CPU is enough)", file=sys.stderr)
@@ -297,11 +351,12 @@ def main(argv=None) -> int:
     same_tot, rows_tot = np.zeros(3, int), 0
     for prefill, decodes in (QUICK_RUNS if args.quick else RUNS):
         lines, trace, w, same, rows = compare_run(model, cfgs, weights, prefill, decodes,
-                                                  args.seed, args.topk)
+                                                  args.seed, args.torch_ops)
         print(f"\nrun: prefill {prefill} then {decodes} decodes (seed {args.seed}; official "
-              f"code from {args.official}, {args.topk} topk)\n{HEADER}")
+              f"code from {args.official}, torch ops: {args.torch_ops})\n{HEADER}")
         print("\n".join(lines))
-        print("CSA rows whose sets differ, statement vs official (package bf16 scores):")
+        print("Traces (intermediates; then the CSA rows whose sets differ, statement vs "
+              "official, by the package's bf16 scores):")
         print("\n".join(trace), flush=True)
         worst = {r: max(worst[r], w[r]) for r in RATIOS}
         same_tot, rows_tot = same_tot + same, rows_tot + rows
