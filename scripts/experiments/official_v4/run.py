@@ -28,6 +28,17 @@ fraction). Needs torch and the official code; CPU only, a few minutes on 2 cores
 shorter runs).
 
     python -m scripts.experiments.official_v4.run --official /tmp/official_F [--quick]
+        [--torch-ops cuda]
+
+Measured (torch 2.14.1 CPU, jax 0.10.2, seed 0, the release copy "F"'s model.py; ~8 min each):
+with torch's CPU ops, window / HCA within 0.0078 of the official output (<= 1 bf16 ulp; the
+official code against itself 0.0078) on every call, CSA sets equal on 327 / 347 decode rows
+(the official code against itself 339 / 347): each of the 20 misses an exact tie at the cut-off
+in the bf16 scores (most at score 0: every head's dot negative), which this package gives to the
+lower entry (the CUDA rule) and torch's CPU top-k to the higher here. With ``--torch-ops cuda``:
+window / HCA within 0.0039, CSA sets 347 / 347 (statement and step), the official code against
+itself 347 / 347 with identical outputs on the decode rows; the q of the two sides then differ in
+9-67 of 526336 elements (f32 summation order in ``wq_b``), the window rows in 2-3 of 65536.
 """
 
 from __future__ import annotations
