@@ -409,7 +409,7 @@ def _score_kernel(cfg: ScoreConfig, aliased: bool,
 
     rh = cfg.block_rows * cfg.heads
     q = q_ref[...].reshape(rh, cfg.dim)
-    wcol = _weight_column(w_ref[...])
+    wcol = tpu.lanes_to_column(w_ref[...])  # weights [L, 1, H] -> [L * H, 1]
     hadamard = (fp4.hadamard(cfg.dim, cfg.key_dtype) if cfg.index_quant is not None
                 else None)
 
@@ -459,18 +459,6 @@ def _score_kernel(cfg: ScoreConfig, aliased: bool,
 
 
 # ----------------------------------------------------------------------------- pallas_call
-
-
-def _weight_column(w):
-    """``f32[L, 1, H] -> f32[L * H, 1]`` (row ``l H + h`` = ``w[l, 0, h]``): each row's lane
-    vector onto sublanes by a diagonal select and a lane max over ``-inf`` (exact: ``-0`` and
-    NaN kept). The weights come lane-dense (``[T, 1, H]``): as ``[T, H, 1]`` XLA padded each
-    weight to a 128-lane row (a 2 MB relayout per decode call at 64 x 64)."""
-    r, _, h = w.shape
-    wide = jnp.broadcast_to(w, (r, h, h))
-    diag = (jax.lax.broadcasted_iota(jnp.int32, (r, h, h), 1)
-            == jax.lax.broadcasted_iota(jnp.int32, (r, h, h), 2))
-    return jnp.max(jnp.where(diag, wide, -jnp.inf), axis=2, keepdims=True).reshape(r * h, 1)
 
 
 def score_call(cfg: ScoreConfig, q, wcol, cache_kv, layer, items, page_table, prev, *,

@@ -293,18 +293,19 @@ def _pool_kernel(facts_ref, kv_hbm, score_hbm, ape_ref, skv_hbm, sscore_hbm, wei
     out.wait()
 
 
-def pool_call(facts, kv, score, ape, state: vc.CompressorState, norm_weight, cos, sin, *,
-              ratio: int, vmem_limit_bytes: int | None, interpret, eps: float = vc.NORM_EPS,
-              precision: str = "f32") -> tuple[jax.Array, bool]:
-    """The pool ``pallas_call`` (``_pool_kernel``): ``(f32[E, d], fused)``, zero rows for
-    unused slots; ``fused`` (``finish.fusable``): the rows are finished (``finish_entries``'
-    norm and RoPE), else pooled only. ``facts`` from ``entry_facts``; ``kv``, ``score f32[T,
-    W]``; ``ape f32[r, W]``; ``norm_weight f32[d]``; ``cos`` / ``sin f32[P, h]``."""
+def pool_call(facts, kv, score, ape, state: vc.CompressorState, *, ratio: int,
+              vmem_limit_bytes: int | None, interpret, norm_weight=None, cos=None, sin=None,
+              eps: float = vc.NORM_EPS, precision: str = "f32") -> jax.Array:
+    """The pool ``pallas_call`` (``_pool_kernel``): ``f32[E, d]``, zero rows for unused slots.
+    ``facts`` from ``entry_facts``; ``kv``, ``score f32[T, W]``; ``ape f32[r, W]``. With
+    ``norm_weight f32[d]`` and the RoPE tables ``cos`` / ``sin f32[P, h]`` given and
+    ``finish.fusable(d, h)``, the rows are finished (``finish_entries``' norm and RoPE at
+    ``eps`` and ``precision``), else pooled only."""
     num_rows, width = kv.shape
     coff = vc.compressor_coff(ratio)
     rows, d = vc.state_rows(ratio), width // coff
-    half = cos.shape[1]
-    fused = finish.fusable(d, half)
+    fused = norm_weight is not None and finish.fusable(d, cos.shape[1])
+    half = cos.shape[1] if fused else 0
     slots = facts.shape[0] // ENTRY_WORDS
     c = traffic.worst_counts(num_rows, slots - num_rows // ratio, ratio)  # E = T // r + S
     window = blocks.uses_window(ratio, num_rows, tpu.device_chip())
@@ -332,19 +333,18 @@ def pool_call(facts, kv, score, ape, state: vc.CompressorState, norm_weight, cos
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",),
             vmem_limit_bytes=tpu.vmem_limit(
-                traffic.vmem_bytes(ratio=ratio, d=d, window=window, half=half if fused else 0),
+                traffic.vmem_bytes(ratio=ratio, d=d, window=window, half=half),
                 tpu.device_chip(), vmem_limit_bytes)),
         cost_estimate=pl.CostEstimate(
             flops=6 * slots * rows * d, transcendentals=slots * rows * d,
-            bytes_accessed=traffic.pool_bytes(c, ratio=ratio, d=d, half=half if fused else 0)),
+            bytes_accessed=traffic.pool_bytes(c, ratio=ratio, d=d, half=half)),
         interpret=tpu.interpret_params(interpret), name="v4_compressor_pool")
     ape_tile = jnp.tile(ape, (coff, 1))  # row k = ape[k % r]: f32[R, W], 32 KB at most x 8
     tables = ((finish.table_view(cos), finish.table_view(sin)) if fused
               else (jnp.zeros((tpu.SUBLANES, tpu.LANES), jnp.float32),) * 2)
-    out = call(facts, tpu.in_hbm(kv), tpu.in_hbm(score), ape_tile, tpu.in_hbm(state.kv),
-               tpu.in_hbm(state.score), norm_weight.reshape(1, d),
-               *(tpu.in_hbm(t) for t in tables))
-    return out, fused
+    weight = norm_weight.reshape(1, d) if fused else jnp.zeros((1, d), jnp.float32)
+    return call(facts, tpu.in_hbm(kv), tpu.in_hbm(score), ape_tile, tpu.in_hbm(state.kv),
+                tpu.in_hbm(state.score), weight, *(tpu.in_hbm(t) for t in tables))
 
 
 # ----------------------------------------------------------------------------- state kernel
@@ -434,10 +434,10 @@ def _compress(kv, score, ape, norm_weight, cos, sin, state, state_slots, kv_lens
                                                 ratio, cos.shape[0])
     knobs = dict(ratio=ratio, vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
     facts = entry_facts(s, seq, entry, valid, ratio, onehot)
-    pooled, fused = pool_call(facts, kv, score, ape, state,
-                              norm_weight, cos, sin, eps=eps, precision=precision, **knobs)
+    pooled = pool_call(facts, kv, score, ape, state, norm_weight=norm_weight, cos=cos, sin=sin,
+                       eps=eps, precision=precision, **knobs)
     new_state = state_call(write_facts(s, ratio), kv, score, ape, pooled, state, **knobs)
-    if fused:  # finished in the kernel, unused slots zero
+    if finish.fusable(norm_weight.shape[0], cos.shape[1]):  # finished by the kernel
         entries = vc.CompressedEntries(pooled, jnp.where(valid, seq, -1),
                                        jnp.where(valid, entry, -1))
     else:
