@@ -536,8 +536,8 @@ def _cost_estimate(cfg: ScoreConfig) -> pl.CostEstimate:
         flops += 2 * toks * cfg.dim * cfg.dim
     key_bytes = toks * _key_bytes(cfg)
     key_bytes += cfg.num_items * cfg.pages_per_seq * cfg.scale_lanes * 4
-    rows = cfg.num_items * cfg.block_rows * cfg.heads
-    io = rows * (cfg.dim * cfg.compute_dtype.itemsize + LANES * 4)
+    row = cfg.heads * cfg.dim * cfg.compute_dtype.itemsize + -(-cfg.heads // LANES) * LANES * 4
+    io = cfg.num_items * cfg.block_rows * row  # q rows and lane-padded weight rows [1, H]
     width = cfg.page_cols if cfg.page_mode else cfg.capacity
     io += min(cfg.rows, cfg.num_items * cfg.block_rows) * width * 4  # rows written once
     return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=key_bytes + io)
