@@ -36,14 +36,20 @@ them in order and keeps one pool buffer):
    It must follow every pool read: a later token of a prefill chunk can overwrite a ring row
    that an entry completing earlier in the chunk reads.
 
-The glue (XLA) computes the per-slot facts (``reference.v4_compressor.seq_facts`` /
-``enumerate_entries``: elementwise over ``E`` and ``S``, a ``compare_all`` search) and finishes
-the ``E x d`` pooled rows with ``reference.v4_compressor.finish_entries`` (the weighted RMSNorm,
-RoPE at ``r j``, the tail masked): row-wise arithmetic on ``E`` rows, no gather of cache data.
+The pool call also finishes each entry (``finish``: the weighted RMSNorm and RoPE at ``r j``,
+the tables read through their free transposed view, one ``[h, 128]`` tile per table and run of
+entries in a tile) and writes its row by one row DMA into ``f32[E, d]``, so the glue (XLA) only
+computes the per-slot facts (``reference.v4_compressor.seq_facts``, ``enumerate_slots``:
+elementwise over ``E`` and ``S``, a compare-and-count search and one-hot reads, no gather: XLA's
+TPU model prices a scalar gather at kilobytes per index) and masks ``seq`` / ``entry``: ~1.2 MB
+per V4-Flash decode call in XLA's model (was ~22 MB with the finish in XLA). When
+``finish.fusable`` is false (``d`` not a power of two of whole lane rows, or the tables' width
+not a multiple of 8) the glue finishes the rows with ``finish_entries`` as before.
 
-Precision: f32 throughout; versus the reference, the pooled rows agree to f32 rounding (the
-same tree of the same ops; measured bit-identical under the strict interpreter on CPU), the
-state bit for bit (data movement and the same ``score + ape`` add).
+Precision: f32 throughout; versus the reference, the entries agree to f32 rounding (the same
+trees of the same ops in the same order; measured bit-identical under the strict interpreter
+on CPU, both precisions), the state bit for bit (data movement and the same ``score + ape``
+add).
 
 Not measured on a TPU (none here): the pool call issues its DMAs per entry and waits before
 pooling (no overlap across entries); a prefill of ``T`` tokens runs ``T / r`` such round trips
