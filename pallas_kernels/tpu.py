@@ -168,3 +168,16 @@ def interpret_params(interpret):
     if interpret is False or isinstance(interpret, pltpu.InterpretParams):
         return interpret
     raise TypeError(f"interpret must be a bool or pltpu.InterpretParams, got {interpret!r}")
+
+
+def lanes_to_column(w: jax.Array) -> jax.Array:
+    """``f32[L, 1, H] -> f32[L * H, 1]`` (row ``l H + h`` = ``w[l, 0, h]``), inside a kernel: each
+    row's lane vector onto sublanes by a diagonal select and a lane max over ``-inf`` (exact:
+    ``-0`` and NaN kept). The indexer takes its head weights lane-dense (``[T, 1, H]``): as
+    ``[T, H, 1]`` XLA padded each weight to a 128-lane row (a 2 MB relayout per decode call at
+    64 x 64)."""
+    r, _, h = w.shape
+    diag = (jax.lax.broadcasted_iota(jnp.int32, (r, h, h), 1)
+            == jax.lax.broadcasted_iota(jnp.int32, (r, h, h), 2))
+    wide = jnp.where(diag, jnp.broadcast_to(w, (r, h, h)), -jnp.inf)
+    return jnp.max(wide, axis=2, keepdims=True).reshape(r * h, 1)

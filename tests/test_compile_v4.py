@@ -87,10 +87,15 @@ COMPRESSOR_CASES = [(case, chip) for case in v4ccases.compile_cases() for chip i
 # chunk row whole to both entries that pool it and once more to the ring, and its ring slot
 # whole (both halves): 1.98x decode, 1.94x prefill; ratio 128 moves its old ring slot whole
 # (128 rows for 127): 1.03x decode, 1.03x prefill (rows from row 0: each entry's 128 rows in
-# one aligned DMA; from an unaligned row, windows of 136 rows: 1.09x, prefill_counts)
-COMPRESSOR_MAX_RATIO = {"csa_d512_decode64": 2.0, "hca_d512_decode64": 1.04,
-                        "index_d128_decode64": 2.0, "csa_d512_prefill8192": 1.95,
-                        "hca_d512_prefill8192": 1.04, "index_d128_prefill8192": 1.95}
+# one aligned DMA; from an unaligned row, windows of 136 rows: 1.09x, prefill_counts). Since
+# the pool kernel finishes the rows (issue 30: norm and RoPE in the kernel, ~20 MB of XLA
+# glue per decode call gone), each completing entry whose position is in another 128-position
+# tile than the previous entry's reads that tile of both RoPE tables (2 x 16 KB, where the
+# minimum counts its 2 x 128 B rows): decode 2.67x (d 512, ratio 4), 4.67x (d 128), 1.09x
+# (ratio 128); prefill (32 entries per tile at ratio 4) 1.96x / 2.00x, 1.09x
+COMPRESSOR_MAX_RATIO = {"csa_d512_decode64": 2.7, "hca_d512_decode64": 1.1,
+                        "index_d128_decode64": 4.7, "csa_d512_prefill8192": 1.97,
+                        "hca_d512_prefill8192": 1.1, "index_d128_prefill8192": 2.01}
 
 
 @pytest.mark.parametrize("chip", sorted(aot.CHIPS))
@@ -109,10 +114,11 @@ def test_two_pass_dma_descriptors_per_decode_row(chip):
 
 
 def test_compressor_model_of_an_unaligned_hca_prefill():
-    """A ratio-128 prefill whose rows start at row 3 moves its runs as 136-row windows."""
+    """A ratio-128 prefill whose rows start at row 3 moves its runs as 136-row windows (and,
+    each entry in its own RoPE table tile, 2 x 16 KB of tables per entry: 1.09x -> 1.15x)."""
     t = v4ctraffic.compressor_traffic(v4ctraffic.prefill_counts(8192, 128, first_row=3),
                                       ratio=128, d=512)
-    assert 1.08 < t.ratio < 1.1
+    assert 1.14 < t.ratio < 1.16
 
 
 @pytest.mark.parametrize("case,chip", COMPRESSOR_CASES,

@@ -30,7 +30,7 @@ Design.
   rows n <= L, abs position of block row 0, kv_len, pages needed, key stages, shift, q row)``.
   Empty items (``n = 0``) fill the grid at the tail, do nothing, and point at the last real
   item's q rows (the pipeline does not refetch an unchanged block).
-- q and weights are read straight from ``q [T, H, D]`` and ``weights [T, H, 1]`` by ``pl.Element``
+- q and weights are read straight from ``q [T, H, D]`` and ``weights [T, 1, H]`` by ``pl.Element``
   blocks ``[L, H, D]`` at row ``q row`` (the leading, untiled dim: any offset): no per-item
   gather in XLA. ``q row = clip(first row, 0, T - L)``; ``shift = first row - q row`` says which
   block rows are the item's (only a remainder block at the end of ``q`` is shifted).
@@ -375,7 +375,7 @@ def _row_copies(cfg: ScoreConfig, items_ref, obuf, out_hbm, osem, w, slot):
 def _score_kernel(cfg: ScoreConfig, aliased: bool,
                   # scalar prefetch
                   items_ref, table_ref, layer_ref,
-                  # inputs (q [L, H, D], weights [L, H, 1], keys in HBM, [earlier scores])
+                  # inputs (q [L, H, D], weights [L, 1, H], keys in HBM, [earlier scores])
                   q_ref, w_ref, cache_hbm, *refs):
     if cfg.key_scales:  # fp8 cache: the scale rows follow the keys (inputs and scratch)
         cache_hbm, refs = (cache_hbm, refs[0]), refs[1:]
@@ -410,7 +410,7 @@ def _score_kernel(cfg: ScoreConfig, aliased: bool,
 
     rh = cfg.block_rows * cfg.heads
     q = q_ref[...].reshape(rh, cfg.dim)
-    wcol = w_ref[...].reshape(rh, 1)
+    wcol = tpu.lanes_to_column(w_ref[...])  # weights [L, 1, H] -> [L * H, 1]
     hadamard = (fp4.hadamard(cfg.dim, cfg.key_dtype) if cfg.index_quant is not None
                 else None)
 
@@ -466,7 +466,7 @@ def score_call(cfg: ScoreConfig, q, wcol, cache_kv, layer, items, page_table, pr
                vmem_limit_bytes: int | None, interpret):
     """One level's kernel call for the chunk's rows.
 
-    ``q: [T, H, D]`` in the compute dtype, ``wcol: f32[T, H, 1]``, ``cache_kv`` the stacked
+    ``q: [T, H, D]`` in the compute dtype, ``wcol: f32[T, 1, H]``, ``cache_kv`` the stacked
     cache ``[L, P, ps, D]`` (or fp8 pytree) read in place at ``layer`` (an i32 scalar,
     scalar-prefetched: one compiled kernel serves every layer). ``prev`` is the earlier
     levels' ``f32[C, width]`` (``None`` for the first level; width: token mode ``capacity``,
@@ -497,7 +497,7 @@ def score_call(cfg: ScoreConfig, q, wcol, cache_kv, layer, items, page_table, pr
         return items_ref[w * wl.NF + wl.QROW], 0, 0
 
     in_specs = [pl.BlockSpec((pl.Element(r), pl.Element(h), pl.Element(d)), q_rows),
-                pl.BlockSpec((pl.Element(r), pl.Element(h), pl.Element(1)), q_rows),
+                pl.BlockSpec((pl.Element(r), pl.Element(1), pl.Element(h)), q_rows),
                 pl.BlockSpec(memory_space=pltpu.HBM)]
     operands = [items.reshape(-1), page_table, jnp.reshape(layer, (1,)).astype(jnp.int32),
                 tpu.in_hbm(q), wcol]  # pinned: no XLA prefetch copy (tpu7x)
@@ -542,8 +542,8 @@ def _cost_estimate(cfg: ScoreConfig) -> pl.CostEstimate:
         flops += 2 * toks * cfg.dim * cfg.dim
     key_bytes = toks * _key_bytes(cfg)
     key_bytes += cfg.num_items * cfg.pages_per_seq * _scale_lanes(cfg) * 4
-    rows = cfg.num_items * cfg.block_rows * cfg.heads
-    io = rows * (cfg.dim * cfg.compute_dtype.itemsize + LANES * 4)
+    row = cfg.heads * cfg.dim * cfg.compute_dtype.itemsize + -(-cfg.heads // LANES) * LANES * 4
+    io = cfg.num_items * cfg.block_rows * row  # q rows and lane-padded weight rows [1, H]
     width = cfg.page_cols if cfg.page_mode else cfg.capacity
     io += min(cfg.rows, cfg.num_items * cfg.block_rows) * width * 4  # rows written once
     return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=key_bytes + io)

@@ -102,7 +102,7 @@ def score_and_select(q, weights, cache_kv, b: batch.RaggedBatch, *, one_token_pe
     wcol = weights.astype(jnp.float32)
     if precision == "bf16":
         wcol = round_bf16(wcol)
-    wcol = wcol.reshape(total_rows, q.shape[1], 1)
+    wcol = wcol.reshape(total_rows, 1, q.shape[1])  # lane-dense (tpu.lanes_to_column)
 
     def one_chunk(row0):
         items, row_slot, abs_pos, kv_eff = work_list(b, row0=row0, cfgs=cfgs,

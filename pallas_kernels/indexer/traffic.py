@@ -45,7 +45,7 @@ def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_
     for a batch of sequences ``(q_lens[i], kv_lens[i])``, replaying the work lists.
 
     Kernel side: key pages per item; one q block ``[L, H, D]`` plus the lane-padded weight
-    column ``f32[L, H, 128]`` per change of q row along the grid (the pipeline skips an
+    rows ``f32[L, 1, H]`` per change of q row along the grid (the pipeline skips an
     unchanged block); the item's score rows (page mode: ``page_cols`` wide), one DMA each.
     Minimum: q and weights read once, each
     sequence's ``kv_len`` keys read once, scores written once. ``scale_lanes > 0``: an fp8
@@ -70,7 +70,7 @@ def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_
     p_blk = blocks.block_pages
     page_cols = -(-(-(-pages_per_seq // p_blk) * p_blk) // LANES) * LANES
     key_row = dim * key_itemsize
-    q_row = heads * (dim * q_itemsize + LANES * 4)  # q row + lane-padded weight column
+    q_row = heads * dim * q_itemsize + -(-heads // LANES) * LANES * 4  # q + lane-padded weights
     chunks = sorted({min(i * c, total - c) for i in range(-(-total // c))})
     keys = flops = q_moved = out = dmas = 0
     page_dmas = 2 if scale_lanes else 1  # an fp8 page: its keys and its scale row

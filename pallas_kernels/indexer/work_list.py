@@ -60,6 +60,22 @@ def _seq_rows(b: batch.RaggedBatch, *, total_rows: int, row0, rows: int,
     return q_start, q_end - q_start, lo, hi
 
 
+# A one-hot read ``x[idx]`` (``take``) up to this many compare elements; beyond, a gather.
+ONE_HOT_MAX = 1 << 20
+
+
+def take(x, idx):
+    """``x[idx]`` for an integer vector ``x`` and in-range ``idx``: a masked sum over the one-hot
+    ``idx == arange(len(x))`` (exact) while it has at most ``ONE_HOT_MAX`` elements, else a
+    gather. XLA's TPU model prices a scalar gather at kilobytes per index (the work list's
+    dozen of them were ~3 MB of a decode call's glue); the compare costs ``4 len(idx) len(x)``
+    bytes."""
+    if idx.shape[0] * x.shape[0] > ONE_HOT_MAX:
+        return x[idx]
+    hit = idx[:, None] == jnp.arange(x.shape[0], dtype=idx.dtype)[None, :]
+    return jnp.sum(jnp.where(hit, x[None, :], 0), axis=1, dtype=x.dtype)
+
+
 def _level_items(cfg, i: int, top: int, ladder, seq_rows, b: batch.RaggedBatch, slot0, row0):
     """Items ``i32[W_L, NF]`` of ladder level ``i`` (see the module docstring). ``POS0`` is a
     token position; ``KVLEN`` and ``NPAGES`` count keys (entries when ``b.compression_ratio >
@@ -81,14 +97,15 @@ def _level_items(cfg, i: int, top: int, ladder, seq_rows, b: batch.RaggedBatch, 
     seq = jnp.searchsorted(cum, w, side="right", method="compare_all")  # loop-free
     seq = jnp.clip(seq, 0, num_seqs - 1).astype(jnp.int32)
     real = w < cum[-1]
-    row = base[seq] + (w - (cum[seq] - count[seq])) * size
-    n = jnp.where(real, jnp.clip(hi[seq] - row, 0, size), 0)
+    row = take(base, seq) + (w - (take(cum, seq) - take(count, seq))) * size
+    n = jnp.where(real, jnp.clip(take(hi, seq) - row, 0, size), 0)
     qrow = jnp.clip(row, 0, cfg.total_rows - size)
     last = jnp.where(cum[-1] > 0, qrow[jnp.clip(cum[-1] - 1, 0, cfg.num_items - 1)], 0)
     qrow = jnp.where(real, qrow, last)  # empty items: no new q block
     shift = jnp.where(real, row - qrow, 0)
-    pos = kv_lens[seq] - q_len[seq] + (row - q_start[seq])  # abs pos of the first row
-    kv_eff = b.kv_eff(seq)  # keys: min(entries_of_tokens(kv_len), capacity)
+    pos = take(kv_lens, seq) - take(q_len, seq) + (row - take(q_start, seq))  # first row's
+    # keys: min(entries_of_tokens(kv_len), capacity)
+    kv_eff = take(b.kv_eff(slice(None)), seq)  # (a slice: no gather)
     seen = batch.entries_of_tokens(pos + n, b.compression_ratio)  # keys the last row may see
     if cfg.causal_rule == "tpu_inference":  # j <= p // r
         seen = (pos + n - 1) // b.compression_ratio + 1
@@ -98,7 +115,7 @@ def _level_items(cfg, i: int, top: int, ladder, seq_rows, b: batch.RaggedBatch, 
     npages = jnp.where(n > 0, (tokens + cfg.page_size - 1) // cfg.page_size, 0)
     nblk = jnp.where(n > 0, jnp.maximum((npages + cfg.block_pages - 1) // cfg.block_pages, 1), 0)
     return jnp.stack([seq, row - row0, n, pos - shift, kv_eff, npages, nblk, shift, qrow,
-                      slot0[seq]], 1).astype(jnp.int32)
+                      take(slot0, seq)], 1).astype(jnp.int32)
 
 
 def work_list(b: batch.RaggedBatch, *, row0, cfgs, one_token_per_seq: bool):
@@ -112,7 +129,7 @@ def work_list(b: batch.RaggedBatch, *, row0, cfgs, one_token_per_seq: bool):
     c, ladder = cfgs[0].rows, tuple(cfg.block_rows for cfg in cfgs)
     seq_rows = _seq_rows(b, total_rows=cfgs[0].total_rows, row0=row0, rows=c,
                          one_token_per_seq=one_token_per_seq)
-    slot0 = b.first_slot(jnp.arange(b.num_seqs))  # each sequence's first page-table slot
+    slot0 = b.first_slot(slice(0, b.num_seqs))  # each sequence's first page-table slot
     all_items, slot_rows, slot_pos, slot_kv = [], [], [], []
     for i, cfg in enumerate(cfgs):
         items = _level_items(cfg, i, ladder[-1], ladder, seq_rows, b, slot0, row0)
@@ -124,8 +141,20 @@ def work_list(b: batch.RaggedBatch, *, row0, cfgs, one_token_per_seq: bool):
         slot_pos.append((items[:, POS0:POS0 + 1] + j).reshape(-1))
         slot_kv.append(jnp.broadcast_to(items[:, KVLEN:KVLEN + 1], mine.shape).reshape(-1))
     dest = jnp.concatenate(slot_rows)
-    row_slot = jnp.full((c,), -1, jnp.int32).at[dest].set(
-        jnp.arange(dest.shape[0], dtype=jnp.int32), mode="drop")
-    at = jnp.clip(row_slot, 0, None)
-    return (all_items, row_slot, b.key_pos(jnp.concatenate(slot_pos)[at]),
-            jnp.concatenate(slot_kv)[at])
+    slot_pos, slot_kv = jnp.concatenate(slot_pos), jnp.concatenate(slot_kv)
+    if c * dest.shape[0] > ONE_HOT_MAX:  # (``take``'s rule)
+        row_slot = jnp.full((c,), -1, jnp.int32).at[dest].set(
+            jnp.arange(dest.shape[0], dtype=jnp.int32), mode="drop")
+        at = jnp.clip(row_slot, 0, None)
+        return all_items, row_slot, b.key_pos(slot_pos[at]), slot_kv[at]
+    # one-hot: row r's slot is the one whose dest is r (at most one), else -1 (read as slot 0)
+    m = jnp.arange(dest.shape[0], dtype=jnp.int32)[None, :]
+    hit = dest[None, :] == jnp.arange(c, dtype=jnp.int32)[:, None]
+    found = jnp.any(hit, axis=1)
+    hit = hit | (~found[:, None] & (m == 0))
+
+    def pick(x):
+        return jnp.sum(jnp.where(hit, x[None, :], 0), axis=1, dtype=jnp.int32)
+
+    row_slot = jnp.where(found, pick(m[0]), -1)
+    return all_items, row_slot, b.key_pos(pick(slot_pos)), pick(slot_kv)

@@ -36,14 +36,20 @@ them in order and keeps one pool buffer):
    It must follow every pool read: a later token of a prefill chunk can overwrite a ring row
    that an entry completing earlier in the chunk reads.
 
-The glue (XLA) computes the per-slot facts (``reference.v4_compressor.seq_facts`` /
-``enumerate_entries``: elementwise over ``E`` and ``S``, a ``compare_all`` search) and finishes
-the ``E x d`` pooled rows with ``reference.v4_compressor.finish_entries`` (the weighted RMSNorm,
-RoPE at ``r j``, the tail masked): row-wise arithmetic on ``E`` rows, no gather of cache data.
+The pool call also finishes each entry (``finish``: the weighted RMSNorm and RoPE at ``r j``,
+the tables read through their free transposed view, one ``[h, 128]`` tile per table and run of
+entries in a tile) and writes its row by one row DMA into ``f32[E, d]``, so the glue (XLA) only
+computes the per-slot facts (``reference.v4_compressor.seq_facts``, ``enumerate_slots``:
+elementwise over ``E`` and ``S``, a compare-and-count search and one-hot reads, no gather: XLA's
+TPU model prices a scalar gather at kilobytes per index) and masks ``seq`` / ``entry``: ~1.2 MB
+per V4-Flash decode call in XLA's model (was ~22 MB with the finish in XLA). When
+``finish.fusable`` is false (``d`` not a power of two of whole lane rows, or the tables' width
+not a multiple of 8) the glue finishes the rows with ``finish_entries`` as before.
 
-Precision: f32 throughout; versus the reference, the pooled rows agree to f32 rounding (the
-same tree of the same ops; measured bit-identical under the strict interpreter on CPU), the
-state bit for bit (data movement and the same ``score + ape`` add).
+Precision: f32 throughout; versus the reference, the entries agree to f32 rounding (the same
+trees of the same ops in the same order; measured bit-identical under the strict interpreter
+on CPU, both precisions), the state bit for bit (data movement and the same ``score + ape``
+add).
 
 Not measured on a TPU (none here): the pool call issues its DMAs per entry and waits before
 pooling (no overlap across entries); a prefill of ``T`` tokens runs ``T / r`` such round trips
@@ -60,12 +66,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import tpu
-from pallas_kernels.v4_compressor import blocks, traffic
+from pallas_kernels.v4_compressor import blocks, finish, traffic
 from reference import v4_compressor as vc
 from reference.quant.bf16 import check_precision
 
 # words of one output slot's facts (``entry_facts``)
-_VALID, _BASE, _KS, _KC, _SLOT, _OFF, ENTRY_WORDS = range(7)
+_VALID, _BASE, _KS, _KC, _SLOT, _OFF, _POS, ENTRY_WORDS = range(8)
 # words of one sequence's state-write facts (``write_facts``)
 _ROW0, _POS0, _COUNT, _WSLOT, SEQ_WORDS = range(5)
 
@@ -73,20 +79,46 @@ _ROW0, _POS0, _COUNT, _WSLOT, SEQ_WORDS = range(5)
 # ----------------------------------------------------------------------------- facts (XLA)
 
 
-def entry_facts(s: vc.SeqFacts, seq, entry, valid, ratio: int) -> jax.Array:
+def _take(x, onehot):
+    """``x[seq]`` for ``x i32[S]`` as a masked sum over the one-hot ``onehot bool[E, S]`` (exact
+    for integers): XLA's TPU model prices a scalar gather per index at kilobytes."""
+    return jnp.sum(jnp.where(onehot, x[None, :].astype(jnp.int32), 0), axis=1)
+
+
+def enumerate_slots(s: vc.SeqFacts, num_entries: int, ratio: int, table_len: int):
+    """``reference.v4_compressor.enumerate_entries``' ``(seq, entry, valid)`` without a gather
+    (``_take``), plus the one-hot ``bool[E, S]`` for ``entry_facts``."""
+    first = s.kv_old // ratio
+    last = jnp.minimum(s.kv_len // ratio, -(-table_len // ratio))
+    count = jnp.where(s.ok, jnp.maximum(last - first, 0), 0)
+    end = jnp.cumsum(count)
+    e = jnp.arange(num_entries, dtype=jnp.int32)
+    seq = jnp.sum(end[None, :] <= e[:, None], axis=1, dtype=jnp.int32)  # searchsorted, right
+    seq = jnp.clip(seq, 0, count.shape[0] - 1)
+    onehot = seq[:, None] == jnp.arange(count.shape[0], dtype=jnp.int32)[None, :]
+    valid = e < end[-1]
+    entry = _take(first, onehot) + e - (_take(end, onehot) - _take(count, onehot))
+    return seq, entry.astype(jnp.int32), valid, onehot
+
+
+def entry_facts(s: vc.SeqFacts, seq, entry, valid, ratio: int, onehot=None) -> jax.Array:
     """``i32[E * ENTRY_WORDS]`` per output slot: ``valid``; ``base``, the row of slot 0's token
     in this step's rows (``q_start + q0 - kv_old``, negative when it precedes the step; only
     rows ``base + k`` with ``k >= k_c`` are read); ``k_s`` the first slot with ``q >= 0``;
     ``k_c`` the first slot from this step's rows; the state ``slot``; ``off = q0 % R``, the ring
-    row of slot 0. An unused slot has ``k_s = k_c = R`` (reads nothing)."""
+    row of slot 0; ``pos = r j``, the entry's RoPE position (``finish``). An unused slot has
+    ``k_s = k_c = R`` (reads nothing). ``onehot`` (``enumerate_slots``): read the per-sequence
+    facts without a gather."""
     coff = vc.compressor_coff(ratio)
     rows = vc.state_rows(ratio)
+    take = (lambda x: x[seq]) if onehot is None else (lambda x: _take(x, onehot))  # noqa: E731
     q0 = ratio * entry - (coff - 1) * ratio
-    kv_old = s.kv_old[seq]
+    kv_old = take(s.kv_old)
     k_c = jnp.where(valid, jnp.clip(kv_old - q0, 0, rows), rows)
     k_s = jnp.where(valid, jnp.clip(-q0, 0, rows), rows)
-    fields = (valid, jnp.where(valid, s.q_start[seq] + q0 - kv_old, 0), k_s, k_c,
-              jnp.where(valid, s.slot[seq], 0), jnp.where(valid, q0 % rows, 0))
+    fields = (valid, jnp.where(valid, take(s.q_start) + q0 - kv_old, 0), k_s, k_c,
+              jnp.where(valid, take(s.slot), 0), jnp.where(valid, q0 % rows, 0),
+              jnp.where(valid, ratio * entry, 0))
     return jnp.stack([jnp.asarray(f, jnp.int32) for f in fields], axis=-1).reshape(-1)
 
 
@@ -198,22 +230,32 @@ def _pool(chunk_kv, chunk_score, rbuf, ape_ref, k_s, k_c, off, ratio: int):
     return _halves(w * vals, jnp.add)
 
 
-def _pool_kernel(facts_ref, kv_hbm, score_hbm, ape_ref, skv_hbm, sscore_hbm, out_ref,
-                 cbuf, rbuf, wbuf, csem, rsem, wsem, *, ratio: int, window: bool):
-    """One grid step = one output slot. Prefetch: ``facts`` (SMEM i32[E * 6]); inputs: this
-    step's ``kv`` / ``score`` (HBM f32[T, W]), the ape tile (VMEM f32[R, W], row ``k`` =
-    ``ape[k % r]``), the pool's ``kv`` / ``score`` (HBM f32[N, R, W]); output the pooled block
-    ``[1, 1, d]``; scratch: chunk, ring and window buffers (VMEM f32[2, R | R | R + 8, W]:
-    kv, score), their DMA semaphores. A run of all ``R`` slots starting at a row that is a
+def _pool_kernel(facts_ref, kv_hbm, score_hbm, ape_ref, skv_hbm, sscore_hbm, weight_ref,
+                 cos_hbm, sin_hbm, out_hbm, cbuf, rbuf, wbuf, tbuf, obuf, csem, rsem, wsem, tsem,
+                 osem, last, *, ratio: int, window: bool, fused: bool, eps: float,
+                 precision: str):
+    """One grid step = one output slot. Prefetch: ``facts`` (SMEM i32[E * ENTRY_WORDS]);
+    inputs: this step's ``kv`` / ``score`` (HBM f32[T, W]), the ape tile (VMEM f32[R, W], row
+    ``k`` = ``ape[k % r]``), the pool's ``kv`` / ``score`` (HBM f32[N, R, W]), the norm weight
+    (VMEM f32[1, d]), the RoPE tables' transposed views (HBM f32[h, P'], ``finish``); output
+    the rows (HBM f32[E, d]: one row DMA from ``obuf`` per slot); scratch: chunk, ring, window
+    and table-tile buffers (VMEM f32[2, R | R | R + 8, W], f32[2, h, 128]), the row, their DMA
+    semaphores, the tile ``tbuf`` holds (SMEM i32[1]: a run of entries in one tile loads it
+    once). With ``fused`` (static; ``finish.fusable``) the row is finished
+    (``finish.finish_row``), else pooled only. A run of all ``R`` slots starting at a row that is a
     multiple of 8 moves in one DMA per array (when ``T >= R``); else, with ``window`` (static),
     a run of more than 8 chunk rows whose aligned window lies inside ``[0, T)`` moves as the
     window (2 DMAs); else row by row."""
     at = pl.program_id(0) * ENTRY_WORDS
     valid = facts_ref[at + _VALID] != 0
 
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+        last[0] = -1  # the table tile in tbuf: none yet
+
     @pl.when(~valid)
     def _():
-        out_ref[...] = jnp.zeros_like(out_ref)
+        obuf[...] = jnp.zeros_like(obuf)
 
     @pl.when(valid)
     def _():
@@ -224,6 +266,10 @@ def _pool_kernel(facts_ref, kv_hbm, score_hbm, ape_ref, skv_hbm, sscore_hbm, out
         aligned = use_window = jnp.bool_(False)
         copies = [(k_s < k_c, cp) for cp in _ring_copies(skv_hbm, sscore_hbm, rbuf, rsem,
                                                          facts_ref[at + _SLOT])]
+        if fused:  # the tables' tile, unless the previous entry loaded it
+            tile = facts_ref[at + _POS] // finish.TILE
+            copies += [(tile != last[0], cp) for cp in finish.table_copies(
+                cos_hbm, sin_hbm, tbuf, tsem, facts_ref[at + _POS])]
         if kv_hbm.shape[0] >= rows:  # (a static slice of R rows must fit)
             aligned = (k_c == 0) & (base % pad == 0)
             copies += [(aligned, cp) for cp in _run_copies(kv_hbm, score_hbm, cbuf, wsem, base)]
@@ -238,47 +284,73 @@ def _pool_kernel(facts_ref, kv_hbm, score_hbm, ape_ref, skv_hbm, sscore_hbm, out
                     jnp.where(aligned | use_window, rows, k_c), rows)
         for cond, cp in copies:
             pl.when(cond)(cp.wait)
+        if fused:
+            last[0] = tile
         chunk_kv, chunk_score = _chunk_values(cbuf, wbuf if window else None, use_window, k_c,
                                               first)
-        out_ref[0] = _pool(chunk_kv, chunk_score, rbuf, ape_ref, k_s, k_c, facts_ref[at + _OFF],
-                           ratio)
+        row = _pool(chunk_kv, chunk_score, rbuf, ape_ref, k_s, k_c, facts_ref[at + _OFF], ratio)
+        if fused:
+            row = finish.finish_row(row, weight_ref[...], tbuf, facts_ref[at + _POS], eps=eps,
+                                    precision=precision)
+        obuf[...] = row
+
+    out = pltpu.make_async_copy(obuf, out_hbm.at[pl.ds(pl.program_id(0), 1)], osem.at[0])
+    out.start()  # the slot's row (one row DMA: no [E, 1, d] output to relayout)
+    out.wait()
 
 
 def pool_call(facts, kv, score, ape, state: vc.CompressorState, *, ratio: int,
-              vmem_limit_bytes: int | None, interpret) -> jax.Array:
-    """The pool ``pallas_call`` (``_pool_kernel``): ``f32[E, 1, d]``, zero rows for unused
-    slots. ``facts`` from ``entry_facts``; ``kv``, ``score f32[T, W]``; ``ape f32[r, W]``."""
+              vmem_limit_bytes: int | None, interpret, norm_weight=None, cos=None, sin=None,
+              eps: float = vc.NORM_EPS, precision: str = "f32") -> jax.Array:
+    """The pool ``pallas_call`` (``_pool_kernel``): ``f32[E, d]``, zero rows for unused slots.
+    ``facts`` from ``entry_facts``; ``kv``, ``score f32[T, W]``; ``ape f32[r, W]``. With
+    ``norm_weight f32[d]`` and the RoPE tables ``cos`` / ``sin f32[P, h]`` given and
+    ``finish.fusable(d, h)``, the rows are finished (``finish_entries``' norm and RoPE at
+    ``eps`` and ``precision``), else pooled only."""
     num_rows, width = kv.shape
     coff = vc.compressor_coff(ratio)
     rows, d = vc.state_rows(ratio), width // coff
+    fused = norm_weight is not None and finish.fusable(d, cos.shape[1])
+    half = cos.shape[1] if fused else 0
     slots = facts.shape[0] // ENTRY_WORDS
     c = traffic.worst_counts(num_rows, slots - num_rows // ratio, ratio)  # E = T // r + S
     window = blocks.uses_window(ratio, num_rows, tpu.device_chip())
     wshape = (2, rows + blocks.WINDOW_PAD, width) if window else (2, tpu.SUBLANES, tpu.LANES)
+    tshape = (2, half, finish.TILE) if fused else (2, tpu.SUBLANES, tpu.LANES)
     const = lambda e, *_: (0, 0)  # noqa: E731
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1, grid=(slots,),
-        in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 2 + [pl.BlockSpec((rows, width), const)]
-        + [pl.BlockSpec(memory_space=pl.ANY)] * 2,
-        out_specs=pl.BlockSpec((1, 1, d), lambda e, *_: (e, 0, 0)),
+        in_specs=[any_spec] * 2 + [pl.BlockSpec((rows, width), const)] + [any_spec] * 2
+        + [pl.BlockSpec((1, d), const)] + [any_spec] * 2,
+        out_specs=any_spec,
         scratch_shapes=[pltpu.VMEM((2, rows, width), jnp.float32),
                         pltpu.VMEM((2, rows, width), jnp.float32),
                         pltpu.VMEM(wshape, jnp.float32),  # unused without the window path
+                        pltpu.VMEM(tshape, jnp.float32),  # unused without the fused finish
+                        pltpu.VMEM((1, d), jnp.float32),  # the slot's row
                         pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2,)),
-                        pltpu.SemaphoreType.DMA((2, 2))])
+                        pltpu.SemaphoreType.DMA((2, 2)), pltpu.SemaphoreType.DMA((2,)),
+                        pltpu.SemaphoreType.DMA((1,)), pltpu.SMEM((1,), jnp.int32)])
     call = pl.pallas_call(
-        functools.partial(_pool_kernel, ratio=ratio, window=window), grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((slots, 1, d), jnp.float32),
+        functools.partial(_pool_kernel, ratio=ratio, window=window, fused=fused, eps=eps,
+                          precision=precision), grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((slots, d), jnp.float32),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",),
-            vmem_limit_bytes=tpu.vmem_limit(traffic.vmem_bytes(ratio=ratio, d=d, window=window),
-                                            tpu.device_chip(), vmem_limit_bytes)),
-        cost_estimate=pl.CostEstimate(flops=6 * slots * rows * d, transcendentals=slots * rows * d,
-                                      bytes_accessed=traffic.pool_bytes(c, ratio=ratio, d=d)),
+            vmem_limit_bytes=tpu.vmem_limit(
+                traffic.vmem_bytes(ratio=ratio, d=d, window=window, half=half),
+                tpu.device_chip(), vmem_limit_bytes)),
+        cost_estimate=pl.CostEstimate(
+            flops=6 * slots * rows * d, transcendentals=slots * rows * d,
+            bytes_accessed=traffic.pool_bytes(c, ratio=ratio, d=d, half=half)),
         interpret=tpu.interpret_params(interpret), name="v4_compressor_pool")
     ape_tile = jnp.tile(ape, (coff, 1))  # row k = ape[k % r]: f32[R, W], 32 KB at most x 8
+    tables = ((finish.table_view(cos), finish.table_view(sin)) if fused
+              else (jnp.zeros((tpu.SUBLANES, tpu.LANES), jnp.float32),) * 2)
+    weight = norm_weight.reshape(1, d) if fused else jnp.zeros((1, d), jnp.float32)
     return call(facts, tpu.in_hbm(kv), tpu.in_hbm(score), ape_tile, tpu.in_hbm(state.kv),
-                tpu.in_hbm(state.score))
+                tpu.in_hbm(state.score), weight, *(tpu.in_hbm(t) for t in tables))
 
 
 # ----------------------------------------------------------------------------- state kernel
@@ -364,13 +436,19 @@ def _compress(kv, score, ape, norm_weight, cos, sin, state, state_slots, kv_lens
               distribution, *, ratio, eps, precision, vmem_limit_bytes, interpret):
     num_rows, num_seqs = kv.shape[0], kv_lens.shape[0]
     s = vc.seq_facts(kv_lens, cu_q_lens, distribution, state_slots, num_rows, state.kv.shape[0])
-    seq, entry, valid = vc.enumerate_entries(s, vc.max_entries(num_rows, num_seqs, ratio), ratio,
-                                             cos.shape[0])
+    seq, entry, valid, onehot = enumerate_slots(s, vc.max_entries(num_rows, num_seqs, ratio),
+                                                ratio, cos.shape[0])
     knobs = dict(ratio=ratio, vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
-    pooled = pool_call(entry_facts(s, seq, entry, valid, ratio), kv, score, ape, state, **knobs)
+    facts = entry_facts(s, seq, entry, valid, ratio, onehot)
+    pooled = pool_call(facts, kv, score, ape, state, norm_weight=norm_weight, cos=cos, sin=sin,
+                       eps=eps, precision=precision, **knobs)
     new_state = state_call(write_facts(s, ratio), kv, score, ape, pooled, state, **knobs)
-    entries = vc.finish_entries(pooled[:, 0], norm_weight, cos, sin, seq, entry, valid,
-                                ratio=ratio, eps=eps, precision=precision)
+    if finish.fusable(norm_weight.shape[0], cos.shape[1]):  # finished by the kernel
+        entries = vc.CompressedEntries(pooled, jnp.where(valid, seq, -1),
+                                       jnp.where(valid, entry, -1))
+    else:
+        entries = vc.finish_entries(pooled, norm_weight, cos, sin, seq, entry, valid,
+                                    ratio=ratio, eps=eps, precision=precision)
     return entries, new_state
 
 

@@ -6,12 +6,16 @@ Counts (all rows f32, ``W = coff * d`` wide, ``R = coff * r`` slots per entry):
   (ratio 128 runs of more than 8 rows that do not start tile-aligned: an aligned window of
   ``R + 8`` rows) and, when any slot
   precedes the step, its whole ring slot (``R`` rows), each kv and score, whole rows (``W``);
-  every output slot writes its pooled row (``d``); the ``[R, W]`` ape tile once;
+  every output slot writes its row (``d``); the ``[R, W]`` ape tile once; the 128-position
+  tile of each RoPE table that holds a completing entry's position (``[h, 128]``, read through
+  the tables' transposed view: ``finish``), once per run of entries in one tile, and the norm
+  weight once;
 - moved, state call: per state row written, this step's kv row copied HBM to HBM (read + write)
   and its score row read, ``+ ape``, written; ape ``[r, W]`` once;
 - minimum: this step's kv and score rows read once (``step_rows``), the old ring slots the
   completing entries need read once at their used half (``d``: the ``R - chunk`` old slots per
-  entry), the state rows written (kv and gate), the entries written (``d``).
+  entry), the state rows written (kv and gate), the entries written (``d``) and their RoPE
+  table rows read (``2 h``).
 
 So the model's factors over the minimum come from: whole-row reads of the ring (ratio 4 uses
 one half of each slot row; both halves move), every chunk row read by the ``coff`` entries that
@@ -31,6 +35,8 @@ from pallas_kernels.v4_compressor.blocks import (  # noqa: F401 (WINDOW_MIN_ROWS
 from reference import v4_compressor as vc
 
 F32 = 4
+HALF = vc.ROPE_DIM // 2  # the RoPE tables' width (cos / sin f32[P, HALF])
+TABLE_TILE = tpu.LANES  # positions per table DMA (``finish.TILE``)
 # The window path (``uses_window``, ``WINDOW_MIN_ROWS``, ``WINDOW_PAD``) is the block table's:
 # ``pallas_kernels.v4_compressor.blocks``.
 @dataclass(frozen=True)
@@ -41,7 +47,9 @@ class StepCounts:
     the step (summed over entries; the minimum reads these), ``step_rows`` this step's rows,
     ``state_rows`` ring rows written; ``chunk_runs`` the pieces the chunk rows move in, one DMA
     per array (kv, score) each: a row alone, an aligned run of ``R`` rows or a window (summed
-    over entries; ``None``: one per chunk row, every row alone)."""
+    over entries; ``None``: one per chunk row, every row alone); ``table_tiles`` RoPE table
+    tiles loaded (a completing entry whose position lies in the tile the previous one loaded
+    reuses it)."""
 
     slots: int
     entries: int
@@ -51,6 +59,7 @@ class StepCounts:
     step_rows: int
     state_rows: int
     chunk_runs: int | None = None
+    table_tiles: int = 0
 
     @property
     def runs(self) -> int:
@@ -65,7 +74,7 @@ def decode_counts(seqs: int, ratio: int, *, complete: bool = True) -> StepCounts
     done = seqs if complete else 0
     return StepCounts(slots=vc.max_entries(seqs, seqs, ratio), entries=done, chunk_rows=done,
                       ring_entries=done, old_slots=done * (rows - 1), step_rows=seqs,
-                      state_rows=seqs)
+                      state_rows=seqs, table_tiles=done)
 
 
 def prefill_counts(tokens: int, ratio: int, first_row: int = 0) -> StepCounts:
@@ -84,7 +93,8 @@ def prefill_counts(tokens: int, ratio: int, first_row: int = 0) -> StepCounts:
                       ring_entries=0, old_slots=0, step_rows=tokens,
                       state_rows=min(tokens, rows),
                       chunk_runs=sum(_prefill_runs(j, tokens, ratio, first_row)
-                                     for j in range(entries)))
+                                     for j in range(entries)),
+                      table_tiles=(entries - 1) * ratio // TABLE_TILE + 1 if entries else 0)
 
 
 def _prefill_runs(j: int, tokens: int, ratio: int, first_row: int) -> int:
@@ -111,7 +121,8 @@ def worst_counts(num_rows: int, num_seqs: int, ratio: int) -> StepCounts:
     kernels declare to XLA): every output slot completes; a chunk row is pooled by at most
     ``coff`` entries (plus 8 rows per entry on the window path); at most ``coff`` entries per
     sequence read the ring (ratio 4: the first two entries of a step may reach back); at most
-    ``min(T, S R)`` state rows are written."""
+    ``min(T, S R)`` state rows are written; a sequence's entries are consecutive, so its
+    positions span at most ``e r / 128 + 2`` table tiles."""
     coff, rows = vc.compressor_coff(ratio), vc.state_rows(ratio)
     slots = vc.max_entries(num_rows, num_seqs, ratio)
     ring = min(slots, coff * num_seqs)
@@ -120,15 +131,18 @@ def worst_counts(num_rows: int, num_seqs: int, ratio: int) -> StepCounts:
     return StepCounts(slots=slots, entries=slots, chunk_rows=chunk,
                       ring_entries=ring, old_slots=ring * (rows - 1), step_rows=num_rows,
                       state_rows=min(num_rows, num_seqs * rows),
-                      chunk_runs=min(slots * rows, coff * num_rows))
+                      chunk_runs=min(slots * rows, coff * num_rows),
+                      table_tiles=min(slots, slots * ratio // TABLE_TILE + 2 * num_seqs))
 
 
-def pool_bytes(c: StepCounts, *, ratio: int, d: int) -> int:
-    """HBM bytes the pooling call moves (module docstring)."""
+def pool_bytes(c: StepCounts, *, ratio: int, d: int, half: int = HALF) -> int:
+    """HBM bytes the pooling call moves (module docstring); ``half``: the RoPE tables' width
+    when the kernel finishes the rows (``finish.fusable``; 0 when the glue does)."""
     coff, rows = vc.compressor_coff(ratio), vc.state_rows(ratio)
     width = coff * d
     gathered = (c.chunk_rows + c.ring_entries * rows) * 2 * width * F32
-    return gathered + c.slots * d * F32 + rows * width * F32
+    tables = c.table_tiles * 2 * half * TABLE_TILE * F32 + (d * F32 if half else 0)
+    return gathered + c.slots * d * F32 + rows * width * F32 + tables
 
 
 def state_bytes(c: StepCounts, *, ratio: int, d: int) -> int:
@@ -158,14 +172,15 @@ def compressor_traffic(c: StepCounts, *, ratio: int, d: int) -> aot.Traffic:
     rows = vc.state_rows(ratio)
     moved = pool_bytes(c, ratio=ratio, d=d) + state_bytes(c, ratio=ratio, d=d)
     minimum = (c.step_rows * 2 * width + c.old_slots * 2 * d + c.state_rows * 2 * width
-               + c.entries * d) * F32
+               + c.entries * (d + 2 * HALF)) * F32
     return aot.Traffic(int(moved), int(minimum), int(6 * c.entries * rows * d),
                        vmem_bytes(ratio=ratio, d=d, window=uses_window(ratio, c.step_rows)),
                        dmas=pool_dmas(c) + state_dmas(c))
 
 
-def vmem_bytes(*, ratio: int, d: int, window: bool = False) -> int:
-    """The larger of the two calls' VMEM (each buffer padded to (8, 128) tiles)."""
+def vmem_bytes(*, ratio: int, d: int, window: bool = False, half: int = HALF) -> int:
+    """The larger of the two calls' VMEM (each buffer padded to (8, 128) tiles); ``half`` as
+    ``pool_bytes``'."""
     coff, rows = vc.compressor_coff(ratio), vc.state_rows(ratio)
     width = coff * d
     slot = tpu.tile_bytes(rows, width, F32)
@@ -173,6 +188,8 @@ def vmem_bytes(*, ratio: int, d: int, window: bool = False) -> int:
             + 2 * slot  # the [R, W] ape tile, double-buffered by the pipeline
             + 2 * tpu.tile_bytes(1, d, F32)  # the pooled row block, double-buffered
             + 2 * (tpu.tile_bytes(rows + WINDOW_PAD, width, F32) if window  # the windows
-                   else tpu.tile_bytes(tpu.SUBLANES, tpu.LANES, F32)))
+                   else tpu.tile_bytes(tpu.SUBLANES, tpu.LANES, F32))
+            + 2 * tpu.tile_bytes(max(half, tpu.SUBLANES), TABLE_TILE, F32)  # the table tiles
+            + 2 * tpu.tile_bytes(1, d, F32))  # the norm weight, double-buffered
     state = slot + 2 * tpu.tile_bytes(ratio, width, F32)  # score rows; ape [r, W] x 2
     return max(pool, state)
