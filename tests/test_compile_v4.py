@@ -157,7 +157,8 @@ def test_compressor_dma_descriptors(case, chip):
     """The compressor model's DMA descriptors (``traffic.pool_dmas`` + ``state_dmas``, equal
     to the interpreter's count in ``tests/test_hbm_traffic.py``): a decode step, per sequence
     (each completes an entry) its kv and score row, its kv and gate ring slot, and the state's
-    kv copy, score row in and gate row out (7), one output row per slot, the two ape blocks; a
+    kv copy, score row in and gate row out (7), one output row per slot, the two ape blocks, the
+    norm weight and 2 per RoPE table tile; a
     prefill, at most one DMA pair per chunk row pooled (``coff`` pools per row) and 3 per
     state row, and at ratio 128 one pair per entry (every run aligned)."""
     rows, seqs = case.specs[0].shape[0], case.specs[8].shape[0]
@@ -165,12 +166,20 @@ def test_compressor_dma_descriptors(case, chip):
     slots = vc.max_entries(rows, seqs, ratio)
     state = min(rows, seqs * vc.state_rows(ratio))
     dmas = case.traffic(chip).dmas
+    # the rows finished in the kernel: the norm weight block, a cos and a sin DMA per table
+    # tile (decode: every completing entry's tile, the static bound; prefill: consecutive
+    # entries share tiles)
+    counts = (v4ctraffic.decode_counts(seqs, ratio) if rows == seqs
+              else v4ctraffic.prefill_counts(rows, ratio))
+    finish = 1 + 2 * counts.table_tiles
     if rows == seqs:
-        assert dmas == 7 * seqs + slots + 2, (case.shape, dmas)
+        assert counts.table_tiles == seqs
+        assert dmas == 7 * seqs + slots + 2 + finish, (case.shape, dmas)
     elif ratio == 128:
-        assert dmas == 2 * (rows // ratio) + slots + 1 + 3 * state + 1, (case.shape, dmas)
+        assert counts.table_tiles == -(-rows // v4ctraffic.TABLE_TILE)
+        assert dmas == 2 * (rows // ratio) + slots + 1 + 3 * state + 1 + finish, (case.shape, dmas)
     else:
-        bound = 2 * vc.compressor_coff(ratio) * rows + slots + 1 + 3 * state + 1
+        bound = 2 * vc.compressor_coff(ratio) * rows + slots + 1 + 3 * state + 1 + finish
         assert 0 < dmas <= bound, (case.shape, dmas, bound)
 
 

@@ -105,12 +105,13 @@ def test_compressor_decode_counted_bytes_and_descriptors_equal_the_model(counted
     5 output slots): counted bytes (an HBM -> HBM row copy read and written) and descriptors
     equal ``compressor_traffic``'s; per completing sequence 7 descriptors (kv and score row,
     kv and gate ring slot, the state's kv copy, score row in, gate row out), one per output
-    slot, plus the two ape blocks."""
+    slot, plus the two ape blocks; the rows finished in the kernel add the norm weight block and
+    one cos and one sin table tile (every entry's position lies in tile 0)."""
     case, n = counted_compressor
     assert n.dmas_unexecuted == 0
     counted = n.bytes(lane_padded=True) + n.bytes("hbm", "hbm")
     assert counted == case.model.bytes_moved, n.table()
-    assert n.descriptors == case.model.dmas == 7 * 4 + 5 + 2, n.table()
+    assert n.descriptors == case.model.dmas == 7 * 4 + 5 + 2 + 1 + 2, n.table()
     assert n.count("hbm", "hbm", "dma") == 4  # one kv row per sequence into its ring
 
 

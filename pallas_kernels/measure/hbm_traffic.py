@@ -28,6 +28,7 @@ The report: ``python -m scripts.cost.hbm_traffic [--quick] [--out DIR]``
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -264,7 +265,12 @@ def compressor_case(*, ratio: int = 4, d: int = 128, seqs: int = 4, seed: int = 
             jnp.asarray(f32((ratio, width))), jnp.ones((d,), jnp.float32), cos, sin, state,
             jnp.arange(seqs, dtype=jnp.int32), jnp.asarray(kv_lens, jnp.int32),
             jnp.arange(seqs + 1, dtype=jnp.int32), jnp.asarray([seqs] * 3, jnp.int32))
-    model = ctraffic.compressor_traffic(ctraffic.decode_counts(seqs, ratio), ratio=ratio, d=d)
+    # the RoPE table tiles the kernel loads: a completing entry whose position lies in the tile
+    # the previous one loaded reuses it (every sequence completes entry kv_len // ratio - 1)
+    tiles = [(n // ratio - 1) * ratio // ctraffic.TABLE_TILE for n in kv_lens]
+    counts = dataclasses.replace(ctraffic.decode_counts(seqs, ratio),
+                                 table_tiles=1 + int(np.count_nonzero(np.diff(tiles))))
+    model = ctraffic.compressor_traffic(counts, ratio=ratio, d=d)
     return Case("v4_compressor", f"decode {seqs} seqs, ratio {ratio} d{d}",
                 lambda: compress_step(*args, ratio=ratio, interpret=INTERPRET), model, 0,
                 f"R={rows} W={width}")

@@ -151,10 +151,12 @@ def state_bytes(c: StepCounts, *, ratio: int, d: int) -> int:
     return c.state_rows * 4 * width * F32 + ratio * width * F32
 
 
-def pool_dmas(c: StepCounts) -> int:
+def pool_dmas(c: StepCounts, *, half: int = HALF) -> int:
     """DMA descriptors of the pooling call: per chunk run and per ring slot read, one DMA each
-    for kv and score; pipeline block copies: the ape tile once, each output slot's row."""
-    return 2 * (c.runs + c.ring_entries) + 1 + c.slots
+    for kv and score; per RoPE table tile loaded, one each for cos and sin; each output slot's
+    row; pipeline block copies: the ape tile once and (``half``: the kernel finishes the rows)
+    the norm weight once."""
+    return 2 * (c.runs + c.ring_entries + c.table_tiles) + 1 + c.slots + bool(half)
 
 
 def state_dmas(c: StepCounts) -> int:
@@ -166,8 +168,9 @@ def state_dmas(c: StepCounts) -> int:
 def compressor_traffic(c: StepCounts, *, ratio: int, d: int) -> aot.Traffic:
     """Both calls of one step against the minimum (module docstring); flops: the pooling's
     ~6 flops per pooled slot channel; VMEM: ``vmem_bytes``; DMA descriptors: ``pool_dmas`` +
-    ``state_dmas`` (a decode step where every sequence completes an entry: 7 per sequence,
-    one output row per slot, plus the two ape blocks)."""
+    ``state_dmas`` (a decode step where every sequence completes an entry: 7 per sequence and
+    one output row per slot, plus 2 per RoPE table tile loaded, the two ape blocks and the norm
+    weight)."""
     width = vc.compressor_coff(ratio) * d
     rows = vc.state_rows(ratio)
     moved = pool_bytes(c, ratio=ratio, d=d) + state_bytes(c, ratio=ratio, d=d)
