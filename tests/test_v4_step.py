@@ -134,10 +134,11 @@ def _drive(schedule, *, qat, backend="reference", kernel_options=None, seed=0, m
 
 # The step and the statement against the float64 oracle of the bf16 regime over a whole run (the
 # oracle takes each sequence whole), in bf16 ulps of each row's largest output. Measured on the
-# lock-step run (280 and 263 tokens, every layer type): the statement and the Pallas step at most
-# 1.62 ulps, mean <= 0.010, <= 0.17% of the elements a whole ulp off; the reference step at most
-# 1.5 ulps, mean <= 0.154 and <= 2.1% (its attention merges the window and compressed parts by
-# LSE, P rounded against each part's max: ``_assert_step_close``'s note).
+# lock-step run (at 260 decodes: 280 and 263 tokens, every layer type): the statement and the
+# Pallas step at most 1.62 ulps, mean <= 0.010, <= 0.17% of the elements a whole ulp off; the
+# reference step at most 1.5 ulps, mean <= 0.154 and <= 2.1% (its attention merges the window
+# and compressed parts by LSE, P rounded against each part's max: ``_assert_step_close``'s
+# note).
 ORACLE_OUT_ULPS, ORACLE_OUT_MEAN_ULPS, ORACLE_OUT_FLIP_FRACTION = 3.0, 0.3, 0.05
 # CSA rows whose picks score as the oracle's top-k: issue 27's bar for the official code against
 # itself (430 of 440 decode rows). A row can miss when an fp4 index-key code sits one step from
@@ -223,7 +224,7 @@ def _assert_same_picks(topk, sel, msg):
 
 @pytest.mark.slow
 def test_step_equals_statement_long_decode():
-    """Prefill (133 and 7 tokens) then 260 decodes: both sequences cross ratio-128 groups
+    """Prefill (133 and 7 tokens) then 256 decodes: both sequences cross ratio-128 groups
     (entries 0 and 1 complete at positions 127 and 255), many ratio-4 groups and the 128-token
     window; every layer type, each step against the statement (reference backend, qat off;
     about 1 min of CPU). Run in a process of its own (``tests/isolated.py``): a worker crashed
@@ -233,21 +234,22 @@ def test_step_equals_statement_long_decode():
 
 def reference_long_decode() -> None:
     """The body of ``test_step_equals_statement_long_decode`` (a child process runs it)."""
-    _drive(_schedule([133, 7], 260), qat=False, backend="reference")
+    _drive(_schedule([133, 7], 256), qat=False, backend="reference")
 
 
 # The window of the lockstep run and its page size (the interpreter's cost grows with the
 # window: one DMA per window token per row and layer; 16 in pages of 8 cost ~1.3x per step).
 LOCKSTEP_WINDOW, LOCKSTEP_WINDOW_PAGE = 8, 4
-# Decodes after the prefill: past position 255 (HCA entry 1).
-LOCKSTEP_DECODES = 260
+# Decodes after the prefill: the >= 256 issue 27 asks; both sequences pass position 255 (HCA
+# entry 1: 20 + 256 = 276 and 3 + 256 = 259 tokens).
+LOCKSTEP_DECODES = 256
 
 
 @pytest.mark.slow
 def test_both_backends_equal_statement_long_decode():
     """Issue 21's long run in the official regime (issue 27: ``precision="bf16"``, QAT on),
     both backends in lockstep against ONE statement run: a prefill of 20 and 3 tokens then
-    ``LOCKSTEP_DECODES`` decodes (to 280 and 263 tokens), every step of both the reference and
+    ``LOCKSTEP_DECODES`` decodes (to 276 and 259 tokens), every step of both the reference and
     the Pallas backend (the strict interpreter, prefill included) against the statement in the
     same regime, per sequence and layer (``_assert_step_close``); at the end every step's
     output of the statement and of both backends against the float64 oracle of the regime
@@ -389,8 +391,11 @@ def _run_split(lengths, steps, proj, rows):
     return res, [np.concatenate(o, axis=1) for o in outs]
 
 
+# Three derandomized examples (was 4; issue 26's suite budget): all-decode splits (257 steps),
+# a 30-token chunk then mostly decodes (278 steps) and chunk-heavy splits with late joins
+# (63 steps); the fourth (10-token chunks and decodes, 310 steps) added no phase of its own.
 @pytest.mark.slow
-@settings(max_examples=4, deadline=None, derandomize=True, database=None,
+@settings(max_examples=3, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(_split())
 def test_step_is_chunk_invariant(split):
