@@ -113,6 +113,7 @@ class Traffic:
     bytes_min: int
     flops: int
     vmem_bytes: int
+    dmas: int = 0  # DMA descriptors the kernel issues (manual DMAs + pipeline block copies)
 
     @property
     def ratio(self) -> float:

@@ -173,32 +173,35 @@ def _copy(src, buf, sems, part, layer, pid, row, b, n, rows: int = 1):
                                  buf.at[b, pl.ds(n, rows)], sems.at[part, b])
 
 
-def issue(fmt: str, src, bufs, sems, layer, pid, off, b, n):
-    """Start the DMAs of the token at in-page slot ``off`` of page ``pid`` into row ``n`` of
-    gather buffer ``b`` (module docstring)."""
+def issue(fmt: str, src, bufs, sems, layer, pid, off, b, n, rows: int = 1):
+    """Start the DMAs of ``rows`` tokens from in-page slot ``off`` of page ``pid`` into rows
+    ``n ..`` of gather buffer ``b`` (module docstring; ``rows > 1``, a page-run segment: one
+    DMA of the tokens' contiguous rows, packed / f32 / plane)."""
     if fmt == "plane":
         _copy(src[0], bufs[0], sems, 0, layer, pid, PLANE_ROWS * off, b, PLANE_ROWS * n,
-              PLANE_ROWS).start()
+              PLANE_ROWS * rows).start()
         return
-    _copy(src[0], bufs[0], sems, 0, layer, pid, off, b, n).start()
+    _copy(src[0], bufs[0], sems, 0, layer, pid, off, b, n, rows).start()
     if fmt in ("fp8", "csa"):
         quarters = v4_cache.ROPE_TOKENS_PER_ROW
         _copy(src[1], bufs[1], sems, 1, layer, pid, off // quarters, b, n).start()
         bufs[2][b, pl.ds(n, 1), :] = jnp.full((1, LANES), off % quarters, jnp.int32)
 
 
-def wait(fmt: str, src, bufs, sems, b, n):
-    """Wait for the ``n`` tokens' DMAs into gather buffer ``b`` (one semaphore per part counts
-    them all; each wait takes one token's copy of that part)."""
+def wait(fmt: str, src, bufs, sems, b, n, runs=0, seg: int = 1):
+    """Wait for the DMAs into gather buffer ``b``: ``n`` single tokens and ``runs`` segments
+    of ``seg`` tokens (one semaphore per part counts their bytes; each wait takes one copy's
+    bytes of that part)."""
     rows = PLANE_ROWS if fmt == "plane" else 1
     for part in range(len(src)):
-        copy = _copy(src[part], bufs[part], sems, part, 0, 0, 0, b, 0, rows)
+        for count, size in ((n, 1), (runs, seg)) if seg > 1 else ((n, 1),):
+            copy = _copy(src[part], bufs[part], sems, part, 0, 0, 0, b, 0, rows * size)
 
-        def body(i, c, copy=copy):
-            copy.wait()
-            return c
+            def body(i, c, copy=copy):
+                copy.wait()
+                return c
 
-        jax.lax.fori_loop(0, n, body, 0)
+            jax.lax.fori_loop(0, count, body, 0)
 
 
 def _u32(x):

@@ -70,7 +70,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import tpu
-from pallas_kernels.v4_attention import formats
+from pallas_kernels.v4_attention import formats, traffic
 from pallas_kernels.v4_attention import writes as row_writes
 from pallas_kernels.v4_attention.blocks import DEFAULT_BLOCK
 from pallas_kernels.v4_attention.formats import (  # noqa: F401 (old names of this module)
@@ -160,49 +160,97 @@ def pack_info(fields) -> jax.Array:
     return jnp.stack([jnp.asarray(f, jnp.int32) for f in fields], axis=-1).reshape(-1)
 
 
+def _units(info_ref, row, seg, window_runs, compressed_runs):
+    """Row ``row``'s stream: ``(window units, compressed units)``; a unit is one token / entry,
+    or one ``seg``-row segment of a page run (``traffic.segment_plan``)."""
+    at = row * INFO_WORDS
+    w_first, w_n, c_n = info_ref[at + _WFIRST], info_ref[at + _WN], info_ref[at + _CN]
+    w_units = traffic.window_segments(w_first, w_n, seg) if window_runs else w_n
+    return w_units, (c_n + seg - 1) // seg if compressed_runs else c_n
+
+
 def _walk(refs, row, lslot, b, cur, *, fmt, listed, block, w_page, c_page, w_pages, c_pages,
-          layer, layer_ok):
-    """Issue the DMAs of query row ``row``'s next ``block`` valid stream positions from
-    ``cur`` into gather buffer ``b`` (densely; its list is in SMEM slot ``lslot``). Returns
-    ``(cursor, rows issued)``; a row's stream is its ``w_n`` window tokens then ``c_n`` list
-    positions (module docstring)."""
-    info_ref, wtab_ref, ctab_ref, w_src, c_src, bufs, ent_smem, sems = refs
+          layer, layer_ok, seg, window_runs, compressed_runs):
+    """Issue the DMAs of query row ``row``'s next stream units from ``cur`` into gather buffer
+    ``b`` until it is full (its list is in SMEM slot ``lslot``): a token / entry into the next
+    free row, a page-run segment into the next ``seg``-row slot; each records the wanted rows
+    of its slot in ``runs[b]`` (``lo, hi`` per slot, then the segments issued). Returns
+    ``(cursor, rows filled)``; a row's stream is its window units then its compressed units
+    (module docstring)."""
+    info_ref, wtab_ref, ctab_ref, w_src, c_src, bufs, ent_smem, sems, runs = refs
     at = row * INFO_WORDS
     w_first, w_n, w_slot0 = info_ref[at + _WFIRST], info_ref[at + _WN], info_ref[at + _WSLOT0]
     c_n, c_slot0, c_limit = info_ref[at + _CN], info_ref[at + _CSLOT0], info_ref[at + _CLIMIT]
+    w_units, c_units = _units(info_ref, row, seg, window_runs, compressed_runs)
+    nslots = block // seg
+    for j in range(2 * nslots + 1):
+        runs[b, j] = jnp.int32(0)
+    w_rows, c_rows = (seg if window_runs else 1), (seg if compressed_runs else 1)
 
     def body(c):
-        pos, n = c
-        in_window = pos < w_n
-        j = pos - w_n
-        e = ent_smem[lslot, jnp.clip(j, 0, ent_smem.shape[1] - 1)] if listed else j
+        pos, n, ns = c
+        in_window = pos < w_units
+        j = pos - w_units
+        if window_runs:
+            w_start = (w_first // seg + pos) * seg
+            w_lo = jnp.maximum(w_first - w_start, 0)
+            w_hi = jnp.minimum(w_first + w_n - w_start, seg)
+        else:
+            w_start, w_lo, w_hi = w_first + pos, 0, n % seg + 1
+        if compressed_runs:
+            e = j * seg
+            c_lo, c_hi = 0, jnp.minimum(c_limit - e, seg)
+        else:
+            e = ent_smem[lslot, jnp.clip(j, 0, ent_smem.shape[1] - 1)] if listed else j
+            c_lo, c_hi = 0, n % seg + 1
         e_ok = (e >= 0) & (e < c_limit)
-        unit = jnp.where(in_window, w_first + pos, jnp.where(e_ok, e, 0))
+        unit = jnp.where(in_window, w_start, jnp.where(e_ok, e, 0))
         psize = jnp.where(in_window, w_page, c_page)
         slot = jnp.where(in_window, w_slot0, c_slot0) + unit // psize
         w_pid, w_ok = batch.lookup_page(wtab_ref, slot, w_pages)
         c_pid, c_ok = batch.lookup_page(ctab_ref, slot, c_pages)
         ok = jnp.where(in_window, w_ok, e_ok & c_ok) & layer_ok
-        for src, pid, here in ((w_src, w_pid, in_window), (c_src, c_pid, ~in_window)):
+        for src, pid, here, rows in ((w_src, w_pid, in_window, w_rows),
+                                     (c_src, c_pid, ~in_window, c_rows)):
             @pl.when(ok & here)
-            def _(src=src, pid=pid):
-                formats.issue(fmt, src, bufs, sems, layer, pid, unit % psize, b, n)
+            def _(src=src, pid=pid, rows=rows):
+                formats.issue(fmt, src, bufs, sems, layer, pid, unit % psize, b, n, rows)
 
-        return pos + 1, n + ok.astype(jnp.int32)
+        @pl.when(ok)
+        def _():
+            runs[b, 2 * (n // seg)] = jnp.where(in_window, w_lo, c_lo)
+            runs[b, 2 * (n // seg) + 1] = jnp.where(in_window, w_hi, c_hi)
 
-    return jax.lax.while_loop(lambda c: (c[1] < block) & (c[0] < w_n + c_n), body,
-                              (cur, jnp.int32(0)))
+        size = jnp.where(in_window, w_rows, c_rows)
+        is_run = jnp.where(in_window, window_runs, compressed_runs)
+        return (pos + 1, n + ok.astype(jnp.int32) * size,
+                ns + (ok & is_run).astype(jnp.int32))
+
+    cur, n, ns = jax.lax.while_loop(lambda c: (c[1] < block) & (c[0] < w_units + c_units),
+                                    body, (cur, jnp.int32(0), jnp.int32(0)))
+    runs[b, 2 * nslots] = ns
+    return cur, n
 
 
-def _attend(q, ops, n, m, l_sum, acc_ref, *, sm_scale):
+def _live(runs, b, shape, axis: int, seg: int):
+    """``bool[shape]``: whether each gathered row (along ``axis``) of buffer ``b`` is a wanted
+    token: rows ``lo .. hi - 1`` of each ``seg``-row slot (``runs[b]``, ``_walk``); a select
+    mask, so the other rows (a run's unwanted rows, stale or never written) cannot leak."""
+    r = jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+    live = jnp.zeros(shape, bool)
+    for j in range(shape[axis] // seg):
+        live = live | ((r >= j * seg + runs[b, 2 * j]) & (r < j * seg + runs[b, 2 * j + 1]))
+    return live
+
+
+def _attend(q, ops, live, m, l_sum, acc_ref, *, sm_scale):
     """One online-softmax step over a gathered block, given as ``ops`` (``formats.operands``:
-    q's feature offset, operand ``[block, width]``, rows past ``n`` already zero); their logits
-    are ``-inf``. Returns ``(m, l)``."""
+    q's feature offset, operand ``[block, width]``, unwanted rows already zero); the logits of
+    columns where ``live`` (``bool[H, block]``) is false are ``-inf``. Returns ``(m, l)``."""
     nt = (((1,), (1,)), ((), ()))
     s = sum(jax.lax.dot_general(q[:, lo:lo + x.shape[1]], x, nt,
                                 preferred_element_type=jnp.float32) for lo, x in ops)
-    col = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-    s = jnp.where(col < n, s * sm_scale, -jnp.inf)
+    s = jnp.where(live, s * sm_scale, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new)
@@ -275,12 +323,14 @@ def _kernel(info_ref, wtab_ref, ctab_ref, layer_ref, q_ref, sink_ref, ent_hbm, *
     n_out = 3 if state_out else 2
     outs, cache_out = refs[:n_out], (refs[n_out] if writes else None)
     refs = refs[n_out + writes:]
-    bufs, (ent_smem, sems, esem, state, acc_ref) = refs[:nbufs], refs[nbufs:]
+    bufs, (ent_smem, sems, esem, state, acc_ref, runs) = refs[:nbufs], refs[nbufs:]
     t, num_rows = pl.program_id(0), pl.num_programs(0)
     layer, num_layers = layer_ref[0], walk_statics.pop("layers")
     walk_statics.update(fmt=fmt, listed=listed, layer=jnp.clip(layer, 0, num_layers - 1),
                         layer_ok=(layer >= 0) & (layer < num_layers))  # else: read nothing
-    walk_refs = (info_ref, wtab_ref, ctab_ref, w_src, c_src, bufs, ent_smem, sems)
+    walk_refs = (info_ref, wtab_ref, ctab_ref, w_src, c_src, bufs, ent_smem, sems, runs)
+    seg, block = walk_statics["seg"], walk_statics["block"]
+    runs_on = walk_statics["window_runs"] or walk_statics["compressed_runs"]
 
     def start_row(row, b):
         """Load ``row``'s list and issue its first block into buffer ``b``; record it."""
@@ -310,7 +360,8 @@ def _kernel(info_ref, wtab_ref, ctab_ref, layer_ref, q_ref, sink_ref, ent_hbm, *
             start_row(t + 1, b)
             state[3] = 1
 
-    total = info_ref[t * INFO_WORDS + _WN] + info_ref[t * INFO_WORDS + _CN]
+    total = sum(_units(info_ref, t, seg, walk_statics["window_runs"],
+                       walk_statics["compressed_runs"]))
 
     def step(carry):
         cur, n, b, m, l_sum = carry
@@ -323,10 +374,12 @@ def _kernel(info_ref, wtab_ref, ctab_ref, layer_ref, q_ref, sink_ref, ent_hbm, *
             return cur, jnp.int32(0)
 
         cur2, n2 = jax.lax.cond(cur < total, more, last)
-        formats.wait(fmt, w_src, bufs, sems, b, n)
-        live = jax.lax.broadcasted_iota(jnp.int32, (walk_statics["block"], 1), 0) < n
-        m, l_sum = _attend(q_ref[0], formats.operands(fmt, bufs, b, live, cdt), n, m, l_sum,
-                           acc_ref, sm_scale=sm_scale)
+        ns = runs[b, 2 * (block // seg)]  # segments: 0 unless page runs are on
+        formats.wait(fmt, w_src, bufs, sems, b, n - ns * seg, ns, seg if runs_on else 1)
+        live = _live(runs, b, (block, 1), 0, seg)
+        cols = _live(runs, b, (q_ref.shape[1], block), 1, seg)
+        m, l_sum = _attend(q_ref[0], formats.operands(fmt, bufs, b, live, cdt), cols, m,
+                           l_sum, acc_ref, sm_scale=sm_scale)
         return cur2, n2, 1 - b, m, l_sum
 
     m0, l0 = _start_state(state_refs, acc_ref, q_ref.shape[1])
@@ -340,13 +393,14 @@ def _kernel(info_ref, wtab_ref, ctab_ref, layer_ref, q_ref, sink_ref, ent_hbm, *
     _finish(outs, sink_ref, acc_ref, m, l_sum, state_out=state_out)
 
 
-def _scratch(fmt: str, block: int, w_parts, heads: int, dim: int, k: int) -> list:
+def _scratch(fmt: str, block: int, w_parts, heads: int, dim: int, k: int, seg: int) -> list:
     """The kernel's scratch (``_kernel``'s docstring)."""
     return formats.buffers(fmt, block, w_parts) + [
         pltpu.SMEM((2, k), jnp.int32),  # the compressed lists of 2 rows
         pltpu.SemaphoreType.DMA((2, 2)), pltpu.SemaphoreType.DMA((1,)),
         pltpu.SMEM((4,), jnp.int32),  # the walk's state across rows
-        pltpu.VMEM((heads, dim), jnp.float32)]  # accumulator
+        pltpu.VMEM((heads, dim), jnp.float32),  # accumulator
+        pltpu.SMEM((2, 2 * (block // seg) + 1), jnp.int32)]  # per buffer: slots' lo, hi; runs
 
 
 def _state_io(state, return_state: bool, acc_dtype, q, row_block):
@@ -373,7 +427,7 @@ def _state_io(state, return_state: bool, acc_dtype, q, row_block):
 def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn_sink, *,
                gathered_rows: int, block: int, sm_scale: float, vmem_limit_bytes: int | None,
                interpret, state=None, return_state: bool = False, acc_dtype=None,
-               new_rows=None):
+               new_rows=None, window_size: int = 0):
     """The ``pallas_call`` (see ``_kernel``): caches stacked ``[L, P, ps, Wc]`` (packed u32 or
     f32) or stacked format pytrees (``formats``), both caches in one format, read at ``layer``
     (i32). ``state``: the rows' starting flash state ``(acc f32|bf16[T, H, 512], l f32[T, H],
@@ -382,7 +436,9 @@ def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn
     ``f32[T, H, 1]``). ``new_rows``: ``i32[2 T, 128]`` plane words (``writes.pack_rows``) the
     kernel writes into the (plane) window cache first, ``info`` then ending in the rows'
     positions (``writes.write_positions``); the updated stacked window words are returned
-    last, aliased to the input."""
+    last, aliased to the input. ``window_size``: the window
+    tokens of ``gathered_rows`` (the rest: compressed entries), for the page-run traffic
+    bound (``traffic.run_bound``)."""
     num_rows, heads, dim = q.shape
     listed = entries is not None
     ent = entries.astype(jnp.int32) if listed else jnp.zeros((num_rows, 1), jnp.int32)
@@ -391,8 +447,11 @@ def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn
     w_parts, c_parts = formats.parts(w_cache), formats.parts(c_cache)
     (layers, w_pages, w_page), (_, c_pages, c_page) = (formats.paging(w_cache),
                                                        formats.paging(c_cache))
+    seg, window_runs, compressed_runs = traffic.segment_plan(fmt, block, w_page, c_page,
+                                                             listed)
     kernel = functools.partial(
-        _kernel, fmt=fmt, listed=listed, block=block, w_page=w_page, c_page=c_page,
+        _kernel, fmt=fmt, listed=listed, block=block, seg=seg, window_runs=window_runs,
+        compressed_runs=compressed_runs, w_page=w_page, c_page=c_page,
         w_pages=w_pages, c_pages=c_pages, layers=layers, sm_scale=float(sm_scale),
         cdt=jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16,
         state_in=state is not None, state_out=return_state, writes=new_rows is not None)
@@ -413,7 +472,11 @@ def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn
                   pl.BlockSpec((heads, 1), lambda t, *_: (0, 0)),
                   pl.BlockSpec(memory_space=pl.ANY)] + state_specs
         + [any_spec] * (len(w_parts) + len(c_parts) + len(extra_ins)),
-        out_specs=out_specs, scratch_shapes=_scratch(fmt, block, w_parts, heads, dim, k))
+        out_specs=out_specs, scratch_shapes=_scratch(fmt, block, w_parts, heads, dim, k, seg))
+    read_rows, gather_dmas = traffic.run_bound(
+        window=window_size, entries=gathered_rows - window_size, seg=seg,
+        window_runs=window_runs, compressed_runs=compressed_runs,
+        dmas_per_read=len(w_parts))
     t = fused_traffic(rows=num_rows, heads=heads, gathered_rows=gathered_rows,
                       meta_words=k if listed else 0,
                       table_words=w_table.shape[0] + c_table.shape[0], block=block,
@@ -422,7 +485,8 @@ def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn
                       min_row_bytes=formats.stored_bytes(fmt), fp8=fmt in ("fp8", "csa"),
                       acc_in_itemsize=0 if state is None else state[0].dtype.itemsize,
                       acc_out_itemsize=acc_dtype.itemsize if return_state else 0,
-                      written_rows=0 if new_rows is None else num_rows)
+                      written_rows=0 if new_rows is None else num_rows,
+                      read_rows=num_rows * read_rows, gather_dmas=num_rows * gather_dmas)
     call = pl.pallas_call(
         kernel, grid_spec=grid_spec, out_shape=out_shape, input_output_aliases=aliases,
         compiler_params=pltpu.CompilerParams(
@@ -476,7 +540,7 @@ def fused_rows(q, window: v4.PagedKV, kv_lens, cu_q_lens, distribution, *, compr
                      sm_scale=statics["sm_scale"], vmem_limit_bytes=vmem_limit_bytes,
                      interpret=interpret, state=state, return_state=return_state,
                      acc_dtype=q.dtype if acc_dtype is None else acc_dtype,
-                     new_rows=new_rows)
+                     new_rows=new_rows, window_size=statics["window_size"])
     res = list(res)
     words = res.pop() if new_kv is not None else None
     if not return_state and precision == "bf16":
