@@ -176,7 +176,10 @@ def _copy(src, buf, sems, part, layer, pid, row, b, n, rows: int = 1):
 def issue(fmt: str, src, bufs, sems, layer, pid, off, b, n, rows: int = 1):
     """Start the DMAs of ``rows`` tokens from in-page slot ``off`` of page ``pid`` into rows
     ``n ..`` of gather buffer ``b`` (module docstring; ``rows > 1``, a page-run segment: one
-    DMA of the tokens' contiguous rows, packed / f32 / plane)."""
+    DMA of the tokens' contiguous rows, packed / f32 / plane: ``off`` and ``n`` multiples of
+    ``rows``, a multiple of 8, as Mosaic's tiled slices need)."""
+    if rows > 1:
+        off, n = pl.multiple_of(off, rows), pl.multiple_of(n, rows)
     if fmt == "plane":
         _copy(src[0], bufs[0], sems, 0, layer, pid, PLANE_ROWS * off, b, PLANE_ROWS * n,
               PLANE_ROWS * rows).start()

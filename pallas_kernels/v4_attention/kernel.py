@@ -180,7 +180,7 @@ def _walk(refs, row, lslot, b, cur, *, fmt, listed, block, w_page, c_page, w_pag
     info_ref, wtab_ref, ctab_ref, w_src, c_src, bufs, ent_smem, sems, runs = refs
     at = row * INFO_WORDS
     w_first, w_n, w_slot0 = info_ref[at + _WFIRST], info_ref[at + _WN], info_ref[at + _WSLOT0]
-    c_n, c_slot0, c_limit = info_ref[at + _CN], info_ref[at + _CSLOT0], info_ref[at + _CLIMIT]
+    c_slot0, c_limit = info_ref[at + _CSLOT0], info_ref[at + _CLIMIT]
     w_units, c_units = _units(info_ref, row, seg, window_runs, compressed_runs)
     nslots = block // seg
     for j in range(2 * nslots + 1):

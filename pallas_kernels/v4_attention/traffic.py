@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from pallas_kernels import aot
+from pallas_kernels.tpu import SUBLANES
 from pallas_kernels.v4_attention.formats import LANES
 from pallas_kernels.v4_attention.writes import WRITE_BYTES
 from reference import v4_attention as v4
@@ -32,10 +33,11 @@ def segment_plan(fmt: str, block: int, w_page: int, c_page: int, listed: bool
     ``gcd(block, window page, compressed page)`` (the compressed page only for an unlisted,
     HCA walk): it divides the block and every read page, so a segment lies in one page and
     slots tile the block. Off (``seg = block``, one slot, every position one row) for the
-    per-token formats (``SEGMENT_FORMATS``), for ``seg < 2`` or more than ``MAX_SLOTS``
-    slots. A listed (CSA) walk reads one row per entry either way."""
+    per-token formats (``SEGMENT_FORMATS``), for ``seg`` not a multiple of 8 (Mosaic slices a
+    VMEM buffer at whole 8-row tiles) or more than ``MAX_SLOTS`` slots. A listed (CSA) walk
+    reads one row per entry either way."""
     seg = math.gcd(block, w_page) if listed else math.gcd(block, w_page, c_page)
-    if fmt not in SEGMENT_FORMATS or seg < 2 or block // seg > MAX_SLOTS:
+    if fmt not in SEGMENT_FORMATS or seg % SUBLANES or block // seg > MAX_SLOTS:
         return block, False, False
     return seg, True, not listed
 

@@ -1,0 +1,135 @@
+"""Page runs of the fused V4 attention kernel (``pallas_kernels.v4_attention``; issue 30): the
+window tokens and the HCA entries read as aligned segments of a page (``traffic.segment_plan``,
+one DMA per segment), in the strict interpreter against the float64 oracle
+(``oracle.v4_oracle``), and the interpreter's counts of bytes and DMA starts against the model
+(``traffic.fused_traffic`` with ``traffic.run_reads``).
+
+Edge cases (one batch, every unread slot NaN: ``v4_batches``): a decode row with one window
+token (``kv_len 1``), a window starting on a page's last row (``w_first = 7``, pages of 8),
+HCA rows with 0, 1, exactly a page (8) and a page + 1 visible entries (all entries in one page,
+and a run over two pages), prefill rows beside decode rows, window pages no row sees released
+(a page-run never reads them). Tolerance ``F32_TOL`` as ``test_v4_attention`` (f32 sums in
+another order than the oracle's f64).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+from oracle import v4_oracle
+from test_v4_attention_state import to_plane
+from v4_batches import make_v4_batch, to_fp8
+
+from pallas_kernels.v4_attention import formats, kernel, traffic
+from reference.packed_cache import pack_cache
+
+pytestmark = pytest.mark.kernel_gate
+
+SCALE = 512 ** -0.5
+F32_TOL = dict(rtol=2e-5, atol=2e-5)
+SINK = np.array([0.5, -np.inf], np.float32)
+BLOCK, PAGE = 16, 8  # segments of 8 rows (a page), 2 slots a block
+# decode rows: kv_len 1 (w_n = 1), 23 (w_first = 7: a page's last row), 130 / 1030 / 1160 (HCA
+# entries 1, 8 = one page, 9 = a page + 1); then 3 prefill rows at 297 .. 299 (2 entries)
+Q_LENS, KV_LENS = [1, 1, 1, 1, 1, 3], [1, 23, 130, 1030, 1160, 300]
+
+
+def _batch(seed, ratio=128):
+    return make_v4_batch([30, seed], q_lens=Q_LENS, kv_lens=KV_LENS, ratio=ratio, heads=2,
+                         window_size=16, window_page_size=PAGE, comp_page_size=PAGE)
+
+
+def _run(b, cast, interpret=True, block=BLOCK):
+    return kernel.v4_attention_fused(
+        jnp.asarray(b.q), *b.args(cast=cast)[1:], sm_scale=SCALE, return_lse=True,
+        block=block, interpret=interpret, **b.kwargs(cast=cast, sink=SINK))
+
+
+def test_segment_plan_runs_the_contiguous_sources_only():
+    assert traffic.segment_plan("packed", 256, 64, 64, listed=True) == (64, True, False)
+    assert traffic.segment_plan("packed", 256, 64, 64, listed=False) == (64, True, True)
+    assert traffic.segment_plan("plane", 16, 8, 8, listed=False) == (8, True, True)
+    assert traffic.segment_plan("packed", 16, 4, 4, listed=False) == (16, False, False)
+    assert traffic.segment_plan("fp8", 256, 64, 64, listed=False) == (256, False, False)
+    assert traffic.segment_plan("packed", 256, 1, 1, listed=False) == (256, False, False)
+    # the bounds of the issue: window <= ceil(W / ps) + 1 segments, HCA <= n / ps + 2
+    for w_first in range(130):
+        n = traffic.window_segments(w_first, 128, 64)
+        assert n <= 128 // 64 + 1 and n * 64 >= 128
+    assert traffic.run_bound(window=128, entries=64, seg=64, window_runs=True,
+                             compressed_runs=True) == (4 * 64, 4)
+
+
+@pytest.mark.parametrize("fmt,block", [("packed", BLOCK), ("plain", 8), ("plane", BLOCK)])
+def test_page_runs_match_the_oracle(fmt, block):
+    """Packed, f32 and tokamax plane rows (2 slots a block; f32: block 8, one slot) at every
+    edge case."""
+    b = _batch(len(fmt))
+    out, lse = _run(b, {"packed": pack_cache, "plain": None, "plane": to_plane}[fmt],
+                    block=block)
+    want, want_lse = v4_oracle(b.q, b.kv_lens, b.cu_q_lens, b.distribution, sm_scale=SCALE,
+                               attn_sink=SINK, **b.oracle_kwargs())
+    if fmt != "plain":  # the oracle on the bf16 values the packed / plane words hold
+        rounded = dict(b.oracle_kwargs())
+        for key in ("window_cache", "comp_cache"):
+            rounded[key] = np.asarray(jnp.asarray(rounded[key], jnp.bfloat16), np.float32)
+        want, want_lse = v4_oracle(b.q, b.kv_lens, b.cu_q_lens, b.distribution,
+                                   sm_scale=SCALE, attn_sink=SINK, **rounded)
+    out = np.asarray(out, np.float64)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, want, **F32_TOL)
+    np.testing.assert_allclose(np.asarray(lse, np.float64), want_lse, **F32_TOL)
+
+
+def _counted(fn):
+    from pallas_kernels import _interpret_counter as counter
+
+    with counter.count_hbm_traffic() as n:
+        jax.block_until_ready(fn(pltpu.InterpretParams(dma_execution_mode="eager")))
+    assert n.dmas_unexecuted == 0
+    return n
+
+
+def _row_fields(b):
+    """Decode rows' ``row_info`` fields from the definition: window ``max(0, p - W + 1) .. p``,
+    HCA entries ``(p + 1) // 128``."""
+    p = np.asarray(b.kv_lens[:len(Q_LENS) - 1]) - 1
+    w_first = np.maximum(p - b.window_size + 1, 0)
+    return w_first, p - w_first + 1, (p + 1) // b.ratio
+
+
+@pytest.mark.parametrize("fmt", ["packed", "fp8"])
+def test_counted_bytes_and_dmas_equal_the_model(fmt):
+    """Decode rows only (each walks its whole window and visible entries): the interpreter's
+    bytes equal the model's kernel side (minus the scalar-prefetched row_info and tables, plus
+    the sink block it does not model), its DMA starts and block copies the model's ``dmas``.
+    fp8 keeps one token per read (2 DMAs, 1024 B): not a page run yet."""
+    b = make_v4_batch([30, 2], q_lens=[1] * 5, kv_lens=KV_LENS[:5], ratio=128, heads=2,
+                      window_size=16, window_page_size=PAGE, comp_page_size=PAGE)
+    t, h = b.q.shape[:2]
+    if fmt == "fp8":
+        cast, parts = to_fp8, 2
+    else:
+        cast, parts = pack_cache, 1
+    n = _counted(lambda ip: _run(b, cast, interpret=ip))
+    seg, w_runs, c_runs = traffic.segment_plan(fmt, BLOCK, PAGE, PAGE, listed=False)
+    read_rows, gather_dmas = traffic.run_reads(*_row_fields(b), seg=seg, window_runs=w_runs,
+                                               compressed_runs=c_runs, dmas_per_read=parts)
+    tables = len(b.window[1]) + len(b.compressed[1])
+    w_first, w_n, c_n = _row_fields(b)
+    model = kernel.fused_traffic(rows=t, heads=h, gathered_rows=0, meta_words=0,
+                                 table_words=tables, block=BLOCK, q_itemsize=4,
+                                 row_bytes=formats.row_bytes(fmt),
+                                 min_row_bytes=formats.stored_bytes(fmt), fp8=fmt == "fp8",
+                                 read_rows=read_rows, gather_dmas=gather_dmas)
+    prefetch = 4 * (t * kernel.INFO_WORDS + tables)
+    assert n.bytes(lane_padded=False) == model.bytes_moved - prefetch + 4 * h, n.table()
+    gathers = n.select("hbm", "vmem", "dma")
+    assert len(gathers) == gather_dmas
+    assert len(n.copies) == model.dmas, n.table()
+    if fmt == "packed":  # per row and part: window <= ceil(W / ps) + 1, HCA <= n / ps + 2
+        assert gather_dmas <= sum(-(-16 // PAGE) + 1 + c // PAGE + 2 for c in c_n)
+        assert gather_dmas < w_n.sum() + c_n.sum()  # fewer than one per token
