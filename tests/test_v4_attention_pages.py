@@ -21,7 +21,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 from oracle import v4_oracle
 from test_v4_attention_state import to_plane
-from v4_batches import make_v4_batch, to_fp8
+from v4_batches import fp8_view, make_v4_batch, to_fp8
 
 from pallas_kernels.v4_attention import formats, kernel, traffic
 from reference.packed_cache import pack_cache
@@ -37,9 +37,10 @@ BLOCK, PAGE = 16, 8  # segments of 8 rows (a page), 2 slots a block
 Q_LENS, KV_LENS = [1, 1, 1, 1, 1, 3], [1, 23, 130, 1030, 1160, 300]
 
 
-def _batch(seed, ratio=128):
-    return make_v4_batch([30, seed], q_lens=Q_LENS, kv_lens=KV_LENS, ratio=ratio, heads=2,
-                         window_size=16, window_page_size=PAGE, comp_page_size=PAGE)
+def _batch(seed, page=PAGE, kv_lens=KV_LENS):
+    return make_v4_batch([30, seed], q_lens=Q_LENS[-len(kv_lens):], kv_lens=kv_lens, ratio=128,
+                         heads=2, window_size=max(16, page), window_page_size=page,
+                         comp_page_size=page)
 
 
 def _run(b, cast, interpret=True, block=BLOCK):
@@ -53,26 +54,32 @@ def test_segment_plan_runs_the_contiguous_sources_only():
     assert traffic.segment_plan("packed", 256, 64, 64, listed=False) == (64, True, True)
     assert traffic.segment_plan("plane", 16, 8, 8, listed=False) == (8, True, True)
     assert traffic.segment_plan("packed", 16, 4, 4, listed=False) == (16, False, False)
-    assert traffic.segment_plan("fp8", 256, 64, 64, listed=False) == (256, False, False)
+    assert traffic.segment_plan("fp8", 256, 64, 64, listed=False) == (64, True, True)
+    assert traffic.segment_plan("csa", 256, 64, 64, listed=True) == (64, True, False)
+    assert traffic.segment_plan("fp8", 16, 8, 8, listed=False) == (16, False, False)
     assert traffic.segment_plan("packed", 256, 1, 1, listed=False) == (256, False, False)
     # the bounds of the issue: window <= ceil(W / ps) + 1 segments, HCA <= n / ps + 2
     for w_first in range(130):
         n = traffic.window_segments(w_first, 128, 64)
         assert n <= 128 // 64 + 1 and n * 64 >= 128
     assert traffic.run_bound(window=128, entries=64, seg=64, window_runs=True,
-                             compressed_runs=True) == (4 * 64, 4)
+                             compressed_runs=True) == (0, 4 * 64, 4)
 
 
-@pytest.mark.parametrize("fmt,block", [("packed", BLOCK), ("plain", 8), ("plane", BLOCK)])
+@pytest.mark.parametrize("fmt,block", [("packed", BLOCK), ("plain", 8), ("plane", BLOCK),
+                                       ("fp8", 64)])
 def test_page_runs_match_the_oracle(fmt, block):
     """Packed, f32 and tokamax plane rows (2 slots a block; f32: block 8, one slot) at every
-    edge case."""
-    b = _batch(len(fmt))
-    out, lse = _run(b, {"packed": pack_cache, "plain": None, "plane": to_plane}[fmt],
-                    block=block)
+    edge case; fp8 MODEL1 at pages of 32 and window 32 (its runs' seg: a multiple of 32;
+    w_first = 31 is a page's last row, HCA entries in one page)."""
+    b = _batch(len(fmt)) if fmt != "fp8" else _batch(4, page=32, kv_lens=[1, 63, 130, 300])
+    cast = {"packed": pack_cache, "plain": None, "plane": to_plane, "fp8": to_fp8}[fmt]
+    out, lse = _run(b, cast, block=block)
+    if fmt == "fp8":  # the oracle on the values the fp8 cache holds
+        b = fp8_view(b)
     want, want_lse = v4_oracle(b.q, b.kv_lens, b.cu_q_lens, b.distribution, sm_scale=SCALE,
                                attn_sink=SINK, **b.oracle_kwargs())
-    if fmt != "plain":  # the oracle on the bf16 values the packed / plane words hold
+    if fmt in ("packed", "plane"):  # the oracle on the bf16 values their words hold
         rounded = dict(b.oracle_kwargs())
         for key in ("window_cache", "comp_cache"):
             rounded[key] = np.asarray(jnp.asarray(rounded[key], jnp.bfloat16), np.float32)
@@ -96,40 +103,48 @@ def _counted(fn):
 def _row_fields(b):
     """Decode rows' ``row_info`` fields from the definition: window ``max(0, p - W + 1) .. p``,
     HCA entries ``(p + 1) // 128``."""
-    p = np.asarray(b.kv_lens[:len(Q_LENS) - 1]) - 1
+    p = np.asarray(b.kv_lens) - 1
     w_first = np.maximum(p - b.window_size + 1, 0)
     return w_first, p - w_first + 1, (p + 1) // b.ratio
 
 
-@pytest.mark.parametrize("fmt", ["packed", "fp8"])
+# fmt -> (page, block, decode kv_lens): fp8 runs need seg % 32 == 0 (their seg / 4 rope rows)
+COUNT_CASES = {"packed": (PAGE, BLOCK, KV_LENS[:5]), "fp8": (32, 64, [1, 63, 300, 700])}
+
+
+@pytest.mark.parametrize("fmt", COUNT_CASES)
 def test_counted_bytes_and_dmas_equal_the_model(fmt):
     """Decode rows only (each walks its whole window and visible entries): the interpreter's
     bytes equal the model's kernel side (minus the scalar-prefetched row_info and tables, plus
-    the sink block it does not model), its DMA starts and block copies the model's ``dmas``.
-    fp8 keeps one token per read (2 DMAs, 1024 B): not a page run yet."""
-    b = make_v4_batch([30, 2], q_lens=[1] * 5, kv_lens=KV_LENS[:5], ratio=128, heads=2,
-                      window_size=16, window_page_size=PAGE, comp_page_size=PAGE)
+    the sink block it does not model), its DMA starts and block copies the model's ``dmas``;
+    the issue's bounds per row and part (window <= ceil(W / ps) + 1 DMAs, HCA <= n / ps + 2)
+    and, fp8, the bytes per token a run reads (640 B: its record and a quarter rope row)."""
+    page, block, kv_lens = COUNT_CASES[fmt]
+    b = make_v4_batch([30, 2], q_lens=[1] * len(kv_lens), kv_lens=kv_lens, ratio=128,
+                      heads=2, window_size=max(16, page), window_page_size=page,
+                      comp_page_size=page)
     t, h = b.q.shape[:2]
-    if fmt == "fp8":
-        cast, parts = to_fp8, 2
-    else:
-        cast, parts = pack_cache, 1
-    n = _counted(lambda ip: _run(b, cast, interpret=ip))
-    seg, w_runs, c_runs = traffic.segment_plan(fmt, BLOCK, PAGE, PAGE, listed=False)
-    read_rows, gather_dmas = traffic.run_reads(*_row_fields(b), seg=seg, window_runs=w_runs,
-                                               compressed_runs=c_runs, dmas_per_read=parts)
+    cast, parts = (to_fp8, 2) if fmt == "fp8" else (pack_cache, 1)
+    n = _counted(lambda ip: _run(b, cast, interpret=ip, block=block))
+    seg, w_runs, c_runs = traffic.segment_plan(fmt, block, page, page, listed=False)
+    assert (seg, w_runs, c_runs) == (page, True, True)
+    single, runs, gather_dmas = traffic.run_reads(*_row_fields(b), seg=seg, window_runs=w_runs,
+                                                  compressed_runs=c_runs, dmas_per_read=parts)
     tables = len(b.window[1]) + len(b.compressed[1])
-    w_first, w_n, c_n = _row_fields(b)
     model = kernel.fused_traffic(rows=t, heads=h, gathered_rows=0, meta_words=0,
-                                 table_words=tables, block=BLOCK, q_itemsize=4,
+                                 table_words=tables, block=block, q_itemsize=4,
                                  row_bytes=formats.row_bytes(fmt),
                                  min_row_bytes=formats.stored_bytes(fmt), fp8=fmt == "fp8",
-                                 read_rows=read_rows, gather_dmas=gather_dmas)
+                                 read_rows=single, gather_dmas=gather_dmas, run_rows=runs,
+                                 run_row_bytes=formats.run_row_bytes(fmt))
     prefetch = 4 * (t * kernel.INFO_WORDS + tables)
     assert n.bytes(lane_padded=False) == model.bytes_moved - prefetch + 4 * h, n.table()
     gathers = n.select("hbm", "vmem", "dma")
-    assert len(gathers) == gather_dmas
+    assert len(gathers) == gather_dmas and single == 0
     assert len(n.copies) == model.dmas, n.table()
-    if fmt == "packed":  # per row and part: window <= ceil(W / ps) + 1, HCA <= n / ps + 2
-        assert gather_dmas <= sum(-(-16 // PAGE) + 1 + c // PAGE + 2 for c in c_n)
-        assert gather_dmas < w_n.sum() + c_n.sum()  # fewer than one per token
+    _, w_n, c_n = _row_fields(b)
+    w_bound = -(-b.window_size // page) + 1
+    assert gather_dmas <= parts * sum(w_bound + c // page + 2 for c in c_n)
+    assert gather_dmas < parts * (w_n.sum() + c_n.sum())  # fewer than one per token
+    per_token = sum(c.nbytes for c in gathers) / runs
+    assert per_token == formats.run_row_bytes(fmt) <= (1.05 * 640 if fmt == "fp8" else 1024)

@@ -314,7 +314,8 @@ def _kernel(info_ref, wtab_ref, ctab_ref, layer_ref, q_ref, sink_ref, ent_hbm, *
     Pipeline: a row's block b+1 is issued before block b is attended; its last block issues the
     next row's first block (and loads that row's list), so the DMA round trip is hidden across
     blocks and rows alike (grid steps run in order: ``dimension_semantics`` arbitrary)."""
-    nparts, nbufs = (2, 3) if fmt in ("fp8", "csa") else (1, 1)
+    runs_on = walk_statics["window_runs"] or walk_statics["compressed_runs"]
+    nparts, nbufs = (2, 3 + 2 * runs_on) if fmt in ("fp8", "csa") else (1, 1)
     n_state = 3 if state_in else 0
     state_refs, refs = refs[:n_state], refs[n_state:]
     w_src, c_src = refs[:nparts], refs[nparts:2 * nparts]
@@ -330,7 +331,6 @@ def _kernel(info_ref, wtab_ref, ctab_ref, layer_ref, q_ref, sink_ref, ent_hbm, *
                         layer_ok=(layer >= 0) & (layer < num_layers))  # else: read nothing
     walk_refs = (info_ref, wtab_ref, ctab_ref, w_src, c_src, bufs, ent_smem, sems, runs)
     seg, block = walk_statics["seg"], walk_statics["block"]
-    runs_on = walk_statics["window_runs"] or walk_statics["compressed_runs"]
 
     def start_row(row, b):
         """Load ``row``'s list and issue its first block into buffer ``b``; record it."""
@@ -378,8 +378,8 @@ def _kernel(info_ref, wtab_ref, ctab_ref, layer_ref, q_ref, sink_ref, ent_hbm, *
         formats.wait(fmt, w_src, bufs, sems, b, n - ns * seg, ns, seg if runs_on else 1)
         live = _live(runs, b, (block, 1), 0, seg)
         cols = _live(runs, b, (q_ref.shape[1], block), 1, seg)
-        m, l_sum = _attend(q_ref[0], formats.operands(fmt, bufs, b, live, cdt), cols, m,
-                           l_sum, acc_ref, sm_scale=sm_scale)
+        ops = formats.operands(fmt, bufs, b, live, cdt, ns * seg)
+        m, l_sum = _attend(q_ref[0], ops, cols, m, l_sum, acc_ref, sm_scale=sm_scale)
         return cur2, n2, 1 - b, m, l_sum
 
     m0, l0 = _start_state(state_refs, acc_ref, q_ref.shape[1])
@@ -393,9 +393,10 @@ def _kernel(info_ref, wtab_ref, ctab_ref, layer_ref, q_ref, sink_ref, ent_hbm, *
     _finish(outs, sink_ref, acc_ref, m, l_sum, state_out=state_out)
 
 
-def _scratch(fmt: str, block: int, w_parts, heads: int, dim: int, k: int, seg: int) -> list:
+def _scratch(fmt: str, block: int, w_parts, heads: int, dim: int, k: int, seg: int,
+             runs: bool) -> list:
     """The kernel's scratch (``_kernel``'s docstring)."""
-    return formats.buffers(fmt, block, w_parts) + [
+    return formats.buffers(fmt, block, w_parts, runs) + [
         pltpu.SMEM((2, k), jnp.int32),  # the compressed lists of 2 rows
         pltpu.SemaphoreType.DMA((2, 2)), pltpu.SemaphoreType.DMA((1,)),
         pltpu.SMEM((4,), jnp.int32),  # the walk's state across rows
@@ -472,8 +473,9 @@ def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn
                   pl.BlockSpec((heads, 1), lambda t, *_: (0, 0)),
                   pl.BlockSpec(memory_space=pl.ANY)] + state_specs
         + [any_spec] * (len(w_parts) + len(c_parts) + len(extra_ins)),
-        out_specs=out_specs, scratch_shapes=_scratch(fmt, block, w_parts, heads, dim, k, seg))
-    read_rows, gather_dmas = traffic.run_bound(
+        out_specs=out_specs, scratch_shapes=_scratch(fmt, block, w_parts, heads, dim, k, seg,
+                                                    window_runs or compressed_runs))
+    single_rows, run_rows, gather_dmas = traffic.run_bound(
         window=window_size, entries=gathered_rows - window_size, seg=seg,
         window_runs=window_runs, compressed_runs=compressed_runs,
         dmas_per_read=len(w_parts))
@@ -486,7 +488,9 @@ def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn
                       acc_in_itemsize=0 if state is None else state[0].dtype.itemsize,
                       acc_out_itemsize=acc_dtype.itemsize if return_state else 0,
                       written_rows=0 if new_rows is None else num_rows,
-                      read_rows=num_rows * read_rows, gather_dmas=num_rows * gather_dmas)
+                      read_rows=num_rows * single_rows, gather_dmas=num_rows * gather_dmas,
+                      run_rows=num_rows * run_rows,
+                      run_row_bytes=formats.run_row_bytes(fmt, w_parts[0].shape[-1]))
     call = pl.pallas_call(
         kernel, grid_spec=grid_spec, out_shape=out_shape, input_output_aliases=aliases,
         compiler_params=pltpu.CompilerParams(

@@ -17,13 +17,13 @@ import numpy as np
 
 from pallas_kernels import aot
 from pallas_kernels.tpu import SUBLANES
-from pallas_kernels.v4_attention.formats import LANES
+from pallas_kernels.v4_attention.formats import LANES, QUARTERS
 from pallas_kernels.v4_attention.writes import WRITE_BYTES
 from reference import v4_attention as v4
 
 INFO_WORDS = 6  # row_info words per query row (kernel.row_info): SMEM
 MAX_SLOTS = 32  # segment slots per gathered block at most (the masks unroll over them)
-SEGMENT_FORMATS = ("packed", "plain", "plane")  # formats read as page runs (fp8 / CSA: per token)
+FP8_FORMATS = ("fp8", "csa")  # two parts: a run's rope rows (seg / 4) are a tiled slice too
 
 
 def segment_plan(fmt: str, block: int, w_page: int, c_page: int, listed: bool
@@ -32,12 +32,13 @@ def segment_plan(fmt: str, block: int, w_page: int, c_page: int, listed: bool
     and whether the window / the compressed entries are read as page runs. ``seg`` is
     ``gcd(block, window page, compressed page)`` (the compressed page only for an unlisted,
     HCA walk): it divides the block and every read page, so a segment lies in one page and
-    slots tile the block. Off (``seg = block``, one slot, every position one row) for the
-    per-token formats (``SEGMENT_FORMATS``), for ``seg`` not a multiple of 8 (Mosaic slices a
-    VMEM buffer at whole 8-row tiles) or more than ``MAX_SLOTS`` slots. A listed (CSA) walk
+    slots tile the block. Off (``seg = block``, one slot, every position one row) for ``seg``
+    not a multiple of 8 (Mosaic slices a VMEM buffer at whole 8-row tiles; fp8 / CSA: of 32,
+    the run's ``seg / 4`` rope rows too) or more than ``MAX_SLOTS`` slots. A listed (CSA) walk
     reads one row per entry either way."""
     seg = math.gcd(block, w_page) if listed else math.gcd(block, w_page, c_page)
-    if fmt not in SEGMENT_FORMATS or seg % SUBLANES or block // seg > MAX_SLOTS:
+    tile = SUBLANES * (QUARTERS if fmt in FP8_FORMATS else 1)
+    if seg % tile or block // seg > MAX_SLOTS:
         return block, False, False
     return seg, True, not listed
 
@@ -50,28 +51,30 @@ def window_segments(w_first, w_n, seg: int):
 
 
 def run_reads(w_first, w_n, c_n, *, seg: int, window_runs: bool, compressed_runs: bool,
-              dmas_per_read: int = 1) -> tuple[int, int]:
-    """Exact ``(cache rows read, gather DMAs)`` of query rows with windows ``w_first, w_n`` and
+              dmas_per_read: int = 1) -> tuple[int, int, int]:
+    """Exact ``(token rows read one by one, token rows read by page runs, gather DMAs)`` of
+    query rows with windows ``w_first, w_n`` and
     compressed walks of ``c_n`` valid positions (``row_info``'s fields, arrays; every page
     present: a released page's segments are not read), ``segment_plan``'s ``seg`` and flags;
     ``dmas_per_read``: DMAs per segment / token (fp8 / CSA: 2)."""
     w_first, w_n, c_n = (np.asarray(x, np.int64) for x in (w_first, w_n, c_n))
     w_seg = window_segments(w_first, w_n, seg) if window_runs else w_n
     c_seg = -(-c_n // seg) if compressed_runs else c_n
-    rows = (w_seg * (seg if window_runs else 1)).sum() + (c_seg * (seg if compressed_runs
-                                                                   else 1)).sum()
-    return int(rows), int((w_seg + c_seg).sum() * dmas_per_read)
+    single = (0 if window_runs else w_seg.sum()) + (0 if compressed_runs else c_seg.sum())
+    runs = seg * ((w_seg.sum() if window_runs else 0) + (c_seg.sum() if compressed_runs else 0))
+    return int(single), int(runs), int((w_seg + c_seg).sum() * dmas_per_read)
 
 
 def run_bound(*, window: int, entries: int, seg: int, window_runs: bool,
-              compressed_runs: bool, dmas_per_read: int = 1) -> tuple[int, int]:
-    """``(cache rows read, gather DMAs)`` of one query row at most: ``window`` window tokens
+              compressed_runs: bool, dmas_per_read: int = 1) -> tuple[int, int, int]:
+    """``run_reads``' triple for one query row at most: ``window`` window tokens
     anywhere (``ceil((W - 1) / seg) + 1`` segments) and ``entries`` compressed positions
     (HCA: entries from 0, ``ceil(entries / seg)`` segments)."""
     w_seg = (window and -(-(window - 1) // seg) + 1) if window_runs else window
     c_seg = -(-entries // seg) if compressed_runs else entries
-    rows = w_seg * (seg if window_runs else 1) + c_seg * (seg if compressed_runs else 1)
-    return rows, (w_seg + c_seg) * dmas_per_read
+    single = (0 if window_runs else w_seg) + (0 if compressed_runs else c_seg)
+    runs = seg * ((w_seg if window_runs else 0) + (c_seg if compressed_runs else 0))
+    return single, runs, (w_seg + c_seg) * dmas_per_read
 
 
 def fused_traffic(*, rows: int, heads: int, gathered_rows: int, meta_words: int,
@@ -79,7 +82,8 @@ def fused_traffic(*, rows: int, heads: int, gathered_rows: int, meta_words: int,
                   min_row_bytes: int = 2 * v4.HEAD_DIM, fp8: bool = False,
                   acc_in_itemsize: int = 0, acc_out_itemsize: int = 0,
                   written_rows: int = 0, read_rows: int | None = None,
-                  gather_dmas: int | None = None) -> aot.Traffic:
+                  gather_dmas: int | None = None, run_rows: int = 0,
+                  run_row_bytes: int = 0) -> aot.Traffic:
     """Modelled HBM traffic of one fused call where every query row gathers ``gathered_rows``
     rows (window + selected entries) of ``row_bytes`` each (packed and plane: 1024 B, one DMA;
     fp8 / CSA: ``FP8_ROW_BYTES`` = 1024 B in 2 DMAs, the 512 B record and the 512 B rope row it
@@ -88,16 +92,17 @@ def fused_traffic(*, rows: int, heads: int, gathered_rows: int, meta_words: int,
     state: ``acc_in_itemsize`` (0: none) reads the state's ``acc`` in that itemsize and its f32
     ``l`` and ``m``; ``acc_out_itemsize`` (0: the normalized output and LSE) writes the state
     in their place; ``written_rows``: rows the call writes into its window cache in place
-    (``writes``: ``WRITE_BYTES`` each, and a 4-byte position in SMEM per query row). Page runs:
-    ``read_rows`` cache rows read by the gathers, all query rows together (``run_reads`` /
-    ``run_bound``; None: ``rows * gathered_rows``, one per token), in ``gather_dmas``
-    descriptors (None: one per read row per part). The minimum moves each row once at
-    ``min_row_bytes`` (512 bf16 features: 1024 B; fp8 / CSA: the 640 B stored per token) plus
-    q, out, the state and the writes. VMEM: the gather blocks (fp8 / CSA: nope, rope and
-    quarter buffers), the f32 accumulator, q, out and state blocks double-buffered. ``dmas``:
-    the gathers, one list load per row (``meta_words``), one per written row, and the
-    pipeline's block copies (q, out and LSE or the state's three, the state read's three, the
-    sink once)."""
+    (``writes``: ``WRITE_BYTES`` each, and a 4-byte position in SMEM per query row). Page runs
+    (all query rows together, ``run_reads`` / ``run_bound``): ``read_rows`` tokens read one by
+    one (None: ``rows * gathered_rows``), ``run_rows`` read by page runs at ``run_row_bytes``
+    each (0: ``row_bytes``; fp8 / CSA: 640 B, a record and a quarter rope row), in
+    ``gather_dmas`` descriptors (None: one per token read one by one per part). The minimum
+    moves each row once at ``min_row_bytes`` (512 bf16 features: 1024 B; fp8 / CSA: the 640 B
+    stored per token) plus q, out, the state and the writes. VMEM: the gather blocks (fp8 /
+    CSA: nope, rope and quarter buffers; with runs their rope rows and expansion), the f32
+    accumulator, q, out and state blocks double-buffered. ``dmas``: the gathers, one list load
+    per row (``meta_words``), one per written row, and the pipeline's block copies (q, out and
+    LSE or the state's three, the state read's three, the sink once)."""
     dim = v4.HEAD_DIM
     out_itemsize = acc_out_itemsize or q_itemsize
     per_head = dim * q_itemsize + dim * out_itemsize + (8 if acc_out_itemsize else 4)
@@ -106,10 +111,12 @@ def fused_traffic(*, rows: int, heads: int, gathered_rows: int, meta_words: int,
     smem = 4 * (rows * (meta_words + INFO_WORDS + bool(written_rows)) + table_words)
     read_rows = rows * gathered_rows if read_rows is None else read_rows
     gather_dmas = read_rows * (2 if fp8 else 1) if gather_dmas is None else gather_dmas
-    moved = read_rows * row_bytes + q_out + smem
+    moved = read_rows * row_bytes + run_rows * (run_row_bytes or row_bytes) + q_out + smem
     bytes_min = rows * gathered_rows * min_row_bytes + q_out
     flops = 2 * rows * heads * gathered_rows * 2 * dim
     buf_bytes = 3 * 4 * LANES if fp8 else row_bytes
+    if fp8 and run_rows:  # + the runs' rope rows (2 x block / 4) and their expansion (block)
+        buf_bytes += 4 * LANES * (2 + QUARTERS) // (2 * QUARTERS)
     vmem = (2 * block * buf_bytes + 4 * heads * dim
             + 2 * heads * dim * (q_itemsize + out_itemsize + acc_in_itemsize))
     blocks = rows * (1 + (3 if acc_out_itemsize else 2) + (3 if acc_in_itemsize else 0)) + 1
