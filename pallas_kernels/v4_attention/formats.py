@@ -20,8 +20,12 @@ matmul operands in q's feature order. Five formats (``kernel_format``):
   into rows ``2n, 2n + 1`` of a ``[2 * block, 128]`` buffer, decoded by two stride-2 sublane
   loads into four 128-lane operands in q's natural feature order (no permutation of q).
 
-Every decode is exact (bf16 halves, e4m3 times a power-of-two scale) and selects rows past the
-live count to zero (a select: a NaN in VMEM cannot leak).
+Page runs (``traffic.segment_plan``): ``issue`` of ``rows > 1`` tokens is one DMA of their
+contiguous rows (plane: ``2 rows``); fp8 / CSA: their records and their ``rows / 4`` rope rows
+into a run rope buffer, expanded per token at decode (``_run_rope``).
+
+Every decode is exact (bf16 halves, e4m3 times a power-of-two scale) and selects unwanted rows
+to zero (a select: a NaN in VMEM cannot leak).
 """
 
 from __future__ import annotations

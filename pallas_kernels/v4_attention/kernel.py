@@ -18,35 +18,44 @@ The flash-state protocol (``state``, tokamax's ``mla_swa`` / ``sparse_mla``): a 
 from an external state and return its state instead of its output (module ``state``); a call
 may first write this step's rows into a ``PlaneCache`` window cache in place (``writes``).
 
-Walk (scalar core, per query row = grid step): a stream of ``nw + nc`` positions, the window's
-``nw`` tokens (``w_first .. w_end - 1``: contiguous, from ``row_info``) then the compressed
-list's first ``nc`` positions (the walk end: one past its last entry that can be valid). Each
-position is checked (``0 <= e < limit``, page slot inside the table, page id in ``[0, P)``:
-``reference.batch.lookup_page``) and each valid one is DMA'd, one 1 KB row, into the next free
-row of a block of ``block`` rows (fp8 / CSA: two DMAs; ``formats``); a full block (or the
-stream's end) is waited on and attended:
-``logits = sm_scale * (q[:, :256] . low^T + q[:, 256:] . high^T)``, rows past the filled count
-selected to zero and their logits ``-inf`` (a select: a NaN in VMEM cannot leak). Two gather
-buffers: block b+1 is issued before block b is attended, and a row's last block issues the next
-row's first block (after loading that row's list), so DMA round trips overlap compute across
-blocks and rows (grid steps run in order). Not measured on a TPU (none here): one descriptor
-per row means ``W + k`` DMA issues per query row on the scalar core, as in the MLA kernel.
+Walk (scalar core, per query row = grid step; ``walk``): a stream of window units then
+compressed units. The window's tokens ``w_first .. w_end - 1`` (contiguous, from ``row_info``)
+and an HCA walk's entries ``0 .. c_limit - 1`` are page runs (``traffic.segment_plan``): units
+of ``seg`` aligned rows of one page (``seg = gcd(block, page sizes)``, a multiple of 8; fp8 /
+CSA: of 32), one DMA per cache part each, into the next ``seg``-row slot of a block of
+``block`` rows; the slot's wanted rows ``lo .. hi - 1`` are kept in SMEM and the rest (a run's
+end rows: real cache rows, maybe NaN) is selected away. A CSA walk's units are the list's first
+``nc`` positions (the walk end: one past its last entry that can be valid), one row each, packed
+densely after the runs. Each unit is checked (``0 <= e < limit``, page slot inside the table,
+page id in ``[0, P)``: ``reference.batch.lookup_page``; a released page is never read) and each
+valid one is DMA'd; a full block (or the stream's end) is waited on and attended:
+``logits = sm_scale * (q[:, :256] . low^T + q[:, 256:] . high^T)``, unwanted rows selected to
+zero and their logits ``-inf`` (a select: a NaN in VMEM cannot leak). Two gather buffers:
+block b+1 is issued before block b is attended, and a row's last block issues the next row's
+first block (after loading that row's list), so DMA round trips overlap compute across blocks
+and rows (grid steps run in order). Not measured on a TPU (none here): per decode row at
+V4-Flash (window 128, pages of 64) the window is 2 or 3 DMAs instead of 128, the 64 HCA
+entries 1 instead of 64, a CSA list still one per entry.
 
-fp8 caches: per token two whole-row DMAs, its 512 B nope record (row ``off`` of its page) and
-the 512 B rope row it shares with 3 tokens (row ``off // 4``), plus its quarter ``off % 4``
-stored in a VMEM side buffer by one ``(1, 128)`` vector store. Decoded in VMEM exactly
-(``formats._decode_fp8``): byte plane ``j`` of the record is q's features ``128 j ..`` (e4m3
-upcast, times the power-of-two ue8m0 scale: exact in bf16 and f32), the rope quarter is selected
-by lanes and its bf16 halves land on plane 3's lanes 64..127, so one ``[block, 512]`` operand in
-q's feature order feeds both matmuls. The values equal ``reference.v4_cache.dequantize_v4_rows``';
-the logits then equal the reference's on the dequantized cache up to f32 summation order.
+fp8 caches: a run segment is two DMAs, its ``seg`` nope records and its ``seg / 4`` rope rows
+(640 B per token read, what is stored), the rope rows expanded to one per token by 4 stride-4
+sublane stores (quarter ``r % 4``); a listed entry two whole-row DMAs, its 512 B record (row
+``off`` of its page) and the 512 B rope row it shares with 3 tokens (row ``off // 4``), plus its
+quarter ``off % 4`` in a VMEM side buffer by one ``(1, 128)`` vector store. Decoded in VMEM
+exactly (``formats._decode_fp8``): byte plane ``j`` of the record is q's features ``128 j ..``
+(e4m3 upcast, times the power-of-two ue8m0 scale: exact in bf16 and f32), the rope quarter is
+selected by lanes and its bf16 halves land on plane 3's lanes 64..127, so one ``[block, 512]``
+operand in q's feature order feeds both matmuls. The values equal
+``reference.v4_cache.dequantize_v4_rows``'; the logits then equal the reference's on the
+dequantized cache up to f32 summation order.
 
-Traffic per decode row: the ``W`` window rows and the selected entries (packed and plane: 1024 B
-each, the minimum; fp8 / CSA: 1024 B moved by the 2 DMAs against 640 B stored, 1.6x on those
-bytes), q read once, out written once, ``4 k`` bytes of the row's list into SMEM, the tables
-once (``fused_traffic``; a state read and written: its acc, l and m, ``state``).
-Versus the two-pass path (``two_pass``, ``fused=False``): q is not read twice, and no partial
-outputs are written, read back and merged.
+Traffic per decode row (``fused_traffic``, ``traffic.run_bound``): the window and HCA runs'
+segments whole (at most ``ceil((W - 1) / seg) + 1`` window segments: 192 rows for 128 tokens
+at pages of 64; 1024 B per packed / plane token, 640 B fp8 / CSA), the selected CSA entries
+(1024 B each; fp8 / CSA: by 2 DMAs against 640 B stored), q read once, out written once,
+``4 k`` bytes of the row's list into SMEM, the tables once (a state read and written: its acc,
+l and m, ``state``). Versus the two-pass path (``two_pass``, ``fused=False``): q is not read
+twice, and no partial outputs are written, read back and merged.
 
 Precision: the matmul operands are in ``cdt``, bf16 for a bf16 q (f32 cache rows are rounded to
 bf16 in VMEM; packed, plane and fp8 rows are bf16-exact) and f32 for an f32 q; ``P`` is cast to
@@ -82,12 +91,21 @@ from pallas_kernels.v4_attention.formats import (  # noqa: F401 (old names of th
     _decode_fp8,
 )
 from pallas_kernels.v4_attention.traffic import INFO_WORDS, fused_traffic
+from pallas_kernels.v4_attention.walk import (  # noqa: F401 (the row_info fields: old names)
+    _CLIMIT,
+    _CN,
+    _CSLOT0,
+    _WFIRST,
+    _WN,
+    _WSLOT0,
+    _live,
+    _units,
+    _walk,
+)
 from reference import v4_attention as v4
 from reference.core import batch
 from reference.formats import stacked
 
-# row_info words per query row (INFO_WORDS of them: ``traffic``)
-_WFIRST, _WN, _WSLOT0, _CN, _CSLOT0, _CLIMIT = range(INFO_WORDS)
 NEG = -1e30  # finite running-max start: a fully masked block adds exp(-inf) = 0, never NaN
 _kernel_cache = formats.kernel_cache  # old names (pallas_kernels.v4.fused re-exports them)
 _format = formats.describe
@@ -158,89 +176,6 @@ def pack_info(fields) -> jax.Array:
     """The ``INFO_WORDS`` per-row fields (``row_info``'s order) as the flat ``i32`` SMEM
     array."""
     return jnp.stack([jnp.asarray(f, jnp.int32) for f in fields], axis=-1).reshape(-1)
-
-
-def _units(info_ref, row, seg, window_runs, compressed_runs):
-    """Row ``row``'s stream: ``(window units, compressed units)``; a unit is one token / entry,
-    or one ``seg``-row segment of a page run (``traffic.segment_plan``)."""
-    at = row * INFO_WORDS
-    w_first, w_n, c_n = info_ref[at + _WFIRST], info_ref[at + _WN], info_ref[at + _CN]
-    w_units = traffic.window_segments(w_first, w_n, seg) if window_runs else w_n
-    return w_units, (c_n + seg - 1) // seg if compressed_runs else c_n
-
-
-def _walk(refs, row, lslot, b, cur, *, fmt, listed, block, w_page, c_page, w_pages, c_pages,
-          layer, layer_ok, seg, window_runs, compressed_runs):
-    """Issue the DMAs of query row ``row``'s next stream units from ``cur`` into gather buffer
-    ``b`` until it is full (its list is in SMEM slot ``lslot``): a token / entry into the next
-    free row, a page-run segment into the next ``seg``-row slot; each records the wanted rows
-    of its slot in ``runs[b]`` (``lo, hi`` per slot, then the segments issued). Returns
-    ``(cursor, rows filled)``; a row's stream is its window units then its compressed units
-    (module docstring)."""
-    info_ref, wtab_ref, ctab_ref, w_src, c_src, bufs, ent_smem, sems, runs = refs
-    at = row * INFO_WORDS
-    w_first, w_n, w_slot0 = info_ref[at + _WFIRST], info_ref[at + _WN], info_ref[at + _WSLOT0]
-    c_slot0, c_limit = info_ref[at + _CSLOT0], info_ref[at + _CLIMIT]
-    w_units, c_units = _units(info_ref, row, seg, window_runs, compressed_runs)
-    nslots = block // seg
-    for j in range(2 * nslots + 1):
-        runs[b, j] = jnp.int32(0)
-    w_rows, c_rows = (seg if window_runs else 1), (seg if compressed_runs else 1)
-
-    def body(c):
-        pos, n, ns = c
-        in_window = pos < w_units
-        j = pos - w_units
-        if window_runs:
-            w_start = (w_first // seg + pos) * seg
-            w_lo = jnp.maximum(w_first - w_start, 0)
-            w_hi = jnp.minimum(w_first + w_n - w_start, seg)
-        else:
-            w_start, w_lo, w_hi = w_first + pos, 0, n % seg + 1
-        if compressed_runs:
-            e = j * seg
-            c_lo, c_hi = 0, jnp.minimum(c_limit - e, seg)
-        else:
-            e = ent_smem[lslot, jnp.clip(j, 0, ent_smem.shape[1] - 1)] if listed else j
-            c_lo, c_hi = 0, n % seg + 1
-        e_ok = (e >= 0) & (e < c_limit)
-        unit = jnp.where(in_window, w_start, jnp.where(e_ok, e, 0))
-        psize = jnp.where(in_window, w_page, c_page)
-        slot = jnp.where(in_window, w_slot0, c_slot0) + unit // psize
-        w_pid, w_ok = batch.lookup_page(wtab_ref, slot, w_pages)
-        c_pid, c_ok = batch.lookup_page(ctab_ref, slot, c_pages)
-        ok = jnp.where(in_window, w_ok, e_ok & c_ok) & layer_ok
-        for src, pid, here, rows in ((w_src, w_pid, in_window, w_rows),
-                                     (c_src, c_pid, ~in_window, c_rows)):
-            @pl.when(ok & here)
-            def _(src=src, pid=pid, rows=rows):
-                formats.issue(fmt, src, bufs, sems, layer, pid, unit % psize, b, n, rows)
-
-        @pl.when(ok)
-        def _():
-            runs[b, 2 * (n // seg)] = jnp.where(in_window, w_lo, c_lo)
-            runs[b, 2 * (n // seg) + 1] = jnp.where(in_window, w_hi, c_hi)
-
-        size = jnp.where(in_window, w_rows, c_rows)
-        is_run = jnp.where(in_window, window_runs, compressed_runs)
-        return (pos + 1, n + ok.astype(jnp.int32) * size,
-                ns + (ok & is_run).astype(jnp.int32))
-
-    cur, n, ns = jax.lax.while_loop(lambda c: (c[1] < block) & (c[0] < w_units + c_units),
-                                    body, (cur, jnp.int32(0), jnp.int32(0)))
-    runs[b, 2 * nslots] = ns
-    return cur, n
-
-
-def _live(runs, b, shape, axis: int, seg: int):
-    """``bool[shape]``: whether each gathered row (along ``axis``) of buffer ``b`` is a wanted
-    token: rows ``lo .. hi - 1`` of each ``seg``-row slot (``runs[b]``, ``_walk``); a select
-    mask, so the other rows (a run's unwanted rows, stale or never written) cannot leak."""
-    r = jax.lax.broadcasted_iota(jnp.int32, shape, axis)
-    live = jnp.zeros(shape, bool)
-    for j in range(shape[axis] // seg):
-        live = live | ((r >= j * seg + runs[b, 2 * j]) & (r < j * seg + runs[b, 2 * j + 1]))
-    return live
 
 
 def _attend(q, ops, live, m, l_sum, acc_ref, *, sm_scale):
