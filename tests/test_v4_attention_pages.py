@@ -37,8 +37,8 @@ BLOCK, PAGE = 16, 8  # segments of 8 rows (a page), 2 slots a block
 Q_LENS, KV_LENS = [1, 1, 1, 1, 1, 3], [1, 23, 130, 1030, 1160, 300]
 
 
-def _batch(seed, page=PAGE, kv_lens=KV_LENS):
-    return make_v4_batch([30, seed], q_lens=Q_LENS[-len(kv_lens):], kv_lens=kv_lens, ratio=128,
+def _batch(seed, page=PAGE, kv_lens=KV_LENS, ratio=128):
+    return make_v4_batch([30, seed], q_lens=Q_LENS[-len(kv_lens):], kv_lens=kv_lens, ratio=ratio,
                          heads=2, window_size=max(16, page), window_page_size=page,
                          comp_page_size=page)
 
@@ -66,13 +66,16 @@ def test_segment_plan_runs_the_contiguous_sources_only():
                              compressed_runs=True) == (0, 4 * 64, 4)
 
 
-@pytest.mark.parametrize("fmt,block", [("packed", BLOCK), ("plain", 8), ("plane", BLOCK),
-                                       ("fp8", 64)])
-def test_page_runs_match_the_oracle(fmt, block):
+@pytest.mark.parametrize("fmt,block,ratio", [
+    ("packed", BLOCK, 128), ("plain", 8, 128), ("plane", BLOCK, 128), ("fp8", 64, 128),
+    ("packed", BLOCK, 4), ("fp8", 64, 4)])
+def test_page_runs_match_the_oracle(fmt, block, ratio):
     """Packed, f32 and tokamax plane rows (2 slots a block; f32: block 8, one slot) at every
     edge case; fp8 MODEL1 at pages of 32 and window 32 (its runs' seg: a multiple of 32;
-    w_first = 31 is a page's last row, HCA entries in one page)."""
-    b = _batch(len(fmt)) if fmt != "fp8" else _batch(4, page=32, kv_lens=[1, 63, 130, 300])
+    w_first = 31 is a page's last row, HCA entries in one page). Ratio 4: window runs then CSA
+    entries one row each in the same blocks (fp8: run rope rows beside per-entry ones)."""
+    b = (_batch(len(fmt), ratio=ratio) if fmt != "fp8"
+         else _batch(4, page=32, kv_lens=[1, 63, 130, 300], ratio=ratio))
     cast = {"packed": pack_cache, "plain": None, "plane": to_plane, "fp8": to_fp8}[fmt]
     out, lse = _run(b, cast, block=block)
     if fmt == "fp8":  # the oracle on the values the fp8 cache holds
