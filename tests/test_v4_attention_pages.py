@@ -25,6 +25,7 @@ from v4_batches import fp8_view, make_v4_batch, to_fp8
 
 from pallas_kernels.v4_attention import formats, kernel, traffic
 from reference.packed_cache import pack_cache
+from reference.v4_attention import v4_attention_ref
 
 pytestmark = pytest.mark.kernel_gate
 
@@ -151,3 +152,24 @@ def test_counted_bytes_and_dmas_equal_the_model(fmt):
     assert gather_dmas < parts * (w_n.sum() + c_n.sum())  # fewer than one per token
     per_token = sum(c.nbytes for c in gathers) / runs
     assert per_token == formats.run_row_bytes(fmt) <= (1.05 * 640 if fmt == "fp8" else 1024)
+
+
+def test_a_run_over_a_released_window_page_skips_it_as_the_reference():
+    """A window page released inside rows' windows (table -1 in one sequence, an id past the
+    pool in another; the page NaN): the run reads nothing from it, its tokens drop out, as
+    ``reference.v4_attention_ref`` (``reference.batch.lookup_page``)."""
+    b = make_v4_batch([30, 9], q_lens=[1, 1, 2], kv_lens=[40, 45, 60], ratio=128, heads=2,
+                      window_size=16, window_page_size=PAGE, comp_page_size=PAGE, release=False)
+    cache, table, cu = (np.array(x) for x in b.window)
+    starts = cu[:-1] // PAGE  # each sequence's first table slot
+    for seq, page, bad in ((0, 3, -1), (1, 4, cache.shape[0] + 3), (2, 6, -1)):
+        cache[table[starts[seq] + page]] = np.nan
+        table[starts[seq] + page] = bad
+    b.window = (cache, table, b.window[2])
+    out, lse = _run(b, pack_cache)
+    want, want_lse = v4_attention_ref(
+        jnp.asarray(b.q), *b.args(cast=pack_cache)[1:], sm_scale=SCALE, return_lse=True,
+        **b.kwargs(cast=pack_cache, sink=SINK))
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), **F32_TOL)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), **F32_TOL)
