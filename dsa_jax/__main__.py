@@ -1,4 +1,5 @@
-"""``python -m dsa_jax run``: the multi-layer DSA step on a synthetic ragged paged batch.
+"""``python -m dsa_jax run``: the multi-layer DSA step on a synthetic ragged paged batch
+(``python -m dsa_jax tpu-bench``: ``dsa_jax.measure.tpu_bench``, timings on a TPU).
 
 Builds a ragged batch (decode + MTP + chunked prefill + padding rows and an inactive sequence
 slot) at DeepSeek-V3.2 dimensions (64 indexer heads x 128, latent 512 + rope 64 padded to 640,
@@ -190,6 +191,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--tp", type=positive_int, default=1, metavar="N",
                    help="model-axis size for --devices: MLA heads are split over it, so it "
                         "divides --devices and --heads (default 1)")
+    sub.add_parser("tpu-bench", add_help=False,  # main() hands its arguments to tpu_bench
+                   help="time every kernel, the selection and the steps on a TPU "
+                        "(dsa_jax.measure.tpu_bench; 'tpu-bench --help' for its flags)")
     return p
 
 
@@ -472,7 +476,15 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv=None) -> int:
     """``python -m dsa_jax``: 0 the run passed, 1 it failed (NaN, Pallas disagrees), 2 bad
-    flags (argparse exits) or a combination the step refuses (its ``ValueError``, one line)."""
+    flags (argparse exits) or a combination the step refuses (its ``ValueError``, one line).
+    ``tpu-bench ...``: ``dsa_jax.measure.tpu_bench.main`` (2 off a TPU without --allow-cpu)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["tpu-bench"]:
+        from pallas_kernels import tpu
+        tpu.skip_tpu_probe_without_tpu()
+        from dsa_jax.measure import tpu_bench
+
+        return tpu_bench.main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     _check_flags(_run_parser(parser), args)

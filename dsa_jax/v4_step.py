@@ -9,7 +9,10 @@ names still imports from here.
 
 Order of one step (every write before any read, so XLA keeps one buffer per donated stack):
 
-1. each layer's window rows into its type's window stack (the ``V4Layout``'s slot rule);
+1. each layer's window rows into its type's window stack (the ``V4Layout``'s slot rule); on
+   the Pallas backend's fused attention (packed u32, f32 or fp8 window stacks) the attention
+   kernel of the layer writes them itself, in place, before it reads (step 4;
+   ``dsa_jax.v4_step_writes.attend_writing``): no XLA scatter;
 2. each compressed layer's compressor (``dsa_jax.v4_compressor.compress_step`` on the step's
    backend: ``reference.v4_compressor.compress_step``, or with ``backend="pallas"`` the Pallas
    ``pallas_kernels.v4_compressor.compress_step``): the entries that complete in this step go
@@ -54,7 +57,7 @@ from dsa_jax.v4_model import (
     init_v4_states,
 )
 from dsa_jax.v4_step_checks import check_v4_step_args
-from dsa_jax.v4_step_writes import compress_all, write_windows
+from dsa_jax.v4_step_writes import attend_writing, compress_all, fuses_writes, write_windows
 from reference.formats.fp8_cache import Fp8IndexCache
 from reference.quant.bf16 import V4_DEFAULT_PRECISION, check_precision
 from reference.v4_attention import COMPRESS_RATIOS, PagedKV
@@ -84,7 +87,9 @@ def v4_step_body(inputs: V4StepInputs, params: V4StepParams, caches: V4Caches,
     num_slots = check_v4_step_args(inputs, params, caches, states, meta, layout)
     topk_opts, attn_opts, comp_opts = _backend.split_kernel_options(
         ("indexer_topk", "v4_attention", "v4_compressor"), dict(kernel_options)).values()
-    caches = write_windows(caches, inputs, meta, layout)
+    fused_writes = fuses_writes(caches, layout, backend, attn_opts)
+    if not fused_writes:
+        caches = write_windows(caches, inputs, meta, layout)
     caches, states = compress_all(caches, states, inputs, params, meta, layout, num_slots, qat,
                                   functools.partial(v4_compress_step, backend=backend,
                                                     precision=precision, **comp_opts),
@@ -107,13 +112,18 @@ def v4_step_body(inputs: V4StepInputs, params: V4StepParams, caches: V4Caches,
         compressed = None if not r else PagedKV(
             getattr(caches, f"{name}_compressed"), getattr(meta, f"{name}_page_indices"),
             getattr(meta, f"{name}_cu_lens"))
-        outs.append(v4_attention(
-            _after(inputs.q[layer], outs[-1] if outs else dep), window, meta.kv_lens,
-            meta.cu_q_lens, meta.distribution, layout=layout.layout_for(r),
-            compressed=compressed, compressed_indices=topks[s] if r == 4 else None,
-            attn_sink=None if inputs.attn_sink is None else inputs.attn_sink[layer],
-            sm_scale=sm_scale, precision=precision, backend=backend, kernel_options=attn_opts,
-            layer=s))
+        q = _after(inputs.q[layer], outs[-1] if outs else dep)
+        common = dict(compressed=compressed, compressed_indices=topks[s] if r == 4 else None,
+                      attn_sink=None if inputs.attn_sink is None else inputs.attn_sink[layer],
+                      sm_scale=sm_scale, precision=precision, kernel_options=attn_opts, layer=s)
+        if fused_writes:  # the kernel writes the layer's window rows first, in place
+            out, cache = attend_writing(q, inputs.window_kv[layer], window, meta,
+                                        layout=layout.layout_for(r), **common)
+            caches = caches._replace(**{f"{name}_window": cache})
+        else:
+            out = v4_attention(q, window, meta.kv_lens, meta.cu_q_lens, meta.distribution,
+                               layout=layout.layout_for(r), backend=backend, **common)
+        outs.append(out)
     t = inputs.q.shape[1]
     topk = (jnp.stack(topks) if topks
             else jnp.zeros((0, t, layout.index_topk), jnp.int32))

@@ -1,7 +1,11 @@
 """The writes of one DeepSeek-V4 step (``dsa_jax.v4_step``), every one before any read:
 
 1. ``write_windows``: each layer's window rows into its type's window stack (the window
-   ``V4Layout``'s slot rule, ``dsa_jax.cache.batch_write_slots``);
+   ``V4Layout``'s slot rule, ``dsa_jax.cache.batch_write_slots``): an XLA scatter per layer,
+   unless the attention writes them (``fuses_writes``: the Pallas backend's fused kernel, every
+   window stack packed u32, f32 or fp8 MODEL1): then ``attend_writing`` runs each layer's
+   attention with its window rows (``pallas_kernels.v4_attention.writes``: the kernel DMAs them
+   into the stack in place at grid step 0, before any read; the same bytes at the same slots);
 2. ``compress_all``: each compressed layer's compressor (``dsa_jax.v4_compressor``'s
    ``compress_step``, on the step's backend): the entries that complete in this step go into
    the compressed stack (CSA: also the indexer compressor's entries into the index-key stack),
@@ -20,15 +24,19 @@ import functools
 
 import jax.numpy as jnp
 
+from dsa_jax import backend as _backend
 from dsa_jax import cache as _cache
-from dsa_jax.v4_attention import layout_batch
+from dsa_jax.v4_attention import V4Layout, layout_batch
 from dsa_jax.v4_model import TYPE_NAMES, TYPES, V4BatchMeta, V4Caches, V4ModelLayout, V4StepInputs
+from pallas_kernels.v4_attention import writes as _fused_writes
+from pallas_kernels.v4_attention.entry import fused_block
+from pallas_kernels.v4_attention.state import v4_attention_state
 from reference import v4_compressor as vc
 from reference.formats import fp8_cache, packed_cache
 from reference.formats import model1 as v4_cache
 from reference.quant import qat as _qat
 from reference.quant.bf16 import rounding
-from reference.v4_attention import PagedKV
+from reference.v4_attention import HEAD_DIM, PagedKV
 
 
 def _store(cache, page_id, offset, rows, fmt: str, layer: int):
@@ -63,6 +71,38 @@ def write_windows(caches: V4Caches, inputs: V4StepInputs, meta: V4BatchMeta,
                            lay.window_cache_format, slot)
         caches = caches._replace(**{field: cache})
     return caches
+
+
+def fuses_writes(caches: V4Caches, layout: V4ModelLayout, backend: str,
+                 attn_opts: dict) -> bool:
+    """Whether every layer's attention writes its window rows (``attend_writing``): the Pallas
+    backend's fused kernel (not ``fused=False``) and every window stack one it writes in place
+    (``pallas_kernels.v4_attention.writes.writable``: packed u32, f32, fp8 MODEL1)."""
+    if backend != "pallas" or not attn_opts.get("fused", True):
+        return False
+    return all(_fused_writes.writable(getattr(caches, f"{TYPE_NAMES[r]}_window"))
+               for r in TYPES if layout.count(r))
+
+
+def attend_writing(q, new_kv, window: PagedKV, meta: V4BatchMeta, *, layout: V4Layout,
+                   compressed: PagedKV | None, compressed_indices, attn_sink,
+                   sm_scale: float | None, precision: str, kernel_options: dict, layer: int):
+    """``dsa_jax.v4_attention`` on the Pallas fused kernel (``q f32|bf16[T, H, 512]``, both
+    caches stacked, read at ``layer``), the kernel first writing ``new_kv f32|bf16[T, 512]``,
+    each row at its own position, into the window stack in place. Returns ``(out q.dtype[T, H,
+    512], the updated window stack)``."""
+    _, opts = _backend.implementation("v4_attention", "pallas", kernel_options)
+    block = fused_block(window.cache, q.shape[1], opts.get("tokens_per_block"),
+                        opts.get("blocks"))
+    return v4_attention_state(
+        q, window, meta.kv_lens, meta.cu_q_lens, meta.distribution,
+        sm_scale=HEAD_DIM ** -0.5 if sm_scale is None else float(sm_scale),
+        window_size=layout.window_size, compress_ratio=layout.compress_ratio,
+        window_pages_per_seq=layout.window_pages_per_seq,
+        compressed_pages_per_seq=layout.compressed_pages_per_seq or 0, compressed=compressed,
+        compressed_indices=compressed_indices, attn_sink=attn_sink, block=block,
+        vmem_limit_bytes=opts.get("vmem_limit_bytes"), interpret=opts.get("interpret", False),
+        layer=layer, precision=precision, new_kv=new_kv)
 
 
 def _nope_fp8(rows):

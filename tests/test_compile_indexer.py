@@ -89,6 +89,25 @@ def test_decode_moves_at_most_115_percent_of_the_minimum_bytes(case, chip):
     assert t.vmem_bytes < aot.chip_info(chip).vmem_capacity_bytes // 2
 
 
+@pytest.mark.parametrize("chip", sorted(aot.CHIPS))
+def test_decode_dma_descriptors_per_row_are_one_per_key_page_plus_three(chip):
+    """The model's DMA descriptors per decode row (``traffic``, equal to the interpreter's
+    count in ``tests/test_hbm_traffic.py``), from the layout: one per causal key page (two with
+    the fp8 index cache: the page's keys and its scale row), one score row out, the q block
+    and the weight column in. V3.2 64 x 4096: 64 pages, 67 per row (fp8: 131); V4 8192
+    tokens at ratio 4: 32 pages of 64 entries, 35 per row (fp8: 67)."""
+    shapes = {name: v[:2] for name, v in [*icases.GATE_SHAPES.items(),
+                                          *icases.V4_SHAPES.items()]}
+    for case in [c for c in CASES if "decode" in c.tags]:
+        rows = case.specs[0].shape[0]
+        q_lens, kv_lens = shapes[_base_shape(case.shape).removesuffix(" pages")]
+        ratio = icases.V4_RATIO if "v4" in case.tags else 1
+        assert set(q_lens) == {1} and len(q_lens) == rows
+        page_dmas = 2 if "fp8 keys" in case.shape else 1
+        want = sum(-(-kv // ratio // icases.GATE_PAGE) * page_dmas + 1 + 2 for kv in kv_lens)
+        assert 0 < case.traffic(chip).dmas == want, (case.shape, case.traffic(chip))
+
+
 def test_the_gate_holds_v4_flash_and_pro_compressed_key_cases():
     v4 = [c for c in CASES if "v4" in c.tags]
     assert {c.shape.split()[0] for c in v4} == {"V4-Flash", "V4-Pro"}

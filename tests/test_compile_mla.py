@@ -59,6 +59,18 @@ def test_fp8_latent_cache_moves_at_most_1024_bytes_per_gathered_token(chip):
         assert (t.bytes_min - q_out) / tokens == 656, (case.shape, t.bytes_min)
 
 
+@pytest.mark.parametrize("chip", sorted(aot.CHIPS))
+def test_dma_descriptors_per_row_are_one_per_selected_token_or_page_plus_three(chip):
+    """The model's DMA descriptors per query row (``mla_traffic``, equal to the interpreter's
+    count in ``tests/test_hbm_traffic.py``), from the layout: one gather per selected entry (a
+    token row: k = 2048; page mode a whole page: 32 pages of 64), the row's entries into SMEM,
+    the q block in and the out block back: 2051 and 35 per row, every format and shape."""
+    for case in mcases.compile_cases(quick=True):
+        rows = case.specs[0].shape[0]
+        entries = mcases.K_TOKENS if case.kernel == "sparse_mla" else mcases.K_PAGES
+        assert 0 < case.traffic(chip).dmas == rows * (entries + 1 + 2), case.shape
+
+
 def test_compile_cases_cover_the_issue_shapes():
     names = [c.shape for c in mcases.token_cases(quick=True)]
     assert any(n.startswith("decode64x8192_h128_k2048") for n in names)

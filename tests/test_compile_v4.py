@@ -96,6 +96,21 @@ COMPRESSOR_MAX_RATIO = {"csa_d512_decode64": 2.0, "hca_d512_decode64": 1.04,
                         "hca_d512_prefill8192": 1.04, "index_d128_prefill8192": 1.95}
 
 
+@pytest.mark.parametrize("chip", sorted(aot.CHIPS))
+def test_two_pass_dma_descriptors_per_decode_row(chip):
+    """The two-pass path's model (``v4_traffic``; its per-call terms equal the interpreter's
+    count in ``tests/test_hbm_traffic.py``): per decode row and MLA call one gather DMA per
+    token (the window's 128; the k selected entries, or HCA's 64 visible), the row's entries
+    into SMEM, q in, out and LSE back: 128 + k + 8 per row (648 Flash CSA, 200 Flash HCA,
+    1160 Pro CSA)."""
+    for case in v4cases.compile_cases(False, "packed"):
+        name, rows, context, _, ratio, k = next(s for s in v4cases.SHAPES
+                                                if case.shape.startswith(s[0]))
+        entries = k if ratio == 4 else context // ratio
+        t = case.traffic(chip)
+        assert 0 < t.dmas == rows * (v4cases.WINDOW + entries + 2 * (1 + 2 + 1)), name
+
+
 def test_compressor_model_of_an_unaligned_hca_prefill():
     """A ratio-128 prefill whose rows start at row 3 moves its runs as 136-row windows."""
     t = v4ctraffic.compressor_traffic(v4ctraffic.prefill_counts(8192, 128, first_row=3),
@@ -131,6 +146,29 @@ def test_compressor_compiles_in_place_without_per_element_glue(case, chip):
     assert t.vmem_bytes < aot.chip_info(chip).vmem_capacity_bytes
     assert t.bytes_min <= t.bytes_moved
     assert t.ratio <= COMPRESSOR_MAX_RATIO[case.shape], (case.shape, t)
+
+
+@pytest.mark.parametrize("case,chip", COMPRESSOR_CASES,
+                         ids=[f"{c.shape}-{chip}" for c, chip in COMPRESSOR_CASES])
+def test_compressor_dma_descriptors(case, chip):
+    """The compressor model's DMA descriptors (``traffic.pool_dmas`` + ``state_dmas``, equal
+    to the interpreter's count in ``tests/test_hbm_traffic.py``): a decode step, per sequence
+    (each completes an entry) its kv and score row, its kv and gate ring slot, and the state's
+    kv copy, score row in and gate row out (7), one output row per slot, the two ape blocks; a
+    prefill, at most one DMA pair per chunk row pooled (``coff`` pools per row) and 3 per
+    state row, and at ratio 128 one pair per entry (every run aligned)."""
+    rows, seqs = case.specs[0].shape[0], case.specs[8].shape[0]
+    ratio = case.specs[2].shape[0]
+    slots = vc.max_entries(rows, seqs, ratio)
+    state = min(rows, seqs * vc.state_rows(ratio))
+    dmas = case.traffic(chip).dmas
+    if rows == seqs:
+        assert dmas == 7 * seqs + slots + 2, (case.shape, dmas)
+    elif ratio == 128:
+        assert dmas == 2 * (rows // ratio) + slots + 1 + 3 * state + 1, (case.shape, dmas)
+    else:
+        bound = 2 * vc.compressor_coff(ratio) * rows + slots + 1 + 3 * state + 1
+        assert 0 < dmas <= bound, (case.shape, dmas, bound)
 
 
 # ----------------------------------------------------------------------------- the step, fp8
@@ -172,7 +210,7 @@ def test_fp8_v4_step_compiles_in_place_without_per_element_glue():
     BENCHMARKS.md "The DeepSeek-V4 step")."""
     mod = _v4_step_cost_script()
     fmts = dict(window_format="fp8", compressed_format="fp8", index_format="fp8")
-    fn, specs, donate, rows, _ = mod.program(4, 8, 2048, fmts)
+    fn, specs, donate, rows, layout = mod.program(4, 8, 2048, fmts)
     compiled = xla_cost.compile_program(fn, specs, chips.DEFAULT, donate_argnums=donate,
                                         case="v4_step_fp8")
     cost = xla_cost.analyze(compiled)
@@ -188,3 +226,25 @@ def test_fp8_v4_step_compiles_in_place_without_per_element_glue():
     assert len(caches) == 2 * 5 + 1  # 3 window + 2 compressed MODEL1 caches, the index keys
     copies = _hbm_copies(compiled.as_text(), {math.prod(x.shape) for x in caches})
     assert not copies, copies
+    # the window rows are written by the attention kernels (pallas_kernels.v4_attention.writes):
+    # no XLA scatter into a window cache part
+    pages = rows * layout.window_pages_per_seq + 1
+    assert not window_scatters(cost, [specs[i] for i in donate], pages)
+
+
+def window_scatters(cost, donated, window_pages: int) -> list[str]:
+    """The XLA scatters of a compiled V4 step whose operand is a window cache part: a donated
+    u32 ``[Lx, P, rows, 128]`` array with the window cache's ``P`` pages (``v4_cli.build``'s
+    tables: one spare page; the compressed caches have fewer), or its ``[Lx * P, rows, 128]``
+    view (the MODEL1 writer's): same element count and minor dims."""
+    parts = {(math.prod(x.shape), tuple(x.shape[2:])) for x in donated
+             if x.dtype == np.uint32 and len(x.shape) == 4 and x.shape[1] == window_pages}
+    assert len(parts) == 4  # nope and rope of the [2, ...] SWA and [1, ...] CSA / HCA stacks
+
+    def key(shape: str):
+        d = xla_cost.dims(xla_cost.strip_layout(shape).lstrip("(").split("]")[0] + "]")
+        return math.prod(d), tuple(d[-2:])
+
+    return [op.describe() for op in cost.indexed_ops if op.kind == "scatter"
+            and op.operand_shapes[0].lstrip("(").startswith("u32")
+            and key(op.operand_shapes[0]) in parts]

@@ -278,7 +278,10 @@ def test_counted_fp4_bytes_are_the_models_which_are_the_plain_keys():
 
     knobs = dict(page_mode=False, block_rows=1, block_pages=2)
     case = ht.indexer_case(ht.DECODE, **knobs, index_quant="fp4_sim")
-    assert ht.count(case).bytes(lane_padded=True) == case.model_kernel_bytes
+    n = ht.count(case)
+    assert n.bytes(lane_padded=True) == case.model_kernel_bytes
+    assert n.descriptors == case.model.dmas  # the DMA descriptors too
     plain = ht.indexer_case(ht.DECODE, **knobs)
     assert case.model_kernel_bytes == plain.model_kernel_bytes
     assert case.model.bytes_moved == plain.model.bytes_moved
+    assert case.model.dmas == plain.model.dmas

@@ -2,11 +2,13 @@
 model, at one small decode shape per kernel (``scripts/cost/hbm_traffic.py``'s quick cases).
 
 Pinned: counted bytes (HBM<->VMEM lane-padded, HBM->SMEM logical) EQUAL the model's kernel
-side exactly, and each input is fetched the number of times the design says (every needed key
-page once per decode row, every selected row/page once): a change that re-fetches a block or
-a page fails here. A pinned mixed batch (decode rows beside a prefill chunk, general path) shows
-the decode sequences taking 1-row items. Also: the counter's own self test, and the loud
-failure when a hooked JAX internal is missing."""
+side exactly, counted DMA descriptors (pipeline block copies + started manual DMAs) EQUAL the
+model's ``dmas``, and each input is fetched the number of times the design says (every needed
+key page once per decode row, every selected row/page once): a change that re-fetches a block
+or a page fails here. The V4 compressor's decode step and the V4 two-pass path are counted
+the same way. A pinned mixed batch (decode rows beside a prefill chunk, general path) shows the
+decode sequences taking 1-row items. Also: the counter's own self test, and the loud failure
+when a hooked JAX internal is missing."""
 
 from __future__ import annotations
 
@@ -33,6 +35,13 @@ def counted():
 
 
 @pytest.fixture(scope="module")
+def counted_compressor():
+    """(case, TrafficCount) of the V4 compressor's decode step (run once)."""
+    case = ht.compressor_case()
+    return case, ht.count(case)
+
+
+@pytest.fixture(scope="module")
 def counted_fp8():
     """kernel -> (case, TrafficCount) of the fp8-cache decode cases (each run once)."""
     return {c.kernel: (c, ht.count(c)) for c in ht.fp8_cases()}
@@ -46,6 +55,7 @@ def test_fp8_counted_bytes_equal_the_models_kernel_side_and_meet_the_issue_bound
     case, n = counted_fp8[kernel]
     assert n.dmas_unexecuted == 0
     assert n.bytes(lane_padded=True) == case.model_kernel_bytes, n.table()
+    assert n.descriptors == case.model.dmas, n.table()
     gathers = n.select("hbm", "vmem", "dma")
     if kernel.startswith("streamindex"):
         s = ht.FP8_DECODE
@@ -70,6 +80,38 @@ def test_counted_decode_bytes_equal_the_models_kernel_side(counted, kernel):
     assert total == case.model_kernel_bytes, (
         f"{kernel}: counted {total} B != model kernel side {case.model_kernel_bytes} B; "
         f"copies: {n.table()}")
+    assert n.descriptors == case.model.dmas, (
+        f"{kernel}: counted {n.descriptors} DMA descriptors != model {case.model.dmas}; "
+        f"copies: {n.table()}")
+
+
+def test_decode_descriptors_per_row_are_the_layouts():
+    """Per decode row, from the layouts: the indexer one DMA per causal key page (two with the
+    fp8 cache: keys and scale row), one score row out, the q and weight blocks in; sparse MLA
+    one DMA per selected token row (page mode: per selected page), its entries row into SMEM,
+    the q block in and the out block back. Checked on the models the counts equal."""
+    s, m = ht.DECODE, ht.MLA_DECODE
+    cases = {c.kernel: c for c in ht.decode_cases()}
+    for kernel in ("streamindex_topk", "streamindex_page_topk"):
+        assert cases[kernel].model.dmas == _pages(s) + s.rows * (1 + 2), kernel
+    assert cases["sparse_mla"].model.dmas == m.rows * (32 + 1 + 2)
+    assert cases["page_sparse_mla"].model.dmas == m.rows * (2 + 1 + 2)
+    fp8 = {c.kernel: c for c in ht.fp8_cases()}
+    assert fp8["streamindex_topk"].model.dmas == 2 * _pages(ht.FP8_DECODE) + 4 * 3
+
+
+def test_compressor_decode_counted_bytes_and_descriptors_equal_the_model(counted_compressor):
+    """The Pallas V4 compressor's decode step (4 sequences completing an entry, ratio 4, d 128;
+    5 output slots): counted bytes (an HBM -> HBM row copy read and written) and descriptors
+    equal ``compressor_traffic``'s; per completing sequence 7 descriptors (kv and score row,
+    kv and gate ring slot, the state's kv copy, score row in, gate row out), one per output
+    slot, plus the two ape blocks."""
+    case, n = counted_compressor
+    assert n.dmas_unexecuted == 0
+    counted = n.bytes(lane_padded=True) + n.bytes("hbm", "hbm")
+    assert counted == case.model.bytes_moved, n.table()
+    assert n.descriptors == case.model.dmas == 7 * 4 + 5 + 2, n.table()
+    assert n.count("hbm", "hbm", "dma") == 4  # one kv row per sequence into its ring
 
 
 def test_decode_indexer_reads_each_needed_key_page_once_and_each_row_once(counted):
@@ -97,6 +139,42 @@ def test_decode_sparse_mla_gathers_each_selection_once(counted):
         assert n.count("vmem", "hbm", "block") == s.rows  # out
 
 
+def test_v4_two_pass_descriptors_are_two_mla_calls_with_lse():
+    """DeepSeek-V4's two-pass path (``fused=False``) at a tiny decode batch whose rows gather a
+    full window (16) and all k = 8 selected entries: counted descriptors equal the two token
+    MLA calls' ``mla_traffic`` dmas plus one LSE block per row per call (``v4_traffic``'s
+    sum)."""
+    import dataclasses
+
+    import numpy as np
+    from jax.experimental.pallas import tpu as pltpu
+    from v4_batches import make_v4_batch
+
+    from pallas_kernels.mla import traffic as mtraffic
+    from pallas_kernels.v4_attention.entry import v4_attention
+
+    b = make_v4_batch(11, q_lens=[1, 1], kv_lens=[80, 64], ratio=4, heads=2, window_size=16,
+                      window_page_size=4, comp_page_size=4, k=8)
+    b = dataclasses.replace(b, compressed_indices=np.array(
+        [np.arange(8) + 3, np.arange(8)[::-1] + 1], np.int32))
+    with counter.count_hbm_traffic() as n:
+        jax.block_until_ready(v4_attention(
+            b.q, *b.args()[1:], sm_scale=0.1, **b.kwargs(), fused=False,
+            interpret=pltpu.InterpretParams(dma_execution_mode="eager")))
+    rows = 2
+
+    def dmas(m):  # one call of m entries per row (the block shape does not enter the count)
+        shape = ht.mkernel.block_shape("token", heads=2, dim=512, v_dim=512, page_size=4,
+                                       units=m, meta_len=m, q_dtype="float32", fmt="f32")
+        return mtraffic.mla_traffic(rows=rows, heads=2, dim=512, v_dim=512, selected_rows=m,
+                                    fmt="f32", q_itemsize=4, meta_words=m, prep_bytes=0,
+                                    table_words=1, shape=shape).dmas
+
+    model = sum(dmas(m) + rows for m in (16, 8))  # + one LSE block per row and call
+    assert n.dmas_unexecuted == 0
+    assert n.descriptors == model == 64, n.table()
+
+
 @pytest.mark.parametrize("page_mode", [False, True])
 def test_mixed_batch_decode_sequences_take_one_row_items(page_mode):
     # MIXED at R=8 (ladder 1, 2, 8): decode sequences kv 40/17/128 and the prefill's last row
@@ -106,6 +184,7 @@ def test_mixed_batch_decode_sequences_take_one_row_items(page_mode):
     case = ht.mixed_case(page_mode=page_mode)
     n = ht.count(case)
     assert n.bytes(lane_padded=True) == case.model_kernel_bytes, n.table()
+    assert n.descriptors == case.model.dmas, n.table()
     q_blocks = [c.shape[0] for c in n.select("hbm", "vmem", "block") if c.shape[-1] == s.dim]
     assert sorted(q_blocks) == [1, 1, 1, 1, 2, 8]
     pages = {"decode": 3 + 2 + 8, "prefill": 5 + 5}  # each item's causal pages, once
@@ -170,16 +249,19 @@ def test_indexer_with_an_empty_tail_work_item_moves_only_modelled_bytes():
     case = ht.indexer_case(ht.MTP, page_mode=False, block_rows=4, block_pages=2)
     n = ht.count(case)
     assert n.bytes(lane_padded=True) == case.model_kernel_bytes
+    assert n.descriptors == case.model.dmas
 
 
-def test_script_quick_writes_labelled_tables(tmp_path, counted, counted_fp8):
-    """The report of ``--quick`` (the decode and fp8 cases: the fixtures' counts, not run
-    again in the interpreter)."""
-    done = {(c.kernel, c.shape): n for c, n in [*counted.values(), *counted_fp8.values()]}
+def test_script_quick_writes_labelled_tables(tmp_path, counted, counted_fp8,
+                                            counted_compressor):
+    """The report of ``--quick`` (the decode, fp8 and compressor cases: the fixtures' counts,
+    not run again in the interpreter)."""
+    done = {(c.kernel, c.shape): n for c, n in [*counted.values(), *counted_fp8.values(),
+                                                counted_compressor]}
     assert len(done) == len(ht.all_cases(quick=True))
     assert hbm_traffic_script.main(["--quick", "--out", str(tmp_path)],
                                    count_case=lambda c: done[(c.kernel, c.shape)]) == 0
     md = (tmp_path / "hbm_traffic.md").read_text()
-    assert ht.LABEL in md
+    assert ht.LABEL in md and "counted DMAs" in md
     data = (tmp_path / "hbm_traffic.json").read_text()
     assert ht.LABEL in data and '"rows"' in data

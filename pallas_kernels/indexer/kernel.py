@@ -62,7 +62,8 @@ Design.
   (``scale_lanes`` lanes); keys are upcast in VMEM (exact in bf16), or stay e4m3 for an fp8
   ``q`` on tpu7x (``compute_dtypes``); the stage's scores are scaled per key after the head sum.
 - tokamax's 256-byte index records (``records``): one DMA per page as stored, decoded in VMEM;
-  ``causal_rule="tpu_inference"`` (tokamax's ``j <= p // r``) is a config field beside it.
+  ``causal_rule="tpu_inference"`` (tokamax's ``j <= p // r``) is a config field beside it;
+  the fp8 index pages (``fp8_pages``) likewise (``stored``: the ``Fp8IndexCache``'s values).
 - ``index_quant="fp4_sim"`` (DeepSeek-V4's simulation, ``reference.index_scores.fp4_sim``): q
   is rotated and FP4-simulated in the glue (``scoring``: ``[T, H, 128]``, small); each stage's
   key tile, after its DMA, is rotated by the Hadamard matrix (one ``[P*page, 128] x [128, 128]``
@@ -94,14 +95,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import chips, tpu
-from pallas_kernels.indexer import fp4, records
+from pallas_kernels.indexer import fp4, fp8_pages, records, stored
 from pallas_kernels.indexer import work_list as wl
 from pallas_kernels.indexer.blocks import IndexerBlocks, vmem_estimate
 from pallas_kernels.indexer.work_list import level_bound, row_ladder
 from pallas_kernels.tpu import LANES
 from reference.core import batch
 from reference.formats import fp8_cache, stacked
-from reference.formats import tokamax_index as ti
 from reference.quant import fp8
 
 NEG_INF = float("-inf")
@@ -130,13 +130,13 @@ class ScoreConfig:
     compression_ratio: int = 1  # r: keys are entries of r tokens (``reference.batch``)
     index_quant: str | None = None  # "fp4_sim": keys rotated and FP4-rounded in VMEM (``fp4``)
     precision: str = "f32"  # "bf16": the official rounding of dots, products and head sums
-    cache_format: str | None = None  # records.RECORD_FORMAT: tokamax's 256-byte index records
+    cache_format: str | None = None  # stored.FORMATS: a cache read as its bytes (records...)
     causal_rule: str = "official"  # "tpu_inference": entry j visible iff j <= p // r
 
     @property
     def records(self) -> bool:
-        """The cache is tokamax's index records (``records``), decoded in VMEM."""
-        return self.cache_format == records.RECORD_FORMAT
+        """Read as stored, decoded in VMEM (``stored``: tokamax's records, fp8 pages)."""
+        return self.cache_format is not None
 
     @property
     def capacity(self) -> int:
@@ -187,8 +187,7 @@ def make_configs(q, cache_kv, *, rows: int, num_seqs: int, pages_per_seq: int,
                         scale_lanes=lanes, num_layers=num_layers,
                         compression_ratio=compression_ratio, index_quant=index_quant,
                         precision=precision, causal_rule=causal_rule,
-                        cache_format=(records.RECORD_FORMAT
-                                      if isinstance(cache_kv, records.RecordCache) else None))
+                        cache_format=stored.cache_format(cache_kv))
             for i, size in enumerate(ladder)]
 
 
@@ -205,6 +204,8 @@ def compute_dtypes(q, cache_kv, chip: str | None, index_quant: str | None = None
     it (the official operands)."""
     if isinstance(cache_kv, records.RecordCache):  # exact e4m3 codes; f32 q stays f32
         return jnp.dtype(jnp.promote_types(q.dtype, jnp.bfloat16)), jnp.dtype(jnp.uint8), 0
+    if isinstance(cache_kv, fp8_pages.PagesCache):  # the Fp8IndexCache's codes, as bytes
+        return compute_dtypes(q, fp8_pages.stand_in(cache_kv), chip)[0], jnp.uint8, 0
     if isinstance(cache_kv, fp8_cache.Fp8IndexCache):
         if q.dtype == fp8.FP8_DTYPE:
             fp8_mxu = chip is not None and chips.get(chip).fp8_mxu
@@ -302,7 +303,7 @@ def _stage_scores(cfg: ScoreConfig, q, wcol, keys, scales, blk, pos0, kv_eff, pa
     ``relu(dot) * w`` and each head sum is rounded to bf16 (``_round_bf16``)."""
     nb = cfg.block_tokens
     if cfg.records:  # tokamax's records: codes and the scale row decoded in VMEM
-        k, scale_row = records.decode_stage(keys, cfg.compute_dtype)
+        k, scale_row = stored.decode_stage(cfg.cache_format, keys, cfg.page_size, cfg.compute_dtype)
     else:
         k, scale_row = keys.reshape(nb, cfg.dim), None
     if cfg.index_quant is not None:
@@ -475,8 +476,7 @@ def score_call(cfg: ScoreConfig, q, wcol, cache_kv, layer, items, page_table, pr
     r, h, d = cfg.block_rows, cfg.heads, cfg.dim
     aliased = prev is not None
     kernel = functools.partial(_score_kernel, cfg, aliased)
-    page_shape = ((cfg.page_size // ti.KV_PACKING, ti.KV_PACKING, ti.RECORD_BYTES)
-                  if cfg.records else (cfg.page_size, d))
+    page_shape = stored.page_shape(cfg.cache_format, cfg.page_size, d)
     scratch = [pltpu.VMEM((2, cfg.block_pages, *page_shape), cfg.key_dtype),
                pltpu.SemaphoreType.DMA((2,)), pltpu.SMEM((1,), jnp.int32)]
     if cfg.key_scales:  # the stage's scale rows, double-buffered like the keys
@@ -490,7 +490,7 @@ def score_call(cfg: ScoreConfig, q, wcol, cache_kv, layer, items, page_table, pr
                         page_size=cfg.page_size, pages_per_seq=cfg.pages_per_seq,
                         key_itemsize=_key_bytes(cfg) // d,
                         q_itemsize=cfg.compute_dtype.itemsize, page_mode=cfg.page_mode,
-                        scale_lanes=cfg.scale_lanes, index_quant=cfg.index_quant)
+                        scale_lanes=_scale_lanes(cfg), index_quant=cfg.index_quant)
     limit = tpu.vmem_limit(est, cfg.chip, vmem_limit_bytes)
 
     def q_rows(w, items_ref, _pages, _layer):  # element offset of the item's q block
@@ -505,7 +505,7 @@ def score_call(cfg: ScoreConfig, q, wcol, cache_kv, layer, items, page_table, pr
         in_specs.append(pl.BlockSpec(memory_space=pltpu.HBM))
         operands += [tpu.in_hbm(cache_kv.keys), tpu.in_hbm(cache_kv.scales)]
     else:
-        operands.append(tpu.in_hbm(cache_kv.records if cfg.records else cache_kv))
+        operands.append(tpu.in_hbm(stored.array(cfg.cache_format, cache_kv)))
     if aliased:
         in_specs.append(pl.BlockSpec(memory_space=pltpu.HBM))
         operands.append(prev)
@@ -524,8 +524,14 @@ def score_call(cfg: ScoreConfig, q, wcol, cache_kv, layer, items, page_table, pr
 
 
 def _key_bytes(cfg: ScoreConfig) -> int:
-    """HBM/VMEM bytes of one key: ``dim * itemsize``, a whole record for ``records``."""
-    return ti.RECORD_BYTES if cfg.records else cfg.dim * cfg.key_dtype.itemsize
+    """HBM/VMEM bytes of one key: ``dim * itemsize``, ``stored.key_bytes`` when stored."""
+    return (stored.key_bytes(cfg.cache_format, cfg.page_size)[0] if cfg.records
+            else cfg.dim * cfg.key_dtype.itemsize)
+
+
+def _scale_lanes(cfg: ScoreConfig) -> int:
+    """f32 scale lanes a page moves beside its keys (``Fp8IndexCache``, fp8 index pages)."""
+    return stored.key_bytes(cfg.cache_format, cfg.page_size)[1] if cfg.records else cfg.scale_lanes
 
 
 def _cost_estimate(cfg: ScoreConfig) -> pl.CostEstimate:
@@ -535,7 +541,7 @@ def _cost_estimate(cfg: ScoreConfig) -> pl.CostEstimate:
     if cfg.index_quant is not None:  # the key tile's Hadamard rotation, once per item
         flops += 2 * toks * cfg.dim * cfg.dim
     key_bytes = toks * _key_bytes(cfg)
-    key_bytes += cfg.num_items * cfg.pages_per_seq * cfg.scale_lanes * 4
+    key_bytes += cfg.num_items * cfg.pages_per_seq * _scale_lanes(cfg) * 4
     rows = cfg.num_items * cfg.block_rows * cfg.heads
     io = rows * (cfg.dim * cfg.compute_dtype.itemsize + LANES * 4)
     width = cfg.page_cols if cfg.page_mode else cfg.capacity

@@ -55,7 +55,13 @@ def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_
     (``page_size`` / ``pages_per_seq`` in entries). ``index_quant="fp4_sim"``: the same HBM
     bytes as plain keys (the cache is read as stored; the rotation and FP4 rounding happen on
     the tile in VMEM, q is simulated in the glue and moves as ``q_itemsize``), plus the
-    rotation's MXU flops ``2 * D * D`` per fetched key, and its VMEM temporaries."""
+    rotation's MXU flops ``2 * D * D`` per fetched key, and its VMEM temporaries.
+
+    DMA descriptors (``dmas``), replayed the same way: manual DMAs, one per fetched key page
+    (two with an fp8 cache: its keys and its scale row; one per page of tokamax's records) and
+    one per score row written; pipeline block copies, two per q block fetched (the q block and
+    the weight column). A decode row (a 1-row item) issues ``pages needed`` (fp8: twice that)
+    + 1 + 2 descriptors."""
     total = sum(q_lens)
     cap = pages_per_seq * page_size
     width = pages_per_seq if page_mode else cap
@@ -66,7 +72,8 @@ def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_
     key_row = dim * key_itemsize
     q_row = heads * (dim * q_itemsize + LANES * 4)  # q row + lane-padded weight column
     chunks = sorted({min(i * c, total - c) for i in range(-(-total // c))})
-    keys = flops = q_moved = out = 0
+    keys = flops = q_moved = out = dmas = 0
+    page_dmas = 2 if scale_lanes else 1  # an fp8 page: its keys and its scale row
     for row0 in chunks:
         levels = replay_items(q_lens, kv_lens, row0=row0, rows=c, total_rows=total,
                               ladder=ladder, page_size=page_size, capacity=cap,
@@ -75,7 +82,9 @@ def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_
             qrows = [qr for qr, _, _ in items] or [0]
             fetches = 1 + sum(a != b for a, b in zip(qrows, qrows[1:], strict=False))
             q_moved += fetches * size * q_row
+            dmas += 2 * fetches  # the q block and the weight column: one block copy each
             for _, n, pages in items:
+                dmas += pages * page_dmas + n  # key pages in, one score row out per row
                 keys += pages * (page_size * key_row + 4 * scale_lanes)
                 flops += 2 * size * heads * dim * pages * page_size
                 if index_quant is not None:  # the key tile's Hadamard rotation
@@ -90,5 +99,5 @@ def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_
                          key_itemsize=key_itemsize, q_itemsize=q_itemsize, page_mode=page_mode,
                          scale_lanes=scale_lanes, index_quant=index_quant)
     return aot.Traffic(bytes_moved=keys + q_moved + out, bytes_min=bytes_min, flops=flops,
-                       vmem_bytes=vmem)
+                       vmem_bytes=vmem, dmas=dmas)
 

@@ -8,14 +8,19 @@ indexer's ``f32[R*H, 1]`` weight column; equal to the logical bytes for every ot
 No TPU is used: this is what the simulated kernel copies, not a hardware measurement.
 
 Model: ``case.model`` is the kernel family's own traffic function
-(``pallas_kernels.indexer.traffic.traffic`` / ``pallas_kernels.mla.traffic.mla_traffic``,
-the functions behind ``compile_cases``) called with this case's
+(``pallas_kernels.indexer.traffic.traffic`` / ``pallas_kernels.mla.traffic.mla_traffic`` /
+``pallas_kernels.v4_compressor.traffic.compressor_traffic``, the functions behind
+``compile_cases``) called with this case's
 shapes and blocks. It also prices XLA work outside the ``pallas_call`` (the indexer
 page-score row map, the sparse MLA index preparation); those terms are split out as "XLA side"
 (``*_xla_bytes`` below, one line per model term), because the interpreter counts only the
 kernel's own copies; the MLA kernels' scalar prefetch (row info and page table into SMEM) is
 set aside with it, as the interpreter does not count scalar prefetch either. Counted must equal
-the model's kernel side exactly.
+the model's kernel side exactly. An HBM -> HBM DMA (the V4 compressor's state call) counts its
+bytes twice, read and written, as its model does.
+
+DMA descriptors: counted, every block copy of the grid pipeline and every started manual DMA
+(``TrafficCount.descriptors``); modelled, ``Traffic.dmas``. Counted must equal the model.
 
 The report: ``python -m scripts.cost.hbm_traffic [--quick] [--out DIR]``
 (``tests/test_hbm_traffic.py`` checks the quick cases).
@@ -23,6 +28,7 @@ The report: ``python -m scripts.cost.hbm_traffic [--quick] [--out DIR]``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -235,6 +241,35 @@ def mla_case(s: Shape, *, page_mode: bool, k: int, block: int, v_dim: int,
     return Case(name, s.name, run, model, prep + prefetch, f"{what} {fmt}")
 
 
+# ----------------------------------------------------------------------------- V4 compressor
+
+
+def compressor_case(*, ratio: int = 4, d: int = 128, seqs: int = 4, seed: int = 0) -> Case:
+    """A decode step of the Pallas V4 compressor (``v4_compressor.compress_step``): ``seqs``
+    sequences of one token each, every one completing an entry (``traffic.decode_counts``: the
+    step the static program must serve) and reading its ring slot; random rows and ring. At
+    ``seqs = 4``, ratio 4: 5 output slots, one of them unused (a zero row)."""
+    from pallas_kernels.v4_compressor import compress_step
+    from pallas_kernels.v4_compressor import traffic as ctraffic
+    from reference import v4_compressor as vc
+
+    rng = np.random.default_rng(seed)
+    width, rows = vc.compressor_coff(ratio) * d, vc.state_rows(ratio)
+    kv_lens = [ratio * (i + 2) for i in range(seqs)]  # each token completes an entry
+    f32 = functools.partial(rng.standard_normal, dtype=np.float32)
+    cos, sin = vc.rope_tables(max(kv_lens))
+    state = vc.CompressorState(jnp.asarray(f32((seqs, rows, width))),
+                               jnp.asarray(f32((seqs, rows, width))))
+    args = (jnp.asarray(f32((seqs, width))), jnp.asarray(f32((seqs, width))),
+            jnp.asarray(f32((ratio, width))), jnp.ones((d,), jnp.float32), cos, sin, state,
+            jnp.arange(seqs, dtype=jnp.int32), jnp.asarray(kv_lens, jnp.int32),
+            jnp.arange(seqs + 1, dtype=jnp.int32), jnp.asarray([seqs] * 3, jnp.int32))
+    model = ctraffic.compressor_traffic(ctraffic.decode_counts(seqs, ratio), ratio=ratio, d=d)
+    return Case("v4_compressor", f"decode {seqs} seqs, ratio {ratio} d{d}",
+                lambda: compress_step(*args, ratio=ratio, interpret=INTERPRET), model, 0,
+                f"R={rows} W={width}")
+
+
 # ----------------------------------------------------------------------------- cases
 
 # Decode: 4 sequences of ragged lengths (partial last pages, causal page counts 3..8).
@@ -282,7 +317,7 @@ def fp8_cases() -> list[Case]:
 
 
 def all_cases(quick: bool) -> list[Case]:
-    cases = decode_cases() + fp8_cases()
+    cases = decode_cases() + fp8_cases() + [compressor_case()]
     if not quick:
         cases += [indexer_case(MTP, page_mode=False, block_rows=2, block_pages=2),
                   indexer_case(MTP, page_mode=True, block_rows=2, block_pages=2),
@@ -316,12 +351,14 @@ def row(case: Case, counted: counter.TrafficCount, seconds: float) -> dict:
     h2v = counted.bytes("hbm", "vmem", lane_padded=True)
     v2h = counted.bytes("vmem", "hbm", lane_padded=True)
     h2s = counted.bytes("hbm", "smem", lane_padded=True)
-    other = counted.bytes(lane_padded=True) - h2v - v2h - h2s
-    total = h2v + v2h + h2s + other
+    h2h = counted.bytes("hbm", "hbm", lane_padded=True)
+    other = counted.bytes(lane_padded=True) - h2v - v2h - h2s - h2h
+    total = h2v + v2h + h2s + 2 * h2h + other  # an HBM -> HBM copy reads and writes HBM
     m = case.model
     return {"kernel": case.kernel, "shape": case.shape, "blocks": case.blocks,
             "counted_hbm_to_vmem": h2v, "counted_vmem_to_hbm": v2h, "counted_hbm_to_smem": h2s,
-            "counted_other": other, "counted_total": total,
+            "counted_hbm_to_hbm": h2h, "counted_other": other, "counted_total": total,
+            "counted_dmas": counted.descriptors, "model_dmas": m.dmas,
             "counted_logical_total": counted.bytes(),
             "model_bytes_moved": m.bytes_moved, "model_xla_side": case.xla_bytes,
             "model_kernel_side": case.model_kernel_bytes, "bytes_min": m.bytes_min,

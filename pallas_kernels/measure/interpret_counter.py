@@ -12,6 +12,9 @@ copies while it runs a kernel on CPU, not a hardware measurement. It counts
   ``wait`` on its semaphore under the default ``"on_wait"``, where a DMA nobody waits for is
   never executed; ``TrafficCount.dmas_unexecuted`` says how many were missed.
 
+``TrafficCount.descriptors``: the DMA descriptors issued, one per block copy and one per
+started manual DMA (what ``aot.Traffic.dmas`` models).
+
 Each copy records its source and destination memory space, shape, dtype and bytes: the logical
 bytes and, for copies between HBM and VMEM, the bytes with the minor dim padded to 128 lanes
 (an array whose minor dim is not a multiple of 128 occupies whole 128-lane tiles there, e.g.
@@ -156,6 +159,12 @@ class TrafficCount:
         """DMAs started but never executed (never waited on in ``"on_wait"`` mode): their
         bytes are missing from the count. Zero under ``dma_execution_mode="eager"``."""
         return self.dmas_started - len(self.select(kind="dma"))
+
+    @property
+    def descriptors(self) -> int:
+        """DMA descriptors issued: every block copy of the grid pipeline and every started
+        manual DMA (each is one descriptor on a TPU); what a model's ``Traffic.dmas`` counts."""
+        return self.count(kind="block") + self.dmas_started
 
     def select(self, src: str | None = None, dst: str | None = None,
                kind: str | None = None) -> list[Copy]:

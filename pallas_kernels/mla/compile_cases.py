@@ -115,7 +115,8 @@ def mla_case(mode: str, label: str, rows: int, seqs: int, context: int, heads: i
         if token and fmt == "bf16":  # slow path: pack the whole cache (read bf16, write words)
             pages = seqs * context // MLA_PAGE
             extra = pages * MLA_PAGE * (2 * MLA_DIM + 4 * packed_cache.packed_words(MLA_DIM))
-            t = aot.Traffic(t.bytes_moved + extra, t.bytes_min, t.flops, t.vmem_bytes)
+            t = aot.Traffic(t.bytes_moved + extra, t.bytes_min, t.flops, t.vmem_bytes,
+                            t.dmas)
         return t
 
     tag = next((t for t in ("decode", "mixed") if label.startswith(t)), "prefill")

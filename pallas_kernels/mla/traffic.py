@@ -27,7 +27,13 @@ def mla_traffic(*, rows: int, heads: int, dim: int, v_dim: int, selected_rows: i
     (bf16: 2 bytes, f32: 4), reads q once and writes out once; the kernel moves a packed row as
     its ``packed_words(D)`` words (Mosaic moves rows whole; see ``reference.packed_cache``),
     each row's ``meta_words`` raw entries into SMEM, and the scalar-prefetched row info and
-    page table (``table_words``) once. ``prep_bytes`` is the XLA side (``row_info``)."""
+    page table (``table_words``) once. ``prep_bytes`` is the XLA side (``row_info``).
+
+    DMA descriptors (``dmas``), per query row: one gather DMA per entry (every one of the
+    row's ``meta_words`` entries valid, the model's premise: a token row in token mode, a
+    whole page in page mode), one DMA of the row's raw entries into SMEM, and two pipeline
+    block copies (the q block in, the out block back); an optional LSE output adds one more
+    per row (the caller's to add). The scalar prefetch is not counted (``aot.Traffic``)."""
     fmt = CacheFormat.named(fmt)
     q_out = rows * heads * (dim + v_dim) * q_itemsize
     # the kernel's q blocks move whole 128-lane groups (a 576-wide fp8-case q: 640 lanes)
@@ -37,6 +43,8 @@ def mla_traffic(*, rows: int, heads: int, dim: int, v_dim: int, selected_rows: i
     smem = 4 * rows * meta_words + prefetch_bytes(rows=rows, table_words=table_words)
     moved = gathered + q_moved + smem + prep_bytes
     flops = 2 * rows * heads * selected_rows * (dim + v_dim)
-    return aot.Traffic(int(moved), int(bytes_min), int(flops), mla_blocks.vmem_bytes(shape))
+    dmas = rows * (meta_words + 1 + 2)  # gathers, the entries row, q in and out back
+    return aot.Traffic(int(moved), int(bytes_min), int(flops), mla_blocks.vmem_bytes(shape),
+                       dmas=dmas)
 
 PREP_BYTES_PER_PAGE = PREP_BYTES_PER_ENTRY  # page mode: each page entry read once, the same way

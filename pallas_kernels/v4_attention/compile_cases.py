@@ -97,7 +97,7 @@ def v4_traffic(chip: str, *, rows: int, context: int, heads: int, ratio: int,
     fmt = CacheFormat.PACKED_BF16
     entries = 0 if not ratio else (k if ratio == 4 else context // ratio)
     meta = {"window": WINDOW, "compressed": entries if ratio == 4 else context // ratio}
-    moved = flops = vmem = 0
+    moved = flops = vmem = dmas = 0
     for part, selected, table in (("window", WINDOW, rows * context // PAGE),
                                   ("compressed", entries,
                                    rows * -(-(context // max(ratio, 1)) // PAGE))):
@@ -112,12 +112,14 @@ def v4_traffic(chip: str, *, rows: int, context: int, heads: int, ratio: int,
                         prep_bytes=rows * meta[part] * PREP_BYTES_PER_ENTRY, table_words=table,
                         shape=shape)
         moved, flops, vmem = moved + t.bytes_moved, flops + t.flops, max(vmem, t.vmem_bytes)
+        dmas += t.dmas + rows  # + each row's LSE block (return_lse)
     index_xla = 4 * rows * (WINDOW + (2 if ratio == 4 else 1) * meta["compressed"] * bool(ratio))
     parts = 2 if ratio else 1
     merge = rows * heads * (parts * (2 * HEAD_DIM + 4) + 2 * HEAD_DIM)
     bytes_min = (rows * (WINDOW + entries) * fmt.plain_row_bytes(HEAD_DIM)
                  + rows * heads * 2 * HEAD_DIM * 2)
-    return aot.Traffic(int(moved + index_xla + merge), int(bytes_min), int(flops), int(vmem))
+    return aot.Traffic(int(moved + index_xla + merge), int(bytes_min), int(flops), int(vmem),
+                       dmas=dmas)
 
 
 def fused_v4_traffic(chip: str, *, rows: int, context: int, heads: int, ratio: int,

@@ -73,10 +73,7 @@ def v4_attention(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array, cu_q_lens
                    window_pages_per_seq=window_pages_per_seq,
                    compressed_pages_per_seq=compressed_pages_per_seq)
     if fused:
-        block = mla_blocks.pick(blocks, "tokens_per_block", tokens_per_block)
-        if not block:  # None (or 0, as before): the table's row for the chip, clamped
-            fmt = v4_blocks.table_format(formats.kernel_format(window.cache))
-            block = v4_blocks.block(tpu.device_chip(), fmt, q.shape[1])
+        block = fused_block(window.cache, q.shape[1], tokens_per_block, blocks)
         return v4_attention_fused(q, window, kv_lens, cu_q_lens, distribution, **statics,
                                   compressed=compressed, compressed_indices=compressed_indices,
                                   attn_sink=attn_sink, return_lse=return_lse, block=block,
@@ -88,3 +85,15 @@ def v4_attention(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array, cu_q_lens
                     tokens_per_block=tokens_per_block, blocks=blocks,
                     vmem_limit_bytes=vmem_limit_bytes, interpret=interpret, layer=layer,
                     precision=precision)
+
+
+def fused_block(window_cache, heads: int, tokens_per_block: int | None = None,
+                blocks: mla_blocks.MlaBlocks | None = None) -> int:
+    """The fused kernel's rows per gathered block: ``tokens_per_block`` (or
+    ``blocks.tokens_per_block``), else (None or 0) the table's row for the chip, the window
+    cache's format and ``heads`` (``pallas_kernels.v4_attention.blocks``)."""
+    block = mla_blocks.pick(blocks, "tokens_per_block", tokens_per_block)
+    if not block:  # None (or 0, as before): the table's row for the chip, clamped
+        fmt = v4_blocks.table_format(formats.kernel_format(window_cache))
+        block = v4_blocks.block(tpu.device_chip(), fmt, heads)
+    return block

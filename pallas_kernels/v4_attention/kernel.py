@@ -16,7 +16,7 @@ Shapes: ``q bf16|f32[T, H, 512]``; both caches in one format (``formats``): pack
 Out ``q.dtype[T, H, 512]`` and ``f32[T, H, 1]`` LSE (natural log, ``-inf`` for an empty row).
 The flash-state protocol (``state``, tokamax's ``mla_swa`` / ``sparse_mla``): a row may start
 from an external state and return its state instead of its output (module ``state``); a call
-may first write this step's rows into a ``PlaneCache`` window cache in place (``writes``).
+may first write this step's rows into its window cache in place (``writes``).
 
 Walk (scalar core, per query row = grid step; ``walk``): a stream of window units then
 compressed units. The window's tokens ``w_first .. w_end - 1`` (contiguous, from ``row_info``)
@@ -254,11 +254,11 @@ def _kernel(info_ref, wtab_ref, ctab_ref, layer_ref, q_ref, sink_ref, ent_hbm, *
     n_state = 3 if state_in else 0
     state_refs, refs = refs[:n_state], refs[n_state:]
     w_src, c_src = refs[:nparts], refs[nparts:2 * nparts]
-    new_hbm, refs = (refs[2 * nparts], refs[2 * nparts + 1:]) if writes else (None,
-                                                                             refs[2 * nparts:])
+    n_new = nparts if writes else 0  # writes: this step's rows per part, the parts as outputs
+    new_hbm, refs = refs[2 * nparts:2 * nparts + n_new], refs[2 * nparts + n_new:]
     n_out = 3 if state_out else 2
-    outs, cache_out = refs[:n_out], (refs[n_out] if writes else None)
-    refs = refs[n_out + writes:]
+    outs, cache_out = refs[:n_out], refs[n_out:n_out + n_new]
+    refs = refs[n_out + n_new:]
     bufs, (ent_smem, sems, esem, state, acc_ref, runs) = refs[:nbufs], refs[nbufs:]
     t, num_rows = pl.program_id(0), pl.num_programs(0)
     layer, num_layers = layer_ref[0], walk_statics.pop("layers")
@@ -284,7 +284,7 @@ def _kernel(info_ref, wtab_ref, ctab_ref, layer_ref, q_ref, sink_ref, ent_hbm, *
                 info_ref, wtab_ref, new_hbm, cache_out, esem.at[0], base=num_rows * INFO_WORDS,
                 info_words=INFO_WORDS, slot_word=_WSLOT0, num_rows=num_rows,
                 w_page=walk_statics["w_page"], w_pages=walk_statics["w_pages"],
-                layer=walk_statics["layer"], layer_ok=walk_statics["layer_ok"])
+                layer=walk_statics["layer"], layer_ok=walk_statics["layer_ok"], fmt=fmt)
         start_row(0, 0)
 
     state[3] = 0
@@ -369,12 +369,12 @@ def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn
     (i32). ``state``: the rows' starting flash state ``(acc f32|bf16[T, H, 512], l f32[T, H],
     m f32[T, H])`` or None (empty); ``return_state``: return the state ``(acc acc_dtype[T, H,
     512], l, m f32[T, H, 1])`` (``acc_dtype`` default q's) instead of (``q.dtype[T, H, 512]``,
-    ``f32[T, H, 1]``). ``new_rows``: ``i32[2 T, 128]`` plane words (``writes.pack_rows``) the
-    kernel writes into the (plane) window cache first, ``info`` then ending in the rows'
-    positions (``writes.write_positions``); the updated stacked window words are returned
-    last, aliased to the input. ``window_size``: the window
-    tokens of ``gathered_rows`` (the rest: compressed entries), for the page-run traffic
-    bound (``traffic.run_bound``)."""
+    ``f32[T, H, 1]``). ``new_rows``: this step's rows encoded per window cache part
+    (``writes.row_parts``; one part: the array alone, as the plane words once), which the
+    kernel writes into the window cache first, ``info`` then ending in their positions; the
+    updated stacked window parts are returned last, aliased to the inputs. ``window_size``: the
+    window tokens of ``gathered_rows`` (the rest: compressed entries), for the page-run
+    traffic bound (``traffic.run_bound``)."""
     num_rows, heads, dim = q.shape
     listed = entries is not None
     ent = entries.astype(jnp.int32) if listed else jnp.zeros((num_rows, 1), jnp.int32)
@@ -398,10 +398,11 @@ def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn
     state_ins, state_specs, out_shape, out_specs = _state_io(state, return_state, acc_dtype, q,
                                                              row_block)
     any_spec, extra_ins, aliases = pl.BlockSpec(memory_space=pl.ANY), [], {}
-    if new_rows is not None:  # the window words (input 7 + state) become the last output
-        extra_ins, aliases = [new_rows], {7 + len(state_ins): len(out_shape)}
-        out_shape = out_shape + [jax.ShapeDtypeStruct(w_parts[0].shape, w_parts[0].dtype)]
-        out_specs = out_specs + [any_spec]
+    if new_rows is not None:  # the window parts (inputs 7 + state ..) become the last outputs
+        extra_ins = list(new_rows) if isinstance(new_rows, (tuple, list)) else [new_rows]
+        aliases = {7 + len(state_ins) + i: len(out_shape) + i for i in range(len(w_parts))}
+        out_shape = out_shape + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in w_parts]
+        out_specs = out_specs + [any_spec] * len(w_parts)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4, grid=(num_rows,),
         in_specs=[pl.BlockSpec((1, heads, dim), row_block),
@@ -422,7 +423,8 @@ def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn
                       min_row_bytes=formats.stored_bytes(fmt), fp8=fmt in ("fp8", "csa"),
                       acc_in_itemsize=0 if state is None else state[0].dtype.itemsize,
                       acc_out_itemsize=acc_dtype.itemsize if return_state else 0,
-                      written_rows=0 if new_rows is None else num_rows,
+                      written_rows=0 if new_rows is None else
+                      num_rows * row_writes.written_bytes(fmt) // row_writes.WRITE_BYTES,
                       read_rows=num_rows * single_rows, gather_dmas=num_rows * gather_dmas,
                       run_rows=num_rows * run_rows,
                       run_row_bytes=formats.run_row_bytes(fmt, w_parts[0].shape[-1]))
@@ -446,8 +448,8 @@ def fused_rows(q, window: v4.PagedKV, kv_lens, cu_q_lens, distribution, *, compr
                new_kv=None, **statics):
     """Check and run one fused call (``v4_attention_fused``'s arguments, ``statics`` its static
     ones; ``state`` / ``return_state`` / ``acc_dtype``: ``fused_call``'s; ``new_kv f32|bf16[T,
-    512]``: this step's rows, written into the plane window cache first, ``writes``). Returns
-    ``(fused_call's outputs, the updated stacked window words or None)``, q's precision cast
+    512]``: this step's rows, written into the window cache first, ``writes``). Returns
+    ``(fused_call's outputs, the updated window cache as given, or None)``, q's precision cast
     applied (``precision="bf16"``: the kernel runs on q cast to bf16; its normalized output is
     cast back to q's dtype)."""
     w_read, c_read, w_cache, c_cache = check_fused_args(
@@ -469,8 +471,8 @@ def fused_rows(q, window: v4.PagedKV, kv_lens, cu_q_lens, distribution, *, compr
     new_rows = None
     if new_kv is not None:
         row_writes.check_new_kv(new_kv, q, w_cache)
-        info = jnp.concatenate([info, row_writes.write_positions(rows, wb)])
-        new_rows = row_writes.pack_rows(new_kv)
+        new_rows, positions = row_writes.row_parts(new_kv, w_cache, rows, wb, w_read.layer)
+        info = jnp.concatenate([info, positions])
     selected = compressed_indices.shape[1] if ratio == 4 else capacity
     q_in = q.astype(jnp.bfloat16) if precision == "bf16" else q  # f32 q: rounded to bf16
     res = fused_call(q_in, w_cache, c_cache, w_read.layer, compressed_indices, info,
@@ -480,11 +482,13 @@ def fused_rows(q, window: v4.PagedKV, kv_lens, cu_q_lens, distribution, *, compr
                      interpret=interpret, state=state, return_state=return_state,
                      acc_dtype=q.dtype if acc_dtype is None else acc_dtype,
                      new_rows=new_rows, window_size=statics["window_size"])
-    res = list(res)
-    words = res.pop() if new_kv is not None else None
+    res, written = list(res), None
+    if new_kv is not None:
+        n = len(formats.parts(w_cache))
+        res, written = res[:-n], row_writes.updated_cache(w_cache, res[-n:], window.cache)
     if not return_state and precision == "bf16":
         res[0] = res[0].astype(q.dtype)
-    return res, words
+    return res, written
 
 
 @v4.checks_layers

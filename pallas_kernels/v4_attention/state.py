@@ -22,7 +22,7 @@ of empty, and with ``return_state`` writes the state instead of normalizing):
 - ``v4_attention_state``: ``v4_attention_fused``'s op (window + compressed by the ratio, every
   mask of ``reference.v4_attention``) from and / or to a state. The window pass of the split is
   ``compress_ratio=0, return_state=True`` (tokamax's ``mla_swa`` with ``unnormalized_output``),
-  with ``new_kv`` writing this step's rows into its ``PlaneCache`` first, in place (``writes``).
+  with ``new_kv`` writing this step's rows into its window cache first, in place (``writes``).
 - ``v4_entries_from_state``: the compressed source alone, tokamax's ``sparse_mla``: each row
   walks its listed entries with NO position mask (no ``kv_lens``): entry ``e`` of the row's
   sequence is read iff ``0 <= e < `` the sequence's entry capacity (``min(pages_per_seq * ps,
@@ -47,7 +47,7 @@ from pallas_kernels.v4_attention import formats, kernel
 from pallas_kernels.v4_attention.blocks import DEFAULT_BLOCK
 from reference import v4_attention as v4
 from reference.core import batch, checks
-from reference.formats import stacked, tokamax_v4
+from reference.formats import stacked
 from reference.mla import sinks
 from reference.quant.bf16 import check_precision
 
@@ -124,18 +124,19 @@ def v4_attention_state(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array,
       return_state: return the row's ``FlashState`` (``acc`` in ``acc_dtype``, default q's
         dtype) instead of the normalized output; takes no ``attn_sink`` (ValueError).
       acc_dtype: f32 | bf16 | None (q's dtype), static.
-      new_kv: f32|bf16[T, 512] or None: this step's window rows, written (as bf16) into the
-        window cache, a ``PlaneCache``, at each row's own position before the call attends
-        (tokamax's ``mla_swa``; ``writes``); the cache is updated in place when donated.
+      new_kv: f32|bf16[T, 512] or None: this step's window rows, written in the window
+        cache's format (a ``PlaneCache``, packed u32, f32 or fp8 ``Fp8V4Cache``) at each row's
+        own position before the call attends (tokamax's ``mla_swa``; ``writes``); the cache is
+        updated in place when donated.
 
     Returns:
       ``FlashState`` (``return_state``), else ``q.dtype[T, H, 512]`` (normalized, the sink
       applied once) and with ``return_lse`` the sink-free ``f32[T, H]`` (``m + log l``); with
-      ``new_kv``: ``(that, the updated window PlaneCache)``.
+      ``new_kv``: ``(that, the updated window cache)``, in its format.
     """
     state = check_state(state, q, return_state=return_state, attn_sink=attn_sink,
                         acc_dtype=acc_dtype)
-    res, words = kernel.fused_rows(
+    res, written = kernel.fused_rows(
         q, window, kv_lens, cu_q_lens, distribution, sm_scale=sm_scale,
         window_size=window_size, compress_ratio=compress_ratio,
         window_pages_per_seq=window_pages_per_seq,
@@ -145,10 +146,7 @@ def v4_attention_state(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array,
         precision=precision, state=state, return_state=return_state, acc_dtype=acc_dtype,
         new_kv=new_kv)
     result = _result(res, return_state=return_state, return_lse=return_lse)
-    if new_kv is None:
-        return result
-    words = words[0] if stacked.cache_rank(window.cache) == stacked.CACHE_RANK else words
-    return result, tokamax_v4.PlaneCache(words, window.cache.logical_page_size)
+    return result if new_kv is None else (result, written)
 
 
 def check_entries_args(q, compressed: v4.PagedKV, cu_q_lens, distribution, compressed_indices,

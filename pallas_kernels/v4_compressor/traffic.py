@@ -39,7 +39,9 @@ class StepCounts:
     ``chunk_rows`` pooled slots read from this step's rows (summed over entries),
     ``ring_entries`` entries that read their ring slot, ``old_slots`` pooled slots that precede
     the step (summed over entries; the minimum reads these), ``step_rows`` this step's rows,
-    ``state_rows`` ring rows written."""
+    ``state_rows`` ring rows written; ``chunk_runs`` the pieces the chunk rows move in, one DMA
+    per array (kv, score) each: a row alone, an aligned run of ``R`` rows or a window (summed
+    over entries; ``None``: one per chunk row, every row alone)."""
 
     slots: int
     entries: int
@@ -48,6 +50,12 @@ class StepCounts:
     old_slots: int
     step_rows: int
     state_rows: int
+    chunk_runs: int | None = None
+
+    @property
+    def runs(self) -> int:
+        """``chunk_runs``, or ``chunk_rows`` where it is ``None``."""
+        return self.chunk_rows if self.chunk_runs is None else self.chunk_runs
 
 
 def decode_counts(seqs: int, ratio: int, *, complete: bool = True) -> StepCounts:
@@ -74,7 +82,28 @@ def prefill_counts(tokens: int, ratio: int, first_row: int = 0) -> StepCounts:
         chunk += windows * WINDOW_PAD
     return StepCounts(slots=vc.max_entries(tokens, 1, ratio), entries=entries, chunk_rows=chunk,
                       ring_entries=0, old_slots=0, step_rows=tokens,
-                      state_rows=min(tokens, rows))
+                      state_rows=min(tokens, rows),
+                      chunk_runs=sum(_prefill_runs(j, tokens, ratio, first_row)
+                                     for j in range(entries)))
+
+
+def _prefill_runs(j: int, tokens: int, ratio: int, first_row: int) -> int:
+    """The pieces entry ``j`` of ``prefill_counts``' chunk moves its chunk rows in (the pool
+    kernel's choice, ``kernel._pool_kernel``): one aligned run of all ``R`` slots from a row
+    that is a multiple of 8, else one window (``uses_window``: more than 8 rows whose aligned
+    window lies inside the step), else one per row."""
+    coff, rows = vc.compressor_coff(ratio), vc.state_rows(ratio)
+    end = first_row + tokens  # the step's rows
+    q0 = ratio * j - (coff - 1) * ratio
+    k_c = min(max(-q0, 0), rows)  # slots before the sequence's first token are not read
+    base = first_row + q0
+    if end >= rows and k_c == 0 and base % WINDOW_PAD == 0:
+        return 1
+    first = base + k_c
+    if (uses_window(ratio, end) and rows - k_c > WINDOW_PAD
+            and first // WINDOW_PAD * WINDOW_PAD + rows + WINDOW_PAD <= end):
+        return 1
+    return rows - k_c
 
 
 def worst_counts(num_rows: int, num_seqs: int, ratio: int) -> StepCounts:
@@ -90,7 +119,8 @@ def worst_counts(num_rows: int, num_seqs: int, ratio: int) -> StepCounts:
     chunk = min(slots * (rows + pad), coff * num_rows + slots * pad)
     return StepCounts(slots=slots, entries=slots, chunk_rows=chunk,
                       ring_entries=ring, old_slots=ring * (rows - 1), step_rows=num_rows,
-                      state_rows=min(num_rows, num_seqs * rows))
+                      state_rows=min(num_rows, num_seqs * rows),
+                      chunk_runs=min(slots * rows, coff * num_rows))
 
 
 def pool_bytes(c: StepCounts, *, ratio: int, d: int) -> int:
@@ -107,16 +137,31 @@ def state_bytes(c: StepCounts, *, ratio: int, d: int) -> int:
     return c.state_rows * 4 * width * F32 + ratio * width * F32
 
 
+def pool_dmas(c: StepCounts) -> int:
+    """DMA descriptors of the pooling call: per chunk run and per ring slot read, one DMA each
+    for kv and score; pipeline block copies: the ape tile once, each output slot's row."""
+    return 2 * (c.runs + c.ring_entries) + 1 + c.slots
+
+
+def state_dmas(c: StepCounts) -> int:
+    """DMA descriptors of the state call: per state row written, the kv row HBM to HBM, the
+    score row in and the gate row out; the ape block once (a pipeline block copy)."""
+    return 3 * c.state_rows + 1
+
+
 def compressor_traffic(c: StepCounts, *, ratio: int, d: int) -> aot.Traffic:
     """Both calls of one step against the minimum (module docstring); flops: the pooling's
-    ~6 flops per pooled slot channel; VMEM: ``vmem_bytes``."""
+    ~6 flops per pooled slot channel; VMEM: ``vmem_bytes``; DMA descriptors: ``pool_dmas`` +
+    ``state_dmas`` (a decode step where every sequence completes an entry: 7 per sequence,
+    one output row per slot, plus the two ape blocks)."""
     width = vc.compressor_coff(ratio) * d
     rows = vc.state_rows(ratio)
     moved = pool_bytes(c, ratio=ratio, d=d) + state_bytes(c, ratio=ratio, d=d)
     minimum = (c.step_rows * 2 * width + c.old_slots * 2 * d + c.state_rows * 2 * width
                + c.entries * d) * F32
     return aot.Traffic(int(moved), int(minimum), int(6 * c.entries * rows * d),
-                       vmem_bytes(ratio=ratio, d=d, window=uses_window(ratio, c.step_rows)))
+                       vmem_bytes(ratio=ratio, d=d, window=uses_window(ratio, c.step_rows)),
+                       dmas=pool_dmas(c) + state_dmas(c))
 
 
 def vmem_bytes(*, ratio: int, d: int, window: bool = False) -> int:

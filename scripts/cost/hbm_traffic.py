@@ -1,7 +1,7 @@
-"""HBM bytes each Pallas kernel moves, counted in the Pallas TPU interpreter (a simulation),
-against the kernel's traffic model and the minimum: the report of
+"""HBM bytes and DMA descriptors each Pallas kernel moves / issues, counted in the Pallas TPU
+interpreter (a simulation), against the kernel's traffic model and the minimum: the report of
 ``pallas_kernels.measure.hbm_traffic``'s cases (what is counted and modelled: its docstring).
-Exits 1 if a count differs from the model's kernel side.
+Exits 1 if a count differs from the model's kernel side (bytes) or the model's descriptors.
 
 Usage: ``python -m scripts.cost.hbm_traffic [--quick] [--out DIR]``
 """
@@ -25,16 +25,18 @@ from pallas_kernels.measure.hbm_traffic import LABEL, all_cases, count, row  # n
 
 def markdown(rows: list[dict]) -> str:
     lines = [f"All \"counted\" bytes: {LABEL}; HBM<->VMEM copies with the minor dim padded "
-             "to 128 lanes as TPU tiles are (logical bytes in the JSON), HBM->SMEM logical. "
+             "to 128 lanes as TPU tiles are (logical bytes in the JSON), HBM->SMEM logical, an "
+             "HBM->HBM copy twice (read and written; in the total only). "
              "\"model\": the kernel module's traffic function at the same shapes and blocks (a "
              "model); its XLA side (work outside the pallas_call) is not a kernel copy and is "
              "subtracted before comparing. \"min\": the model's minimum (each input once, "
-             "output once).",
+             "output once). \"DMAs\": DMA descriptors, every pipeline block copy and "
+             "every started manual DMA (counted) and the model's ``Traffic.dmas``.",
              "",
              "| kernel | shape | blocks | HBM->VMEM | VMEM->HBM | HBM->SMEM | counted total | "
              "model total | model XLA side | model kernel side | counted - model kernel | min | "
-             "counted / model kernel | counted / min |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "counted / model kernel | counted / min | counted DMAs | model DMAs |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
             f"| {r['kernel']} | {r['shape']} | {r['blocks']} | {r['counted_hbm_to_vmem']} | "
@@ -42,7 +44,7 @@ def markdown(rows: list[dict]) -> str:
             f"{r['model_bytes_moved']} | {r['model_xla_side']} | {r['model_kernel_side']} | "
             f"{r['counted_total'] - r['model_kernel_side']} | "
             f"{r['bytes_min']} | {r['counted_over_model_kernel']:.3f} | "
-            f"{r['counted_over_min']:.3f} |")
+            f"{r['counted_over_min']:.3f} | {r['counted_dmas']} | {r['model_dmas']} |")
     lines += ["", f"Copies by kind ({LABEL}):", "",
               "| kernel | shape | kind | src -> dst | copy shape | dtype | copies | bytes | "
               "lane-padded bytes |", "|---|---|---|---|---|---|---:|---:|---:|"]
@@ -74,10 +76,12 @@ def main(argv=None, count_case=count) -> int:
     (out / "hbm_traffic.json").write_text(json.dumps(
         {"label": LABEL, "jax": jax.__version__, "rows": rows}, indent=1))
     print(md)
-    mismatched = [r for r in rows if r["counted_total"] != r["model_kernel_side"]]
+    mismatched = [r for r in rows if r["counted_total"] != r["model_kernel_side"]
+                  or r["counted_dmas"] != r["model_dmas"]]
     for r in mismatched:
-        print(f"MISMATCH {r['kernel']} {r['shape']}: counted {r['counted_total']} != model "
-              f"kernel side {r['model_kernel_side']}", file=sys.stderr)
+        print(f"MISMATCH {r['kernel']} {r['shape']}: counted {r['counted_total']} B, "
+              f"{r['counted_dmas']} DMAs; model kernel side {r['model_kernel_side']} B, "
+              f"{r['model_dmas']} DMAs", file=sys.stderr)
     return 1 if mismatched else 0
 
 

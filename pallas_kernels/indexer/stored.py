@@ -1,0 +1,59 @@
+"""Caches the indexer kernel reads as their stored bytes and decodes in VMEM, one DMA per page:
+tokamax's 256-byte records (``records``) and the fp8 index pages (``fp8_pages``). The kernel
+asks this module for a format's page buffer, HBM operand and stage decode (``kernel``)."""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.indexer import fp8_pages, records
+from reference.formats import fp8_cache
+from reference.formats import tokamax_index as ti
+
+FORMATS = (records.RECORD_FORMAT, fp8_pages.PAGES_FORMAT)
+
+
+def cache_format(cache_kv) -> str | None:
+    """The stored format of ``cache_kv`` (one of ``FORMATS``), ``None`` for keys read as an
+    array or an ``Fp8IndexCache`` pair."""
+    if isinstance(cache_kv, records.RecordCache):
+        return records.RECORD_FORMAT
+    if isinstance(cache_kv, fp8_pages.PagesCache):
+        return fp8_pages.PAGES_FORMAT
+    return None
+
+
+def page_shape(fmt: str | None, page_size: int, dim: int) -> tuple[int, ...]:
+    """One page in VMEM, as stored: ``u8[ps // 4, 4, 256]`` records, ``u8[G, 4, 128]`` pages,
+    ``[ps, dim]`` keys (``fmt=None``)."""
+    if fmt is None:
+        return (page_size, dim)
+    if fmt == records.RECORD_FORMAT:
+        return (page_size // ti.KV_PACKING, ti.KV_PACKING, ti.RECORD_BYTES)
+    return fp8_pages.page_shape(page_size)
+
+
+def array(fmt: str | None, cache_kv) -> jax.Array:
+    """The array the kernel reads in place: the stored ``u8`` bytes, ``cache_kv`` itself for
+    ``fmt=None``."""
+    if fmt is None:
+        return cache_kv
+    return cache_kv.records if fmt == records.RECORD_FORMAT else cache_kv.pages
+
+
+def decode_stage(fmt: str, keys: jax.Array, page_size: int,
+                 compute_dtype) -> tuple[jax.Array, jax.Array]:
+    """A stage's pages as stored -> ``(codes compute_dtype[P * ps, 128], scale row f32[1, P *
+    ps])``."""
+    if fmt == records.RECORD_FORMAT:
+        return records.decode_stage(keys, compute_dtype)
+    return fp8_pages.decode_stage(keys, page_size, compute_dtype)
+
+
+def key_bytes(fmt: str, page_size: int) -> tuple[int, int]:
+    """``(bytes per key, scale lanes per page)`` a page moves, the split the VMEM estimate and
+    cost estimate take: a record is 256 bytes with its scale inside; a page of fp8 index pages is
+    ``ps`` 128-byte keys plus its scale rows (``fp8_cache.scale_lanes(ps)`` f32 lanes)."""
+    if fmt == records.RECORD_FORMAT:
+        return ti.RECORD_BYTES, 0
+    return ti.HEAD_DIM, fp8_cache.scale_lanes(page_size)
