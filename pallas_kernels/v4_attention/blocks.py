@@ -65,8 +65,8 @@ def row(chip: str | None, fmt: str | None = None, heads: int | None = None) -> R
 
 def gather_vmem(block: int, *, fp8: bool) -> int:
     """VMEM bytes of the two gather buffers of ``block`` rows (``kernel.fused_traffic``'s
-    gather term)."""
-    return 2 * block * (3 * 4 * tpu.LANES if fp8 else 4 * 2 * tpu.LANES)
+    gather term; fp8: with the page runs' rope rows and their expansion)."""
+    return 2 * block * (3 * 4 * tpu.LANES + 3 * tpu.LANES if fp8 else 4 * 2 * tpu.LANES)
 
 
 def clamp(block: int, chip: str | None, *, fp8: bool = False) -> int:

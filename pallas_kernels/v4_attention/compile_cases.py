@@ -23,7 +23,7 @@ from pallas_kernels.mla import blocks as mla_blocks
 from pallas_kernels.mla import kernel as mla_kernel
 from pallas_kernels.mla.traffic import PREP_BYTES_PER_ENTRY, mla_traffic
 from pallas_kernels.v4_attention import blocks as v4_blocks
-from pallas_kernels.v4_attention import formats
+from pallas_kernels.v4_attention import formats, traffic
 from pallas_kernels.v4_attention.entry import v4_attention
 from pallas_kernels.v4_attention.kernel import (  # noqa: F401 (FP8_*: pallas_kernels.v4's names)
     FP8_ROW_BYTES,
@@ -135,19 +135,27 @@ def fused_v4_traffic(chip: str, *, rows: int, context: int, heads: int, ratio: i
 
 
 def _fused_model(chip: str, fmt: str, *, rows: int, heads: int, gathered: int, meta: int,
-                 tables: int, **state) -> aot.Traffic:
+                 tables: int, window: int = WINDOW, **state) -> aot.Traffic:
     """``fused_traffic`` of one call in ``fmt`` (``formats``' bytes per token) with a bf16 q,
-    plus the ``row_info`` XLA writes; ``state``: its ``acc_in_itemsize`` / ``acc_out_itemsize``."""
+    plus the ``row_info`` XLA writes; ``state``: its ``acc_in_itemsize`` / ``acc_out_itemsize``.
+    ``gathered``: ``window`` tokens then entries (listed when ``meta``), read as the kernel's
+    page runs at their bound (``traffic.run_bound``: a window anywhere, pages of ``PAGE``)."""
     kfmt = "plain" if fmt == "f32" else fmt
+    block = v4_blocks.block(chip, v4_blocks.table_format(kfmt), heads)
+    seg, w_runs, c_runs = traffic.segment_plan(kfmt, block, PAGE, PAGE, listed=bool(meta))
+    single, runs, dmas = traffic.run_bound(window=window, entries=gathered - window, seg=seg,
+                                   window_runs=w_runs, compressed_runs=c_runs,
+                                   dmas_per_read=2 if kfmt in ("fp8", "csa") else 1)
     t = fused_traffic(rows=rows, heads=heads, gathered_rows=gathered, meta_words=meta,
-                      table_words=tables,
-                      block=v4_blocks.block(chip, v4_blocks.table_format(kfmt), heads),
+                      table_words=tables, block=block,
                       q_itemsize=2, row_bytes=formats.row_bytes(kfmt, HEAD_DIM if fmt == "f32"
                                                                 else WORDS),
                       min_row_bytes=formats.stored_bytes(kfmt), fp8=kfmt in ("fp8", "csa"),
-                      **state)
+                      read_rows=rows * single, gather_dmas=rows * dmas, run_rows=rows * runs,
+                      run_row_bytes=formats.run_row_bytes(kfmt, HEAD_DIM if fmt == "f32"
+                                                          else WORDS), **state)
     return aot.Traffic(t.bytes_moved + rows * INFO_WORDS * 4, t.bytes_min, t.flops,
-                       t.vmem_bytes)  # + row_info written by XLA
+                       t.vmem_bytes, t.dmas)  # + row_info written by XLA
 
 
 def _case(kernel: str, name: str, dims: dict, *, fused: bool, fmt: str,
@@ -219,7 +227,7 @@ def tokamax_traffic(chip: str, part: str, *, rows: int, context: int, heads: int
                             acc_out_itemsize=2, written_rows=rows)
     if part == "entries_from_state_csa":
         return _fused_model(chip, "csa", **dims, gathered=k, meta=k, tables=1 + c_pages,
-                            acc_in_itemsize=2)
+                            window=0, acc_in_itemsize=2)
     return fused_v4_traffic(chip, rows=rows, context=context, heads=heads, ratio=ratio, k=k,
                             fmt="plane")
 

@@ -20,8 +20,12 @@ matmul operands in q's feature order. Five formats (``kernel_format``):
   into rows ``2n, 2n + 1`` of a ``[2 * block, 128]`` buffer, decoded by two stride-2 sublane
   loads into four 128-lane operands in q's natural feature order (no permutation of q).
 
-Every decode is exact (bf16 halves, e4m3 times a power-of-two scale) and selects rows past the
-live count to zero (a select: a NaN in VMEM cannot leak).
+Page runs (``traffic.segment_plan``): ``issue`` of ``rows > 1`` tokens is one DMA of their
+contiguous rows (plane: ``2 rows``); fp8 / CSA: their records and their ``rows / 4`` rope rows
+into a run rope buffer, expanded per token at decode (``_run_rope``).
+
+Every decode is exact (bf16 halves, e4m3 times a power-of-two scale) and selects unwanted rows
+to zero (a select: a NaN in VMEM cannot leak).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ FP8_STORED_BYTES = v4_cache.STORED_BYTES_PER_TOKEN  # 640 B of HBM per fp8 / CSA
 PLANE_ROWS = tokamax_v4.ROWS_PER_TOKEN  # 2 rows of 128 words per PlaneCache token
 PLANE_ROW_BYTES = PLANE_ROWS * tokamax_v4.SLAB_ROWS * LANES  # one DMA per token: 1024 B, all stored
 FORMATS = ("packed", "plain", "fp8", "csa", "plane")
+QUARTERS = v4_cache.ROPE_TOKENS_PER_ROW  # 4 tokens' rope in one fp8 / CSA rope row
 _HIGH = -65536  # 0xFFFF0000 as an i32: a word's high bf16 half
 
 
@@ -148,18 +153,28 @@ def row_bytes(fmt: str, width: int = WORDS) -> int:
         fmt, 4 * width)
 
 
+def run_row_bytes(fmt: str, width: int = WORDS) -> int:
+    """HBM bytes per token of a page run: fp8 / CSA a 512 B record and a quarter of a 512 B
+    rope row (640 B, what is stored), else ``row_bytes``."""
+    return FP8_STORED_BYTES if fmt in ("fp8", "csa") else row_bytes(fmt, width)
+
+
 def stored_bytes(fmt: str) -> int:
     """The minimum HBM bytes of one token: 640 B stored per fp8 / CSA token, else its 512
     bf16 features (1024 B)."""
     return FP8_STORED_BYTES if fmt in ("fp8", "csa") else 2 * v4.HEAD_DIM
 
 
-def buffers(fmt: str, block: int, w_parts) -> list:
-    """The two gather buffers of ``block`` rows (a leading 2) of each part."""
+def buffers(fmt: str, block: int, w_parts, runs: bool = False) -> list:
+    """The two gather buffers of ``block`` rows (a leading 2) of each part; fp8 / CSA page
+    runs (``runs``) add the runs' rope rows (``block / 4``, a leading 2) and one ``[block,
+    128]`` buffer they are expanded into, one row per token."""
     if fmt in ("fp8", "csa"):
         dt = w_parts[0].dtype
+        run_bufs = [pltpu.VMEM((2, block // QUARTERS, LANES), w_parts[1].dtype),
+                    pltpu.VMEM((block, LANES), w_parts[1].dtype)] if runs else []
         return [pltpu.VMEM((2, block, LANES), dt), pltpu.VMEM((2, block, LANES), dt),
-                pltpu.VMEM((2, block, LANES), jnp.int32)]  # nope, rope rows, quarters
+                pltpu.VMEM((2, block, LANES), jnp.int32)] + run_bufs  # nope, rope, quarters
     if fmt == "plane":
         return [pltpu.VMEM((2, PLANE_ROWS * block, LANES), jnp.int32)]
     return [pltpu.VMEM((2, block, w_parts[0].shape[-1]), w_parts[0].dtype)]
@@ -173,32 +188,43 @@ def _copy(src, buf, sems, part, layer, pid, row, b, n, rows: int = 1):
                                  buf.at[b, pl.ds(n, rows)], sems.at[part, b])
 
 
-def issue(fmt: str, src, bufs, sems, layer, pid, off, b, n):
-    """Start the DMAs of the token at in-page slot ``off`` of page ``pid`` into row ``n`` of
-    gather buffer ``b`` (module docstring)."""
+def issue(fmt: str, src, bufs, sems, layer, pid, off, b, n, rows: int = 1):
+    """Start the DMAs of ``rows`` tokens from in-page slot ``off`` of page ``pid`` into rows
+    ``n ..`` of gather buffer ``b`` (module docstring; ``rows > 1``, a page-run segment: one
+    DMA of the tokens' contiguous rows, packed / f32 / plane: ``off`` and ``n`` multiples of
+    ``rows``, a multiple of 8, as Mosaic's tiled slices need)."""
+    if rows > 1:
+        off, n = pl.multiple_of(off, rows), pl.multiple_of(n, rows)
     if fmt == "plane":
         _copy(src[0], bufs[0], sems, 0, layer, pid, PLANE_ROWS * off, b, PLANE_ROWS * n,
-              PLANE_ROWS).start()
+              PLANE_ROWS * rows).start()
         return
-    _copy(src[0], bufs[0], sems, 0, layer, pid, off, b, n).start()
-    if fmt in ("fp8", "csa"):
+    _copy(src[0], bufs[0], sems, 0, layer, pid, off, b, n, rows).start()
+    if fmt in ("fp8", "csa") and rows > 1:  # the run's rope rows, 4 tokens each
+        q4 = rows // QUARTERS
+        _copy(src[1], bufs[3], sems, 1, layer, pid, pl.multiple_of(off // QUARTERS, q4), b,
+              pl.multiple_of(n // QUARTERS, q4), q4).start()
+    elif fmt in ("fp8", "csa"):
         quarters = v4_cache.ROPE_TOKENS_PER_ROW
         _copy(src[1], bufs[1], sems, 1, layer, pid, off // quarters, b, n).start()
         bufs[2][b, pl.ds(n, 1), :] = jnp.full((1, LANES), off % quarters, jnp.int32)
 
 
-def wait(fmt: str, src, bufs, sems, b, n):
-    """Wait for the ``n`` tokens' DMAs into gather buffer ``b`` (one semaphore per part counts
-    them all; each wait takes one token's copy of that part)."""
+def wait(fmt: str, src, bufs, sems, b, n, runs=0, seg: int = 1):
+    """Wait for the DMAs into gather buffer ``b``: ``n`` single tokens and ``runs`` segments
+    of ``seg`` tokens (one semaphore per part counts their bytes; each wait takes one copy's
+    bytes of that part)."""
     rows = PLANE_ROWS if fmt == "plane" else 1
     for part in range(len(src)):
-        copy = _copy(src[part], bufs[part], sems, part, 0, 0, 0, b, 0, rows)
+        run = seg // QUARTERS if part else seg  # fp8 / CSA: a run's rope rows
+        for count, size in ((n, 1), (runs, run)) if seg > 1 else ((n, 1),):
+            copy = _copy(src[part], bufs[part], sems, part, 0, 0, 0, b, 0, rows * size)
 
-        def body(i, c, copy=copy):
-            copy.wait()
-            return c
+            def body(i, c, copy=copy):
+                copy.wait()
+                return c
 
-        jax.lax.fori_loop(0, n, body, 0)
+            jax.lax.fori_loop(0, count, body, 0)
 
 
 def _u32(x):
@@ -287,12 +313,31 @@ def _plane_chunks(buf, b):
     return out
 
 
-def operands(fmt: str, bufs, b, live, cdt):
+def _run_rope(bufs, b, run_rows):
+    """fp8 / CSA: each gathered token's rope row and quarter, ``(u32|i32[block, 128], i32[block,
+    1])``: rows below ``run_rows`` (page runs, slot-aligned, first in the block) take run rope
+    row ``r // 4`` (expanded by 4 stride-4 sublane stores) and quarter ``r % 4``; the others
+    their own row and stored quarter (selects: a stale row cannot leak)."""
+    rbuf, qbuf = bufs[1], bufs[2]
+    if len(bufs) == 3:
+        return rbuf[b], qbuf[b][:, :1]
+    run_rope, side = bufs[3], bufs[4]
+    block = side.shape[0]
+    for q in range(QUARTERS):
+        side[pl.ds(q, block // QUARTERS, stride=QUARTERS), :] = run_rope[b]
+    r = jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0)
+    in_run = r < run_rows
+    return (jnp.where(in_run, side[...], rbuf[b]),
+            jnp.where(in_run, r % QUARTERS, qbuf[b][:, :1]))
+
+
+def operands(fmt: str, bufs, b, live, cdt, run_rows=0):
     """Gathered block ``b`` -> ``[(first q feature, operand cdt[block, width])]`` covering the
-    512 features, rows past the live count selected to zero (a select: NaN cannot leak)."""
+    512 features, unwanted rows (``live`` false) selected to zero (a select: NaN cannot leak);
+    ``run_rows``: the block's rows read by page runs (fp8 / CSA: their rope rows expand)."""
     if fmt in ("fp8", "csa"):
-        nbuf, rbuf, qbuf = bufs
-        x = _decode_fp8(nbuf[b], rbuf[b], qbuf[b][:, :1], csa=fmt == "csa")
+        rope, quarter = _run_rope(bufs, b, run_rows)
+        x = _decode_fp8(bufs[0][b], rope, quarter, csa=fmt == "csa")
         chunks = [(0, x)]
     elif fmt == "plane":
         chunks = _plane_chunks(bufs[0], b)

@@ -18,35 +18,44 @@ The flash-state protocol (``state``, tokamax's ``mla_swa`` / ``sparse_mla``): a 
 from an external state and return its state instead of its output (module ``state``); a call
 may first write this step's rows into its window cache in place (``writes``).
 
-Walk (scalar core, per query row = grid step): a stream of ``nw + nc`` positions, the window's
-``nw`` tokens (``w_first .. w_end - 1``: contiguous, from ``row_info``) then the compressed
-list's first ``nc`` positions (the walk end: one past its last entry that can be valid). Each
-position is checked (``0 <= e < limit``, page slot inside the table, page id in ``[0, P)``:
-``reference.batch.lookup_page``) and each valid one is DMA'd, one 1 KB row, into the next free
-row of a block of ``block`` rows (fp8 / CSA: two DMAs; ``formats``); a full block (or the
-stream's end) is waited on and attended:
-``logits = sm_scale * (q[:, :256] . low^T + q[:, 256:] . high^T)``, rows past the filled count
-selected to zero and their logits ``-inf`` (a select: a NaN in VMEM cannot leak). Two gather
-buffers: block b+1 is issued before block b is attended, and a row's last block issues the next
-row's first block (after loading that row's list), so DMA round trips overlap compute across
-blocks and rows (grid steps run in order). Not measured on a TPU (none here): one descriptor
-per row means ``W + k`` DMA issues per query row on the scalar core, as in the MLA kernel.
+Walk (scalar core, per query row = grid step; ``walk``): a stream of window units then
+compressed units. The window's tokens ``w_first .. w_end - 1`` (contiguous, from ``row_info``)
+and an HCA walk's entries ``0 .. c_limit - 1`` are page runs (``traffic.segment_plan``): units
+of ``seg`` aligned rows of one page (``seg = gcd(block, page sizes)``, a multiple of 8; fp8 /
+CSA: of 32), one DMA per cache part each, into the next ``seg``-row slot of a block of
+``block`` rows; the slot's wanted rows ``lo .. hi - 1`` are kept in SMEM and the rest (a run's
+end rows: real cache rows, maybe NaN) is selected away. A CSA walk's units are the list's first
+``nc`` positions (the walk end: one past its last entry that can be valid), one row each, packed
+densely after the runs. Each unit is checked (``0 <= e < limit``, page slot inside the table,
+page id in ``[0, P)``: ``reference.batch.lookup_page``; a released page is never read) and each
+valid one is DMA'd; a full block (or the stream's end) is waited on and attended:
+``logits = sm_scale * (q[:, :256] . low^T + q[:, 256:] . high^T)``, unwanted rows selected to
+zero and their logits ``-inf`` (a select: a NaN in VMEM cannot leak). Two gather buffers:
+block b+1 is issued before block b is attended, and a row's last block issues the next row's
+first block (after loading that row's list), so DMA round trips overlap compute across blocks
+and rows (grid steps run in order). Not measured on a TPU (none here): per decode row at
+V4-Flash (window 128, pages of 64) the window is 2 or 3 DMAs instead of 128, the 64 HCA
+entries 1 instead of 64, a CSA list still one per entry.
 
-fp8 caches: per token two whole-row DMAs, its 512 B nope record (row ``off`` of its page) and
-the 512 B rope row it shares with 3 tokens (row ``off // 4``), plus its quarter ``off % 4``
-stored in a VMEM side buffer by one ``(1, 128)`` vector store. Decoded in VMEM exactly
-(``formats._decode_fp8``): byte plane ``j`` of the record is q's features ``128 j ..`` (e4m3
-upcast, times the power-of-two ue8m0 scale: exact in bf16 and f32), the rope quarter is selected
-by lanes and its bf16 halves land on plane 3's lanes 64..127, so one ``[block, 512]`` operand in
-q's feature order feeds both matmuls. The values equal ``reference.v4_cache.dequantize_v4_rows``';
-the logits then equal the reference's on the dequantized cache up to f32 summation order.
+fp8 caches: a run segment is two DMAs, its ``seg`` nope records and its ``seg / 4`` rope rows
+(640 B per token read, what is stored), the rope rows expanded to one per token by 4 stride-4
+sublane stores (quarter ``r % 4``); a listed entry two whole-row DMAs, its 512 B record (row
+``off`` of its page) and the 512 B rope row it shares with 3 tokens (row ``off // 4``), plus its
+quarter ``off % 4`` in a VMEM side buffer by one ``(1, 128)`` vector store. Decoded in VMEM
+exactly (``formats._decode_fp8``): byte plane ``j`` of the record is q's features ``128 j ..``
+(e4m3 upcast, times the power-of-two ue8m0 scale: exact in bf16 and f32), the rope quarter is
+selected by lanes and its bf16 halves land on plane 3's lanes 64..127, so one ``[block, 512]``
+operand in q's feature order feeds both matmuls. The values equal
+``reference.v4_cache.dequantize_v4_rows``'; the logits then equal the reference's on the
+dequantized cache up to f32 summation order.
 
-Traffic per decode row: the ``W`` window rows and the selected entries (packed and plane: 1024 B
-each, the minimum; fp8 / CSA: 1024 B moved by the 2 DMAs against 640 B stored, 1.6x on those
-bytes), q read once, out written once, ``4 k`` bytes of the row's list into SMEM, the tables
-once (``fused_traffic``; a state read and written: its acc, l and m, ``state``).
-Versus the two-pass path (``two_pass``, ``fused=False``): q is not read twice, and no partial
-outputs are written, read back and merged.
+Traffic per decode row (``fused_traffic``, ``traffic.run_bound``): the window and HCA runs'
+segments whole (at most ``ceil((W - 1) / seg) + 1`` window segments: 192 rows for 128 tokens
+at pages of 64; 1024 B per packed / plane token, 640 B fp8 / CSA), the selected CSA entries
+(1024 B each; fp8 / CSA: by 2 DMAs against 640 B stored), q read once, out written once,
+``4 k`` bytes of the row's list into SMEM, the tables once (a state read and written: its acc,
+l and m, ``state``). Versus the two-pass path (``two_pass``, ``fused=False``): q is not read
+twice, and no partial outputs are written, read back and merged.
 
 Precision: the matmul operands are in ``cdt``, bf16 for a bf16 q (f32 cache rows are rounded to
 bf16 in VMEM; packed, plane and fp8 rows are bf16-exact) and f32 for an f32 q; ``P`` is cast to
@@ -70,7 +79,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import tpu
-from pallas_kernels.v4_attention import formats
+from pallas_kernels.v4_attention import formats, traffic
 from pallas_kernels.v4_attention import writes as row_writes
 from pallas_kernels.v4_attention.blocks import DEFAULT_BLOCK
 from pallas_kernels.v4_attention.formats import (  # noqa: F401 (old names of this module)
@@ -82,12 +91,21 @@ from pallas_kernels.v4_attention.formats import (  # noqa: F401 (old names of th
     _decode_fp8,
 )
 from pallas_kernels.v4_attention.traffic import INFO_WORDS, fused_traffic
+from pallas_kernels.v4_attention.walk import (  # noqa: F401 (the row_info fields: old names)
+    _CLIMIT,
+    _CN,
+    _CSLOT0,
+    _WFIRST,
+    _WN,
+    _WSLOT0,
+    _live,
+    _units,
+    _walk,
+)
 from reference import v4_attention as v4
 from reference.core import batch
 from reference.formats import stacked
 
-# row_info words per query row (INFO_WORDS of them: ``traffic``)
-_WFIRST, _WN, _WSLOT0, _CN, _CSLOT0, _CLIMIT = range(INFO_WORDS)
 NEG = -1e30  # finite running-max start: a fully masked block adds exp(-inf) = 0, never NaN
 _kernel_cache = formats.kernel_cache  # old names (pallas_kernels.v4.fused re-exports them)
 _format = formats.describe
@@ -160,49 +178,14 @@ def pack_info(fields) -> jax.Array:
     return jnp.stack([jnp.asarray(f, jnp.int32) for f in fields], axis=-1).reshape(-1)
 
 
-def _walk(refs, row, lslot, b, cur, *, fmt, listed, block, w_page, c_page, w_pages, c_pages,
-          layer, layer_ok):
-    """Issue the DMAs of query row ``row``'s next ``block`` valid stream positions from
-    ``cur`` into gather buffer ``b`` (densely; its list is in SMEM slot ``lslot``). Returns
-    ``(cursor, rows issued)``; a row's stream is its ``w_n`` window tokens then ``c_n`` list
-    positions (module docstring)."""
-    info_ref, wtab_ref, ctab_ref, w_src, c_src, bufs, ent_smem, sems = refs
-    at = row * INFO_WORDS
-    w_first, w_n, w_slot0 = info_ref[at + _WFIRST], info_ref[at + _WN], info_ref[at + _WSLOT0]
-    c_n, c_slot0, c_limit = info_ref[at + _CN], info_ref[at + _CSLOT0], info_ref[at + _CLIMIT]
-
-    def body(c):
-        pos, n = c
-        in_window = pos < w_n
-        j = pos - w_n
-        e = ent_smem[lslot, jnp.clip(j, 0, ent_smem.shape[1] - 1)] if listed else j
-        e_ok = (e >= 0) & (e < c_limit)
-        unit = jnp.where(in_window, w_first + pos, jnp.where(e_ok, e, 0))
-        psize = jnp.where(in_window, w_page, c_page)
-        slot = jnp.where(in_window, w_slot0, c_slot0) + unit // psize
-        w_pid, w_ok = batch.lookup_page(wtab_ref, slot, w_pages)
-        c_pid, c_ok = batch.lookup_page(ctab_ref, slot, c_pages)
-        ok = jnp.where(in_window, w_ok, e_ok & c_ok) & layer_ok
-        for src, pid, here in ((w_src, w_pid, in_window), (c_src, c_pid, ~in_window)):
-            @pl.when(ok & here)
-            def _(src=src, pid=pid):
-                formats.issue(fmt, src, bufs, sems, layer, pid, unit % psize, b, n)
-
-        return pos + 1, n + ok.astype(jnp.int32)
-
-    return jax.lax.while_loop(lambda c: (c[1] < block) & (c[0] < w_n + c_n), body,
-                              (cur, jnp.int32(0)))
-
-
-def _attend(q, ops, n, m, l_sum, acc_ref, *, sm_scale):
+def _attend(q, ops, live, m, l_sum, acc_ref, *, sm_scale):
     """One online-softmax step over a gathered block, given as ``ops`` (``formats.operands``:
-    q's feature offset, operand ``[block, width]``, rows past ``n`` already zero); their logits
-    are ``-inf``. Returns ``(m, l)``."""
+    q's feature offset, operand ``[block, width]``, unwanted rows already zero); the logits of
+    columns where ``live`` (``bool[H, block]``) is false are ``-inf``. Returns ``(m, l)``."""
     nt = (((1,), (1,)), ((), ()))
     s = sum(jax.lax.dot_general(q[:, lo:lo + x.shape[1]], x, nt,
                                 preferred_element_type=jnp.float32) for lo, x in ops)
-    col = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-    s = jnp.where(col < n, s * sm_scale, -jnp.inf)
+    s = jnp.where(live, s * sm_scale, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new)
@@ -266,7 +249,8 @@ def _kernel(info_ref, wtab_ref, ctab_ref, layer_ref, q_ref, sink_ref, ent_hbm, *
     Pipeline: a row's block b+1 is issued before block b is attended; its last block issues the
     next row's first block (and loads that row's list), so the DMA round trip is hidden across
     blocks and rows alike (grid steps run in order: ``dimension_semantics`` arbitrary)."""
-    nparts, nbufs = (2, 3) if fmt in ("fp8", "csa") else (1, 1)
+    runs_on = walk_statics["window_runs"] or walk_statics["compressed_runs"]
+    nparts, nbufs = (2, 3 + 2 * runs_on) if fmt in ("fp8", "csa") else (1, 1)
     n_state = 3 if state_in else 0
     state_refs, refs = refs[:n_state], refs[n_state:]
     w_src, c_src = refs[:nparts], refs[nparts:2 * nparts]
@@ -275,12 +259,13 @@ def _kernel(info_ref, wtab_ref, ctab_ref, layer_ref, q_ref, sink_ref, ent_hbm, *
     n_out = 3 if state_out else 2
     outs, cache_out = refs[:n_out], refs[n_out:n_out + n_new]
     refs = refs[n_out + n_new:]
-    bufs, (ent_smem, sems, esem, state, acc_ref) = refs[:nbufs], refs[nbufs:]
+    bufs, (ent_smem, sems, esem, state, acc_ref, runs) = refs[:nbufs], refs[nbufs:]
     t, num_rows = pl.program_id(0), pl.num_programs(0)
     layer, num_layers = layer_ref[0], walk_statics.pop("layers")
     walk_statics.update(fmt=fmt, listed=listed, layer=jnp.clip(layer, 0, num_layers - 1),
                         layer_ok=(layer >= 0) & (layer < num_layers))  # else: read nothing
-    walk_refs = (info_ref, wtab_ref, ctab_ref, w_src, c_src, bufs, ent_smem, sems)
+    walk_refs = (info_ref, wtab_ref, ctab_ref, w_src, c_src, bufs, ent_smem, sems, runs)
+    seg, block = walk_statics["seg"], walk_statics["block"]
 
     def start_row(row, b):
         """Load ``row``'s list and issue its first block into buffer ``b``; record it."""
@@ -310,7 +295,8 @@ def _kernel(info_ref, wtab_ref, ctab_ref, layer_ref, q_ref, sink_ref, ent_hbm, *
             start_row(t + 1, b)
             state[3] = 1
 
-    total = info_ref[t * INFO_WORDS + _WN] + info_ref[t * INFO_WORDS + _CN]
+    total = sum(_units(info_ref, t, seg, walk_statics["window_runs"],
+                       walk_statics["compressed_runs"]))
 
     def step(carry):
         cur, n, b, m, l_sum = carry
@@ -323,10 +309,12 @@ def _kernel(info_ref, wtab_ref, ctab_ref, layer_ref, q_ref, sink_ref, ent_hbm, *
             return cur, jnp.int32(0)
 
         cur2, n2 = jax.lax.cond(cur < total, more, last)
-        formats.wait(fmt, w_src, bufs, sems, b, n)
-        live = jax.lax.broadcasted_iota(jnp.int32, (walk_statics["block"], 1), 0) < n
-        m, l_sum = _attend(q_ref[0], formats.operands(fmt, bufs, b, live, cdt), n, m, l_sum,
-                           acc_ref, sm_scale=sm_scale)
+        ns = runs[b, 2 * (block // seg)]  # segments: 0 unless page runs are on
+        formats.wait(fmt, w_src, bufs, sems, b, n - ns * seg, ns, seg if runs_on else 1)
+        live = _live(runs, b, (block, 1), 0, seg)
+        cols = _live(runs, b, (q_ref.shape[1], block), 1, seg)
+        ops = formats.operands(fmt, bufs, b, live, cdt, ns * seg)
+        m, l_sum = _attend(q_ref[0], ops, cols, m, l_sum, acc_ref, sm_scale=sm_scale)
         return cur2, n2, 1 - b, m, l_sum
 
     m0, l0 = _start_state(state_refs, acc_ref, q_ref.shape[1])
@@ -340,13 +328,15 @@ def _kernel(info_ref, wtab_ref, ctab_ref, layer_ref, q_ref, sink_ref, ent_hbm, *
     _finish(outs, sink_ref, acc_ref, m, l_sum, state_out=state_out)
 
 
-def _scratch(fmt: str, block: int, w_parts, heads: int, dim: int, k: int) -> list:
+def _scratch(fmt: str, block: int, w_parts, heads: int, dim: int, k: int, seg: int,
+             runs: bool) -> list:
     """The kernel's scratch (``_kernel``'s docstring)."""
-    return formats.buffers(fmt, block, w_parts) + [
+    return formats.buffers(fmt, block, w_parts, runs) + [
         pltpu.SMEM((2, k), jnp.int32),  # the compressed lists of 2 rows
         pltpu.SemaphoreType.DMA((2, 2)), pltpu.SemaphoreType.DMA((1,)),
         pltpu.SMEM((4,), jnp.int32),  # the walk's state across rows
-        pltpu.VMEM((heads, dim), jnp.float32)]  # accumulator
+        pltpu.VMEM((heads, dim), jnp.float32),  # accumulator
+        pltpu.SMEM((2, 2 * (block // seg) + 1), jnp.int32)]  # per buffer: slots' lo, hi; runs
 
 
 def _state_io(state, return_state: bool, acc_dtype, q, row_block):
@@ -373,7 +363,7 @@ def _state_io(state, return_state: bool, acc_dtype, q, row_block):
 def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn_sink, *,
                gathered_rows: int, block: int, sm_scale: float, vmem_limit_bytes: int | None,
                interpret, state=None, return_state: bool = False, acc_dtype=None,
-               new_rows=None):
+               new_rows=None, window_size: int = 0):
     """The ``pallas_call`` (see ``_kernel``): caches stacked ``[L, P, ps, Wc]`` (packed u32 or
     f32) or stacked format pytrees (``formats``), both caches in one format, read at ``layer``
     (i32). ``state``: the rows' starting flash state ``(acc f32|bf16[T, H, 512], l f32[T, H],
@@ -382,7 +372,9 @@ def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn
     ``f32[T, H, 1]``). ``new_rows``: this step's rows encoded per window cache part
     (``writes.row_parts``; one part: the array alone, as the plane words once), which the
     kernel writes into the window cache first, ``info`` then ending in their positions; the
-    updated stacked window parts are returned last, aliased to the inputs."""
+    updated stacked window parts are returned last, aliased to the inputs. ``window_size``: the
+    window tokens of ``gathered_rows`` (the rest: compressed entries), for the page-run
+    traffic bound (``traffic.run_bound``)."""
     num_rows, heads, dim = q.shape
     listed = entries is not None
     ent = entries.astype(jnp.int32) if listed else jnp.zeros((num_rows, 1), jnp.int32)
@@ -391,8 +383,11 @@ def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn
     w_parts, c_parts = formats.parts(w_cache), formats.parts(c_cache)
     (layers, w_pages, w_page), (_, c_pages, c_page) = (formats.paging(w_cache),
                                                        formats.paging(c_cache))
+    seg, window_runs, compressed_runs = traffic.segment_plan(fmt, block, w_page, c_page,
+                                                             listed)
     kernel = functools.partial(
-        _kernel, fmt=fmt, listed=listed, block=block, w_page=w_page, c_page=c_page,
+        _kernel, fmt=fmt, listed=listed, block=block, seg=seg, window_runs=window_runs,
+        compressed_runs=compressed_runs, w_page=w_page, c_page=c_page,
         w_pages=w_pages, c_pages=c_pages, layers=layers, sm_scale=float(sm_scale),
         cdt=jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16,
         state_in=state is not None, state_out=return_state, writes=new_rows is not None)
@@ -414,7 +409,12 @@ def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn
                   pl.BlockSpec((heads, 1), lambda t, *_: (0, 0)),
                   pl.BlockSpec(memory_space=pl.ANY)] + state_specs
         + [any_spec] * (len(w_parts) + len(c_parts) + len(extra_ins)),
-        out_specs=out_specs, scratch_shapes=_scratch(fmt, block, w_parts, heads, dim, k))
+        out_specs=out_specs, scratch_shapes=_scratch(fmt, block, w_parts, heads, dim, k, seg,
+                                                    window_runs or compressed_runs))
+    single_rows, run_rows, gather_dmas = traffic.run_bound(
+        window=window_size, entries=gathered_rows - window_size, seg=seg,
+        window_runs=window_runs, compressed_runs=compressed_runs,
+        dmas_per_read=len(w_parts))
     t = fused_traffic(rows=num_rows, heads=heads, gathered_rows=gathered_rows,
                       meta_words=k if listed else 0,
                       table_words=w_table.shape[0] + c_table.shape[0], block=block,
@@ -424,7 +424,10 @@ def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn
                       acc_in_itemsize=0 if state is None else state[0].dtype.itemsize,
                       acc_out_itemsize=acc_dtype.itemsize if return_state else 0,
                       written_rows=0 if new_rows is None else
-                      num_rows * row_writes.written_bytes(fmt) // row_writes.WRITE_BYTES)
+                      num_rows * row_writes.written_bytes(fmt) // row_writes.WRITE_BYTES,
+                      read_rows=num_rows * single_rows, gather_dmas=num_rows * gather_dmas,
+                      run_rows=num_rows * run_rows,
+                      run_row_bytes=formats.run_row_bytes(fmt, w_parts[0].shape[-1]))
     call = pl.pallas_call(
         kernel, grid_spec=grid_spec, out_shape=out_shape, input_output_aliases=aliases,
         compiler_params=pltpu.CompilerParams(
@@ -478,7 +481,7 @@ def fused_rows(q, window: v4.PagedKV, kv_lens, cu_q_lens, distribution, *, compr
                      sm_scale=statics["sm_scale"], vmem_limit_bytes=vmem_limit_bytes,
                      interpret=interpret, state=state, return_state=return_state,
                      acc_dtype=q.dtype if acc_dtype is None else acc_dtype,
-                     new_rows=new_rows)
+                     new_rows=new_rows, window_size=statics["window_size"])
     res, written = list(res), None
     if new_kv is not None:
         n = len(formats.parts(w_cache))

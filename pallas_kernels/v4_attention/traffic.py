@@ -1,23 +1,89 @@
 """The HBM traffic model of one fused V4 attention call (``kernel``; ``fused_traffic``): what
-its DMAs and blocks move, the minimum, flops and VMEM. ``kernel`` declares ``bytes_moved`` as
-its cost estimate; ``compile_cases`` builds the AOT cases' models from it, and the tests check
-it against the compiled kernel's declared bytes and the interpreter's counts."""
+its DMAs and blocks move, the minimum, flops, VMEM and DMA descriptors. ``kernel`` declares
+``bytes_moved`` as its cost estimate; ``compile_cases`` builds the AOT cases' models from it, and
+the tests check it against the compiled kernel's declared bytes and the interpreter's counts.
+
+Page runs (``segment_plan``): the contiguous sources, a row's window tokens and the HCA's
+entries ``0 .. c_limit - 1``, are read as aligned segments of ``seg`` rows of a page (one DMA
+per segment per cache part: static sizes, a dynamic start), the rows of a segment outside the
+wanted run read too (masked in VMEM): ``run_reads`` counts them exactly per row,
+``run_bound`` bounds them from shapes (the AOT cases' static model)."""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
+
 from pallas_kernels import aot
-from pallas_kernels.v4_attention.formats import LANES
+from pallas_kernels.tpu import SUBLANES
+from pallas_kernels.v4_attention.formats import LANES, QUARTERS
 from pallas_kernels.v4_attention.writes import WRITE_BYTES
 from reference import v4_attention as v4
 
 INFO_WORDS = 6  # row_info words per query row (kernel.row_info): SMEM
+MAX_SLOTS = 32  # segment slots per gathered block at most (the masks unroll over them)
+FP8_FORMATS = ("fp8", "csa")  # two parts: a run's rope rows (seg / 4) are a tiled slice too
+
+
+def segment_plan(fmt: str, block: int, w_page: int, c_page: int, listed: bool
+                 ) -> tuple[int, bool, bool]:
+    """``(seg, window runs, compressed runs)``: the rows of one segment slot of a gathered block
+    and whether the window / the compressed entries are read as page runs. ``seg`` is
+    ``gcd(block, window page, compressed page)`` (the compressed page only for an unlisted,
+    HCA walk): it divides the block and every read page, so a segment lies in one page and
+    slots tile the block. Off (``seg = block``, one slot, every position one row) for ``seg``
+    not a multiple of 8 (Mosaic slices a VMEM buffer at whole 8-row tiles; fp8 / CSA: of 32,
+    the run's ``seg / 4`` rope rows too) or more than ``MAX_SLOTS`` slots. A listed (CSA) walk
+    reads one row per entry either way."""
+    seg = math.gcd(block, w_page) if listed else math.gcd(block, w_page, c_page)
+    tile = SUBLANES * (QUARTERS if fmt in FP8_FORMATS else 1)
+    if seg % tile or block // seg > MAX_SLOTS:
+        return block, False, False
+    return seg, True, not listed
+
+
+def window_segments(w_first, w_n, seg: int):
+    """Segments of ``seg`` aligned rows covering tokens ``w_first .. w_first + w_n - 1`` (0 for
+    ``w_n = 0``; numpy or jnp, elementwise)."""
+    last = (w_first + w_n - 1) // seg
+    return (w_n > 0) * (last - w_first // seg + 1)
+
+
+def run_reads(w_first, w_n, c_n, *, seg: int, window_runs: bool, compressed_runs: bool,
+              dmas_per_read: int = 1) -> tuple[int, int, int]:
+    """Exact ``(token rows read one by one, token rows read by page runs, gather DMAs)`` of
+    query rows with windows ``w_first, w_n`` and
+    compressed walks of ``c_n`` valid positions (``row_info``'s fields, arrays; every page
+    present: a released page's segments are not read), ``segment_plan``'s ``seg`` and flags;
+    ``dmas_per_read``: DMAs per segment / token (fp8 / CSA: 2)."""
+    w_first, w_n, c_n = (np.asarray(x, np.int64) for x in (w_first, w_n, c_n))
+    w_seg = window_segments(w_first, w_n, seg) if window_runs else w_n
+    c_seg = -(-c_n // seg) if compressed_runs else c_n
+    single = (0 if window_runs else w_seg.sum()) + (0 if compressed_runs else c_seg.sum())
+    runs = seg * ((w_seg.sum() if window_runs else 0) + (c_seg.sum() if compressed_runs else 0))
+    return int(single), int(runs), int((w_seg + c_seg).sum() * dmas_per_read)
+
+
+def run_bound(*, window: int, entries: int, seg: int, window_runs: bool,
+              compressed_runs: bool, dmas_per_read: int = 1) -> tuple[int, int, int]:
+    """``run_reads``' triple for one query row at most: ``window`` window tokens
+    anywhere (``ceil((W - 1) / seg) + 1`` segments) and ``entries`` compressed positions
+    (HCA: entries from 0, ``ceil(entries / seg)`` segments)."""
+    w_seg = (window and -(-(window - 1) // seg) + 1) if window_runs else window
+    c_seg = -(-entries // seg) if compressed_runs else entries
+    single = (0 if window_runs else w_seg) + (0 if compressed_runs else c_seg)
+    runs = seg * ((w_seg if window_runs else 0) + (c_seg if compressed_runs else 0))
+    return single, runs, (w_seg + c_seg) * dmas_per_read
 
 
 def fused_traffic(*, rows: int, heads: int, gathered_rows: int, meta_words: int,
                   table_words: int, block: int, q_itemsize: int, row_bytes: int,
                   min_row_bytes: int = 2 * v4.HEAD_DIM, fp8: bool = False,
                   acc_in_itemsize: int = 0, acc_out_itemsize: int = 0,
-                  written_rows: int = 0) -> aot.Traffic:
+                  written_rows: int = 0, read_rows: int | None = None,
+                  gather_dmas: int | None = None, run_rows: int = 0,
+                  run_row_bytes: int = 0) -> aot.Traffic:
     """Modelled HBM traffic of one fused call where every query row gathers ``gathered_rows``
     rows (window + selected entries) of ``row_bytes`` each (packed and plane: 1024 B, one DMA;
     fp8 / CSA: ``FP8_ROW_BYTES`` = 1024 B in 2 DMAs, the 512 B record and the 512 B rope row it
@@ -26,21 +92,33 @@ def fused_traffic(*, rows: int, heads: int, gathered_rows: int, meta_words: int,
     state: ``acc_in_itemsize`` (0: none) reads the state's ``acc`` in that itemsize and its f32
     ``l`` and ``m``; ``acc_out_itemsize`` (0: the normalized output and LSE) writes the state
     in their place; ``written_rows``: rows the call writes into its window cache in place
-    (``writes``: ``WRITE_BYTES`` each, and a 4-byte position in SMEM per query row). The
-    minimum moves each row once at ``min_row_bytes`` (512 bf16 features: 1024 B; fp8 / CSA: the
-    640 B stored per token) plus q, out, the state and the writes. VMEM: the gather
-    blocks (fp8 / CSA: nope, rope and quarter buffers), the f32 accumulator, q, out and state
-    blocks double-buffered."""
+    (``writes``: ``WRITE_BYTES`` each, and a 4-byte position in SMEM per query row). Page runs
+    (all query rows together, ``run_reads`` / ``run_bound``): ``read_rows`` tokens read one by
+    one (None: ``rows * gathered_rows``), ``run_rows`` read by page runs at ``run_row_bytes``
+    each (0: ``row_bytes``; fp8 / CSA: 640 B, a record and a quarter rope row), in
+    ``gather_dmas`` descriptors (None: one per token read one by one per part). The minimum
+    moves each row once at ``min_row_bytes`` (512 bf16 features: 1024 B; fp8 / CSA: the 640 B
+    stored per token) plus q, out, the state and the writes. VMEM: the gather blocks (fp8 /
+    CSA: nope, rope and quarter buffers; with runs their rope rows and expansion), the f32
+    accumulator, q, out and state blocks double-buffered. ``dmas``: the gathers, one list load
+    per row (``meta_words``), one per written row, and the pipeline's block copies (q, out and
+    LSE or the state's three, the state read's three, the sink once)."""
     dim = v4.HEAD_DIM
     out_itemsize = acc_out_itemsize or q_itemsize
     per_head = dim * q_itemsize + dim * out_itemsize + (8 if acc_out_itemsize else 4)
     per_head += (dim * acc_in_itemsize + 8) if acc_in_itemsize else 0
     q_out = rows * heads * per_head + written_rows * WRITE_BYTES
     smem = 4 * (rows * (meta_words + INFO_WORDS + bool(written_rows)) + table_words)
-    moved = rows * gathered_rows * row_bytes + q_out + smem
+    read_rows = rows * gathered_rows if read_rows is None else read_rows
+    gather_dmas = read_rows * (2 if fp8 else 1) if gather_dmas is None else gather_dmas
+    moved = read_rows * row_bytes + run_rows * (run_row_bytes or row_bytes) + q_out + smem
     bytes_min = rows * gathered_rows * min_row_bytes + q_out
     flops = 2 * rows * heads * gathered_rows * 2 * dim
     buf_bytes = 3 * 4 * LANES if fp8 else row_bytes
+    if fp8 and run_rows:  # + the runs' rope rows (2 x block / 4) and their expansion (block)
+        buf_bytes += 4 * LANES * (2 + QUARTERS) // (2 * QUARTERS)
     vmem = (2 * block * buf_bytes + 4 * heads * dim
             + 2 * heads * dim * (q_itemsize + out_itemsize + acc_in_itemsize))
-    return aot.Traffic(int(moved), int(bytes_min), int(flops), int(vmem))
+    blocks = rows * (1 + (3 if acc_out_itemsize else 2) + (3 if acc_in_itemsize else 0)) + 1
+    dmas = gather_dmas + rows * bool(meta_words) + written_rows + blocks
+    return aot.Traffic(int(moved), int(bytes_min), int(flops), int(vmem), int(dmas))
