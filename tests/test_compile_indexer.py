@@ -25,6 +25,8 @@ from pallas_kernels.indexer import blocks as iblocks
 from pallas_kernels.indexer import compile_cases as icases
 from pallas_kernels.indexer.page import streamindex_page_topk
 from pallas_kernels.indexer.token import streamindex_scores
+from pallas_kernels.measure import xla_cost
+from tests import glue_gates
 
 pytestmark = pytest.mark.kernel_gate  # also run on the newest jax (README)
 
@@ -74,9 +76,11 @@ def test_every_variant_without_a_base_case_compiles_whole():
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.kernel}[{c.shape}]")
 def test_compiles_for_tpu(case, chip):
     try:
-        compile_gate(case, chip)
+        compiled = compile_gate(case, chip)
     except aot.CompileError as e:  # chip, shape and Mosaic's message, whole
         pytest.fail(str(e), pytrace=False)
+    if case.kernel == "streamindex_topk r=4" and case.shape == glue_gates.INDEXER_FLASH:
+        glue_gates.assert_glue("indexer", chip, xla_cost.analyze(compiled))  # issue 30
 
 
 @pytest.mark.parametrize("chip", sorted(aot.CHIPS))

@@ -42,6 +42,7 @@ from pallas_kernels.v4_attention.compile_cases import bf16_regime_cases
 from pallas_kernels.v4_compressor import compile_cases as v4ccases
 from pallas_kernels.v4_compressor import traffic as v4ctraffic
 from reference import v4_compressor as vc
+from tests import glue_gates
 
 pytestmark = pytest.mark.kernel_gate
 
@@ -137,6 +138,8 @@ def test_compressor_compiles_in_place_without_per_element_glue(case, chip):
     ratio, d = case.specs[2].shape[0], case.specs[3].shape[0]
     slots = vc.max_entries(rows, seqs, ratio)  # one scalar per output slot is metadata
     assert not cost.has_loop
+    if case.shape == glue_gates.COMPRESSOR:  # issue 30: the glue at the peers' floor
+        glue_gates.assert_glue("compressor", chip, cost)
     assert not [op.describe() for op in cost.indexed_ops
                 if xla_cost.is_per_element(op, row_limit=max(rows, slots))]
     pool = case.specs[6]

@@ -1,19 +1,8 @@
-"""XLA glue at the peers' floor (issue 30 deliverable 4), by XLA's TPU cost model of AOT compiles
-through libtpu on CPU (no TPU runs): the program's bytes accessed minus the Pallas kernels'
-declared estimates (``pallas_kernels.measure.xla_cost.analyze``), at V4-Flash decode (64 rows x
-8192 tokens) on v5e, v6e and tpu7x, one compile per chip and program:
-
-- the compressed-key indexer (``streamindex_topk``, ``compression_ratio=4``, index heads 64 x
-  128, top-512; ``pallas_kernels.indexer.compile_cases``' Flash decode case) <= 5 MB per call:
-  what is left is the selection (``approx_max_k``'s sort of ``f32[64, 2048]``, the masks);
-- the Pallas V4 compressor (d 512, ratio 4, the pool donated;
-  ``pallas_kernels.v4_compressor.compile_cases``' ``csa_d512_decode64``) <= 7.5 MB per call.
-
-Before (main 2027a0e, v6e): indexer 11.2 MB (the work list's scalar gathers, priced by XLA at
-kilobytes per index, and the ``[T, H, 1]`` weights relaid with 128x lane padding), compressor
-22.3 MB (the RoPE tables copied row-major to gather rows, the norm and RoPE on the ``E`` rows,
-the per-slot facts' gathers). Plus one strict-interpreter check of the compressor's in-kernel
-finish on a RoPE table whose length is not a multiple of 128 (the padded table view)."""
+"""The V4 compressor's in-kernel finish (issue 30 deliverable 4: norm and RoPE in the pool kernel,
+the RoPE tables read through their transposed view) on a RoPE table whose length is not a
+multiple of 128 (the padded table view), in the interpreter against the reference. The
+glue gates themselves run inside the compile gates that compile those programs
+(``tests/glue_gates.py``)."""
 
 from __future__ import annotations
 
@@ -21,43 +10,27 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import aot
 from pallas_kernels import v4_compressor as pvc
-from pallas_kernels.indexer import compile_cases as icases
-from pallas_kernels.measure import xla_cost
 from pallas_kernels.v4_compressor import compile_cases as ccases
 from reference import v4_compressor as vc
+from tests import glue_gates, test_compile_indexer, test_compile_v4
 
 pytestmark = pytest.mark.kernel_gate
 
-MB = 1e6
-INDEXER_FLASH = "V4-Flash decode 64x8192 (2048 entries) k=512"
-COMPRESSOR = "csa_d512_decode64"
-GLUE_BOUND = {"indexer": 5.0 * MB, "compressor": 7.5 * MB}
 
-
-def _program(name: str):
-    """``(fn, specs, donate_argnums)`` of the gated program on each chip."""
-    if name == "indexer":
-        case = next(c for c in icases.v4_cases(quick=True) if c.shape == INDEXER_FLASH)
-        return case.fn_for_chip, case.specs, ()
-    case = next(c for c in ccases.compile_cases() if c.shape == COMPRESSOR)
-    return case.fn_for_chip, case.specs, (6, 7)  # the pool donated, as the step does
-
-
-@pytest.mark.parametrize("chip", sorted(aot.CHIPS))
-@pytest.mark.parametrize("name", sorted(GLUE_BOUND))
-def test_glue_at_the_peers_floor(name, chip):
-    fn_for_chip, specs, donate = _program(name)
-    compiled = xla_cost.compile_program(fn_for_chip(chip), specs, chip, donate_argnums=donate,
-                                        case=f"{name} glue")
-    cost = xla_cost.analyze(compiled)
-    assert cost.loops_negligible, cost.loops  # a loop body counted once would hide bytes
-    assert cost.kernels and cost.kernels_without_estimate == 0
-    assert cost.xla_bytes <= GLUE_BOUND[name], (
-        f"{name} on {chip}: XLA glue {cost.xla_bytes / MB:.2f} MB > "
-        f"{GLUE_BOUND[name] / MB} MB (kernels {cost.kernel_bytes / MB:.2f} MB); largest XLA "
-        f"results: {[(r.opcode, r.shape, r.op_name) for r in cost.large_results[:8]]}")
+def test_the_glue_gates_run_inside_compile_gates_that_compile_their_programs():
+    """The gated programs are cases of the compile gates that assert the glue bounds (so a
+    renamed case cannot drop a gate silently): the V4-Flash decode indexer (every chip of
+    ``test_compile_indexer.test_compiles_for_tpu``) and the ``csa_d512_decode64`` compressor
+    (every chip of ``test_compile_v4``'s
+    ``test_compressor_compiles_in_place_without_per_element_glue``)."""
+    indexer = [c for c in test_compile_indexer.CASES if c.kernel == "streamindex_topk r=4"
+               and c.shape == glue_gates.INDEXER_FLASH]
+    assert len(indexer) == 1 and not test_compile_indexer._scores_only(indexer[0])
+    compressor = [c for c, _ in test_compile_v4.COMPRESSOR_CASES
+                  if c.shape == glue_gates.COMPRESSOR]
+    assert len(compressor) == len(test_compile_v4.aot.CHIPS)
+    assert glue_gates.COMPRESSOR in {c.shape for c in ccases.compile_cases()}
 
 
 def test_compressor_finish_on_a_table_not_a_multiple_of_128():
