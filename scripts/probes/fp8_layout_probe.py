@@ -7,25 +7,17 @@ Usage: ``python -m scripts.probes.fp8_layout_probe [--chips v5e,v6e,tpu7x]``
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from pallas_kernels import chips  # noqa: E402
 from pallas_kernels.measure.fp8_layout_probe import probe  # noqa: E402
+from scripts.probes import run  # noqa: E402
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--chips", default=",".join(chips.NAMES),
-                    help="comma-separated chips (default: all of pallas_kernels.chips.NAMES)")
-    args = ap.parse_args(argv)
-    for chip in chips.parse(args.chips):
-        for what, got in probe(chip).items():
-            print(f"{chip:6s} {what}: {got}")
-    return 0
+    return run(probe, __doc__.split("\n")[0], argv)
 
 
 if __name__ == "__main__":
