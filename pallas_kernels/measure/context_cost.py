@@ -237,7 +237,8 @@ def fixed_read(fmt: Fmt, L, heads: int, n: int = 1, score_local: bool = False) -
     shard-local width, its own key tokens)."""
     L = np.asarray(L, np.int64)
     width = kv_read(fmt, L, n)["key_tokens"] if score_local else L
-    return {"index_q": INDEX_HEADS * (INDEX_DIM * BF16 + LANES * F32),
+    # the q rows and the weights, one lane-dense [1, H] row (lane-padded to whole 128 lanes)
+    return {"index_q": INDEX_HEADS * INDEX_DIM * BF16 + -(-INDEX_HEADS // LANES) * LANES * F32,
             "mla_q_out": heads * ((fmt.q_dim + V_DIM) * BF16 + fmt.q_prep_per_head),
             "score_row": 2 * F32 * width}
 
