@@ -11,16 +11,20 @@ only 64 entries at 8192, so q, the two partial outputs and the merge weigh as mu
 gathered rows), 1.47x (Pro CSA). What is over the minimum: q read twice, two partial outputs
 written and read back by the merge. The fused kernel (``fused=True``) removes it; it reads
 the window (and the HCA entries) as page runs (issue 30: one DMA per 64-row page segment, at
-most 3 for a 128-token window), whose unwanted rows are the rest at the model's bound (a window
-straddling 3 pages: 192 rows read for 128): 1.09x (Flash CSA), 1.20x (Flash HCA), 1.05x (Pro
-CSA). fp8 caches (fused
-only): a CSA entry's 2 DMAs move 1024 B against the 640 B stored (1.6x on those bytes), page
-runs 640 B per token read (record and rope rows), so 1.44x (Flash CSA), 1.16x (Flash HCA),
-1.44x (Pro CSA) of the fp8 minimum, in 2x the packed DMAs. Numbers per chip:
+most 3 for a 128-token window), each DMA of a dynamic number of rows, the segment's wanted
+ones only (``formats.issue_run``), widened to whole 8-row tiles for packed rows (256 words:
+Mosaic refuses a VMEM slice of them at an unaligned row or size; ``formats.run_align``): at
+most 136 rows for a 128-token window, so 1.014x (Flash CSA), 1.027x (Flash HCA: 8 rows of 200),
+1.009x (Pro CSA); 1.0035x / 1.0017x / 1.0033x before page runs, 1.09x / 1.20x / 1.05x with
+whole segments. fp8 caches (fused only): a CSA entry's
+2 DMAs move 1024 B against the 640 B stored (1.6x on those bytes), page runs a 512 B record per
+token and the rope rows (4 tokens each) their tokens touch (a 128-token window: at most 33
+rows, <= 644 B per token), so 1.37x (Flash CSA), 1.004x (Flash HCA), 1.40x (Pro CSA) of the
+fp8 minimum, in 2x the packed DMAs. Numbers per chip:
 ``python scripts/cost/v4_cost.py`` (BENCHMARKS.md, "DeepSeek-V4 attention (issue 20)").
 The bf16 regime (``precision="bf16"``, issue 27; ``bf16_regime_cases``): the fused
-kernel at the V4-Flash CSA shape on packed caches (1.09x, the packed case's program) and on f32
-caches (2048 B rows against the 1024 B of their bf16 values, window page runs: 2.00x).
+kernel at the V4-Flash CSA shape on packed caches (1.014x, the packed case's program) and on
+f32 caches (2048 B rows against the 1024 B of their bf16 values, 8-row tiles: 1.86x).
 
 The Pallas compressor (``pallas_kernels.v4_compressor``, issue 21) compiles at the V4 dims
 (d 512 ratio 4 and 128, d 128 ratio 4; 64 decode sequences and an 8192-token prefill) with its
@@ -53,10 +57,10 @@ CASES = [(case, chip) for fused, fmt in ((False, "packed"), (True, "packed"), (T
 CASES += [(case, chip) for case in bf16_regime_cases() for chip in aot.CHIPS]
 # the model's bytes per decode row over the minimum, per path and shape (module docstring)
 MAX_RATIO = {"v4_attention": {"flash_csa": 1.45, "flash_hca": 2.05, "pro_csa": 1.5},
-             "v4_attention_fused": {"flash_csa": 1.09, "flash_hca": 1.21, "pro_csa": 1.05},
-             "v4_attention_fused_fp8": {"flash_csa": 1.45, "flash_hca": 1.17, "pro_csa": 1.45},
-             "v4_attention_fused_packed_precision_bf16": {"flash_csa": 1.09},
-             "v4_attention_fused_f32_precision_bf16": {"flash_csa": 2.01}}
+             "v4_attention_fused": {"flash_csa": 1.014, "flash_hca": 1.027, "pro_csa": 1.009},
+             "v4_attention_fused_fp8": {"flash_csa": 1.37, "flash_hca": 1.005, "pro_csa": 1.40},
+             "v4_attention_fused_packed_precision_bf16": {"flash_csa": 1.014},
+             "v4_attention_fused_f32_precision_bf16": {"flash_csa": 1.86}}
 
 
 @pytest.mark.parametrize("case,chip", CASES,

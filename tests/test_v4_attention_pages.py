@@ -64,7 +64,12 @@ def test_segment_plan_runs_the_contiguous_sources_only():
         n = traffic.window_segments(w_first, 128, 64)
         assert n <= 128 // 64 + 1 and n * 64 >= 128
     assert traffic.run_bound(window=128, entries=64, seg=64, window_runs=True,
-                             compressed_runs=True) == (0, 4 * 64, 4)
+                             compressed_runs=True) == (0, 128 + 64, 4)  # tokens once
+    # rope rows: 128 tokens anywhere touch <= 33 rows of 4, 64 entries from 0 exactly 16
+    assert traffic.run_rope_bound(window=128, entries=64, window_runs=True,
+                                  compressed_runs=True) == 33 + 16
+    assert max(traffic.run_rope_rows(f, 128, 0, window_runs=True, compressed_runs=True)
+               for f in range(8)) == 33
 
 
 @pytest.mark.parametrize("fmt,block,ratio", [
@@ -113,17 +118,21 @@ def _row_fields(b):
 
 
 # fmt -> (page, block, decode kv_lens): fp8 runs need seg % 32 == 0 (their seg / 4 rope rows)
-COUNT_CASES = {"packed": (PAGE, BLOCK, KV_LENS[:5]), "fp8": (32, 64, [1, 63, 300, 700])}
+# packed32: segments of 32 rows, runs widened to 8-row tiles inside them (formats.run_align)
+COUNT_CASES = {"packed": (PAGE, BLOCK, KV_LENS[:5]), "fp8": (32, 64, [1, 63, 300, 700]),
+               "packed32": (32, 64, [1, 63, 300, 700])}
 
 
-@pytest.mark.parametrize("fmt", COUNT_CASES)
-def test_counted_bytes_and_dmas_equal_the_model(fmt):
+@pytest.mark.parametrize("case", COUNT_CASES)
+def test_counted_bytes_and_dmas_equal_the_model(case):
     """Decode rows only (each walks its whole window and visible entries): the interpreter's
     bytes equal the model's kernel side (minus the scalar-prefetched row_info and tables, plus
     the sink block it does not model), its DMA starts and block copies the model's ``dmas``;
-    the issue's bounds per row and part (window <= ceil(W / ps) + 1 DMAs, HCA <= n / ps + 2)
-    and, fp8, the bytes per token a run reads (640 B: its record and a quarter rope row)."""
-    page, block, kv_lens = COUNT_CASES[fmt]
+    the issue's bounds per row and part (window <= ceil(W / ps) + 1 DMAs, HCA <= n / ps + 2);
+    the runs read each wanted token once (dynamic-length DMAs: ``formats.issue_run``) and, fp8,
+    its 512 B record and its share of the rope rows its run touches (<= 1.05 x 640 B)."""
+    page, block, kv_lens = COUNT_CASES[case]
+    fmt = case.rstrip("0123456789")
     b = make_v4_batch([30, 2], q_lens=[1] * len(kv_lens), kv_lens=kv_lens, ratio=128,
                       heads=2, window_size=max(16, page), window_page_size=page,
                       comp_page_size=page)
@@ -133,14 +142,17 @@ def test_counted_bytes_and_dmas_equal_the_model(fmt):
     seg, w_runs, c_runs = traffic.segment_plan(fmt, block, page, page, listed=False)
     assert (seg, w_runs, c_runs) == (page, True, True)
     single, runs, gather_dmas = traffic.run_reads(*_row_fields(b), seg=seg, window_runs=w_runs,
-                                                  compressed_runs=c_runs, dmas_per_read=parts)
+                                                  compressed_runs=c_runs, dmas_per_read=parts,
+                                                  align=formats.run_align(fmt))
+    rope = traffic.run_rope_rows(*_row_fields(b), window_runs=w_runs,
+                                 compressed_runs=c_runs) if fmt == "fp8" else 0
     tables = len(b.window[1]) + len(b.compressed[1])
     model = kernel.fused_traffic(rows=t, heads=h, gathered_rows=0, meta_words=0,
                                  table_words=tables, block=block, q_itemsize=4,
                                  row_bytes=formats.row_bytes(fmt),
                                  min_row_bytes=formats.stored_bytes(fmt), fp8=fmt == "fp8",
                                  read_rows=single, gather_dmas=gather_dmas, run_rows=runs,
-                                 run_row_bytes=formats.run_row_bytes(fmt))
+                                 run_row_bytes=formats.run_row_bytes(fmt), run_rope_rows=rope)
     prefetch = 4 * (t * kernel.INFO_WORDS + tables)
     assert n.bytes(lane_padded=False) == model.bytes_moved - prefetch + 4 * h, n.table()
     gathers = n.select("hbm", "vmem", "dma")
@@ -150,8 +162,14 @@ def test_counted_bytes_and_dmas_equal_the_model(fmt):
     w_bound = -(-b.window_size // page) + 1
     assert gather_dmas <= parts * sum(w_bound + c // page + 2 for c in c_n)
     assert gather_dmas < parts * (w_n.sum() + c_n.sum())  # fewer than one per token
+    if fmt == "fp8":  # 128-lane rows: each wanted token once, no other row
+        assert runs == w_n.sum() + c_n.sum()
+    else:  # 256-word rows: the wanted rows widened to 8-row tiles (formats.run_align)
+        assert w_n.sum() + c_n.sum() < runs <= (w_n + c_n + 14).sum()
     per_token = sum(c.nbytes for c in gathers) / runs
-    assert per_token == formats.run_row_bytes(fmt) <= (1.05 * 640 if fmt == "fp8" else 1024)
+    assert per_token == (formats.run_row_bytes(fmt) + 512 * rope / runs if fmt == "fp8"
+                         else formats.run_row_bytes(fmt))
+    assert per_token <= (1.05 * 640 if fmt == "fp8" else 1024)
 
 
 def test_a_run_over_a_released_window_page_skips_it_as_the_reference():

@@ -20,9 +20,12 @@ matmul operands in q's feature order. Five formats (``kernel_format``):
   into rows ``2n, 2n + 1`` of a ``[2 * block, 128]`` buffer, decoded by two stride-2 sublane
   loads into four 128-lane operands in q's natural feature order (no permutation of q).
 
-Page runs (``traffic.segment_plan``): ``issue`` of ``rows > 1`` tokens is one DMA of their
-contiguous rows (plane: ``2 rows``); fp8 / CSA: their records and their ``rows / 4`` rope rows
-into a run rope buffer, expanded per token at decode (``_run_rope``).
+Page runs (``traffic.segment_plan``): ``issue_run`` of a segment's wanted tokens
+``lo .. hi - 1`` is one DMA of their contiguous rows, a dynamic number (plane: ``2 (hi - lo)``
+rows), into the rows a whole segment would fill (packed / f32: widened to 8-row tiles,
+``run_align``); fp8 / CSA: their records and their rope rows ``lo // 4 .. (hi - 1) // 4`` into
+a run rope buffer, expanded per token at decode (``_run_rope``); ``wait`` re-derives each
+segment's sizes from its slot's ``lo, hi``.
 
 Every decode is exact (bf16 halves, e4m3 times a power-of-two scale) and selects unwanted rows
 to zero (a select: a NaN in VMEM cannot leak).
@@ -36,6 +39,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.tpu import SUBLANES
 from reference import v4_attention as v4
 from reference.core import checks
 from reference.formats import model1 as v4_cache
@@ -154,9 +158,10 @@ def row_bytes(fmt: str, width: int = WORDS) -> int:
 
 
 def run_row_bytes(fmt: str, width: int = WORDS) -> int:
-    """HBM bytes per token of a page run: fp8 / CSA a 512 B record and a quarter of a 512 B
-    rope row (640 B, what is stored), else ``row_bytes``."""
-    return FP8_STORED_BYTES if fmt in ("fp8", "csa") else row_bytes(fmt, width)
+    """HBM bytes per token of a page run but its rope rows: fp8 / CSA its 512 B record (the
+    run's rope rows, 4 tokens each, counted apart: ``traffic.run_rope_rows``), else
+    ``row_bytes``."""
+    return 4 * LANES if fmt in ("fp8", "csa") else row_bytes(fmt, width)
 
 
 def stored_bytes(fmt: str) -> int:
@@ -190,41 +195,88 @@ def _copy(src, buf, sems, part, layer, pid, row, b, n, rows: int = 1):
 
 def issue(fmt: str, src, bufs, sems, layer, pid, off, b, n, rows: int = 1):
     """Start the DMAs of ``rows`` tokens from in-page slot ``off`` of page ``pid`` into rows
-    ``n ..`` of gather buffer ``b`` (module docstring; ``rows > 1``, a page-run segment: one
-    DMA of the tokens' contiguous rows, packed / f32 / plane: ``off`` and ``n`` multiples of
-    ``rows``, a multiple of 8, as Mosaic's tiled slices need)."""
+    ``n ..`` of gather buffer ``b`` (module docstring; ``rows > 1``: ``issue_run`` of all its
+    rows)."""
     if rows > 1:
-        off, n = pl.multiple_of(off, rows), pl.multiple_of(n, rows)
+        issue_run(fmt, src, bufs, sems, layer, pid, off, b, n, 0, rows, rows)
+        return
     if fmt == "plane":
         _copy(src[0], bufs[0], sems, 0, layer, pid, PLANE_ROWS * off, b, PLANE_ROWS * n,
-              PLANE_ROWS * rows).start()
+              PLANE_ROWS).start()
         return
-    _copy(src[0], bufs[0], sems, 0, layer, pid, off, b, n, rows).start()
-    if fmt in ("fp8", "csa") and rows > 1:  # the run's rope rows, 4 tokens each
-        q4 = rows // QUARTERS
-        _copy(src[1], bufs[3], sems, 1, layer, pid, pl.multiple_of(off // QUARTERS, q4), b,
-              pl.multiple_of(n // QUARTERS, q4), q4).start()
-    elif fmt in ("fp8", "csa"):
+    _copy(src[0], bufs[0], sems, 0, layer, pid, off, b, n).start()
+    if fmt in ("fp8", "csa"):
         quarters = v4_cache.ROPE_TOKENS_PER_ROW
         _copy(src[1], bufs[1], sems, 1, layer, pid, off // quarters, b, n).start()
         bufs[2][b, pl.ds(n, 1), :] = jnp.full((1, LANES), off % quarters, jnp.int32)
 
 
-def wait(fmt: str, src, bufs, sems, b, n, runs=0, seg: int = 1):
+def run_align(fmt: str, width: int = WORDS) -> int:
+    """The row grain of a page run's DMA: 1 (its wanted rows exactly) for rows of 128 lanes
+    (fp8 / CSA records and rope rows, plane rows); else (packed 256 words, f32 512) 8, the
+    sublane tile: Mosaic refuses a VMEM slice of wider rows at an offset or of a size that is
+    not a multiple of it, so the run moves its wanted rows widened to whole 8-row tiles."""
+    return 1 if fmt in ("fp8", "csa", "plane") or width == LANES else SUBLANES
+
+
+def _run_copies(fmt: str, src, bufs, sems, layer, pid, off, b, n, lo, hi):
+    """The DMAs of a page-run segment's wanted tokens ``off + lo .. off + hi - 1`` into rows
+    ``n + lo .. n + hi - 1`` of buffer ``b``: one per part, of a dynamic number of rows (plane:
+    ``2 (hi - lo)``; fp8 / CSA rope: rows ``lo // 4 .. (hi - 1) // 4`` at run rope row
+    ``n / 4 + lo // 4``; packed / f32: ``lo``, ``hi`` widened to ``run_align`` tiles)."""
+    grain = run_align(fmt, src[0].shape[-1])
+    if grain > 1:
+        lo, hi = pl.multiple_of(lo // grain * grain, grain), (hi + grain - 1) // grain * grain
+        n, size = pl.multiple_of(n + lo, grain), pl.multiple_of(hi - lo, grain)
+        return [pltpu.make_async_copy(src[0].at[layer, pid, pl.ds(off + lo, size)],
+                                      bufs[0].at[b, pl.ds(n, size)], sems.at[0, b])]
+    if fmt == "plane":
+        return [_copy(src[0], bufs[0], sems, 0, layer, pid, PLANE_ROWS * (off + lo), b,
+                      PLANE_ROWS * (n + lo), PLANE_ROWS * (hi - lo))]
+    copies = [_copy(src[0], bufs[0], sems, 0, layer, pid, off + lo, b, n + lo, hi - lo)]
+    if fmt in ("fp8", "csa"):
+        r0 = lo // QUARTERS
+        copies.append(_copy(src[1], bufs[3], sems, 1, layer, pid, off // QUARTERS + r0, b,
+                            n // QUARTERS + r0, (hi - 1) // QUARTERS - r0 + 1))
+    return copies
+
+
+def issue_run(fmt: str, src, bufs, sems, layer, pid, off, b, n, lo, hi, seg: int):
+    """Start the DMAs of a page-run segment (``seg`` rows of page ``pid`` from in-page row
+    ``off`` into slot rows ``n ..`` of buffer ``b``; ``off``, ``n`` multiples of ``seg``): only
+    its wanted rows ``lo .. hi - 1`` (``0 <= lo < hi <= seg``, dynamic), one DMA per part of
+    a dynamic number of rows, each row where a whole-segment DMA would put it (the masks by
+    slot are unchanged)."""
+    off, n = pl.multiple_of(off, seg), pl.multiple_of(n, seg)
+    for copy in _run_copies(fmt, src, bufs, sems, layer, pid, off, b, n, lo, hi):
+        copy.start()
+
+
+def wait(fmt: str, src, bufs, sems, b, n, runs=0, seg: int = 1, slots=None):
     """Wait for the DMAs into gather buffer ``b``: ``n`` single tokens and ``runs`` segments
-    of ``seg`` tokens (one semaphore per part counts their bytes; each wait takes one copy's
-    bytes of that part)."""
+    (one semaphore per part counts their bytes; each wait takes one copy's bytes of that part).
+    A segment's DMAs move its slot's wanted rows (``issue_run``), re-derived from ``slots``
+    (SMEM ``i32[2, >= 2 runs]``: slot ``j``'s ``lo, hi`` at ``[b, 2 j]``, ``[b, 2 j + 1]``);
+    ``slots`` None: every segment whole (``seg`` rows)."""
     rows = PLANE_ROWS if fmt == "plane" else 1
     for part in range(len(src)):
-        run = seg // QUARTERS if part else seg  # fp8 / CSA: a run's rope rows
-        for count, size in ((n, 1), (runs, run)) if seg > 1 else ((n, 1),):
-            copy = _copy(src[part], bufs[part], sems, part, 0, 0, 0, b, 0, rows * size)
+        copy = _copy(src[part], bufs[part], sems, part, 0, 0, 0, b, 0, rows)
 
-            def body(i, c, copy=copy):
-                copy.wait()
-                return c
+        def body(i, c, copy=copy):
+            copy.wait()
+            return c
 
-            jax.lax.fori_loop(0, count, body, 0)
+        jax.lax.fori_loop(0, n, body, 0)
+    if seg <= 1:
+        return
+
+    def run_body(j, c):
+        lo, hi = (0, seg) if slots is None else (slots[b, 2 * j], slots[b, 2 * j + 1])
+        for copy in _run_copies(fmt, src, bufs, sems, 0, 0, 0, b, 0, lo, hi):
+            copy.wait()
+        return c
+
+    jax.lax.fori_loop(0, runs, run_body, 0)
 
 
 def _u32(x):

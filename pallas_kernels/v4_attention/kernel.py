@@ -22,10 +22,12 @@ Walk (scalar core, per query row = grid step; ``walk``): a stream of window unit
 compressed units. The window's tokens ``w_first .. w_end - 1`` (contiguous, from ``row_info``)
 and an HCA walk's entries ``0 .. c_limit - 1`` are page runs (``traffic.segment_plan``): units
 of ``seg`` aligned rows of one page (``seg = gcd(block, page sizes)``, a multiple of 8; fp8 /
-CSA: of 32), one DMA per cache part each, into the next ``seg``-row slot of a block of
-``block`` rows; the slot's wanted rows ``lo .. hi - 1`` are kept in SMEM and the rest (a run's
-end rows: real cache rows, maybe NaN) is selected away. A CSA walk's units are the list's first
-``nc`` positions (the walk end: one past its last entry that can be valid), one row each, packed
+CSA: of 32), one DMA per cache part each, of the unit's wanted rows ``lo .. hi - 1`` only (a
+dynamic number: ``formats.issue_run``), into the rows they take in the next ``seg``-row slot
+of a block of ``block`` rows; ``lo, hi`` are kept in SMEM (the waits re-derive the DMAs' sizes
+from them) and the slot's other rows (stale, maybe NaN) are selected away; packed / f32 rows
+move whole 8-row tiles (``formats.run_align``). A CSA walk's units are the list's first ``nc``
+positions (the walk end: one past its last entry that can be valid), one row each, packed
 densely after the runs. Each unit is checked (``0 <= e < limit``, page slot inside the table,
 page id in ``[0, P)``: ``reference.batch.lookup_page``; a released page is never read) and each
 valid one is DMA'd; a full block (or the stream's end) is waited on and attended:
@@ -37,8 +39,8 @@ and rows (grid steps run in order). Not measured on a TPU (none here): per decod
 V4-Flash (window 128, pages of 64) the window is 2 or 3 DMAs instead of 128, the 64 HCA
 entries 1 instead of 64, a CSA list still one per entry.
 
-fp8 caches: a run segment is two DMAs, its ``seg`` nope records and its ``seg / 4`` rope rows
-(640 B per token read, what is stored), the rope rows expanded to one per token by 4 stride-4
+fp8 caches: a run segment is two DMAs, its wanted tokens' nope records and the rope rows they
+touch (rows ``lo // 4 .. (hi - 1) // 4``), the rope rows expanded to one per token by 4 stride-4
 sublane stores (quarter ``r % 4``); a listed entry two whole-row DMAs, its 512 B record (row
 ``off`` of its page) and the 512 B rope row it shares with 3 tokens (row ``off // 4``), plus its
 quarter ``off % 4`` in a VMEM side buffer by one ``(1, 128)`` vector store. Decoded in VMEM
@@ -50,9 +52,12 @@ operand in q's feature order feeds both matmuls. The values equal
 dequantized cache up to f32 summation order.
 
 Traffic per decode row (``fused_traffic``, ``traffic.run_bound``): the window and HCA runs'
-segments whole (at most ``ceil((W - 1) / seg) + 1`` window segments: 192 rows for 128 tokens
-at pages of 64; 1024 B per packed / plane token, 640 B fp8 / CSA), the selected CSA entries
-(1024 B each; fp8 / CSA: by 2 DMAs against 640 B stored), q read once, out written once,
+wanted tokens (at most ``ceil((W - 1) / seg) + 1`` window segments, 3 DMAs per part for 128
+tokens at pages of 64, each of its wanted rows only: packed / f32 widened to 8-row tiles, at
+most 136 rows for 128 tokens; 1024 B per packed / plane row, fp8 / CSA a 512 B record and the
+rope rows the run touches: at most 33 for 128 tokens, <= 644 B per token,
+``traffic.run_rope_bound``), the selected CSA entries (1024 B each; fp8 / CSA: by 2 DMAs
+against 640 B stored), q read once, out written once,
 ``4 k`` bytes of the row's list into SMEM, the tables once (a state read and written: its acc,
 l and m, ``state``). Versus the two-pass path (``two_pass``, ``fused=False``): q is not read
 twice, and no partial outputs are written, read back and merged.
@@ -310,7 +315,8 @@ def _kernel(info_ref, wtab_ref, ctab_ref, layer_ref, q_ref, sink_ref, ent_hbm, *
 
         cur2, n2 = jax.lax.cond(cur < total, more, last)
         ns = runs[b, 2 * (block // seg)]  # segments: 0 unless page runs are on
-        formats.wait(fmt, w_src, bufs, sems, b, n - ns * seg, ns, seg if runs_on else 1)
+        formats.wait(fmt, w_src, bufs, sems, b, n - ns * seg, ns, seg if runs_on else 1,
+                     runs)
         live = _live(runs, b, (block, 1), 0, seg)
         cols = _live(runs, b, (q_ref.shape[1], block), 1, seg)
         ops = formats.operands(fmt, bufs, b, live, cdt, ns * seg)
@@ -414,7 +420,10 @@ def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn
     single_rows, run_rows, gather_dmas = traffic.run_bound(
         window=window_size, entries=gathered_rows - window_size, seg=seg,
         window_runs=window_runs, compressed_runs=compressed_runs,
-        dmas_per_read=len(w_parts))
+        dmas_per_read=len(w_parts), align=formats.run_align(fmt, w_parts[0].shape[-1]))
+    rope_rows = traffic.run_rope_bound(
+        window=window_size, entries=gathered_rows - window_size, window_runs=window_runs,
+        compressed_runs=compressed_runs) if fmt in ("fp8", "csa") else 0
     t = fused_traffic(rows=num_rows, heads=heads, gathered_rows=gathered_rows,
                       meta_words=k if listed else 0,
                       table_words=w_table.shape[0] + c_table.shape[0], block=block,
@@ -427,7 +436,8 @@ def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn
                       num_rows * row_writes.written_bytes(fmt) // row_writes.WRITE_BYTES,
                       read_rows=num_rows * single_rows, gather_dmas=num_rows * gather_dmas,
                       run_rows=num_rows * run_rows,
-                      run_row_bytes=formats.run_row_bytes(fmt, w_parts[0].shape[-1]))
+                      run_row_bytes=formats.run_row_bytes(fmt, w_parts[0].shape[-1]),
+                      run_rope_rows=num_rows * rope_rows)
     call = pl.pallas_call(
         kernel, grid_spec=grid_spec, out_shape=out_shape, input_output_aliases=aliases,
         compiler_params=pltpu.CompilerParams(

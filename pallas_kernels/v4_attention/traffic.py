@@ -5,9 +5,10 @@ the tests check it against the compiled kernel's declared bytes and the interpre
 
 Page runs (``segment_plan``): the contiguous sources, a row's window tokens and the HCA's
 entries ``0 .. c_limit - 1``, are read as aligned segments of ``seg`` rows of a page (one DMA
-per segment per cache part: static sizes, a dynamic start), the rows of a segment outside the
-wanted run read too (masked in VMEM): ``run_reads`` counts them exactly per row,
-``run_bound`` bounds them from shapes (the AOT cases' static model)."""
+per segment per cache part, a dynamic start and a dynamic number of rows: only the segment's
+wanted rows, ``formats.issue_run``; packed / f32 rows widened to 8-row tiles,
+``formats.run_align``): ``run_reads`` / ``run_rope_rows`` count them exactly per
+row, ``run_bound`` / ``run_rope_bound`` bound them from shapes (the AOT cases' static model)."""
 
 from __future__ import annotations
 
@@ -50,31 +51,67 @@ def window_segments(w_first, w_n, seg: int):
     return (w_n > 0) * (last - w_first // seg + 1)
 
 
+def _touched(first, n, grain: int):
+    """Rows of ``grain`` (numpy, elementwise) tokens ``first .. first + n - 1`` touch (0 for
+    ``n = 0``)."""
+    return (n > 0) * ((first + n - 1) // grain - first // grain + 1)
+
+
 def run_reads(w_first, w_n, c_n, *, seg: int, window_runs: bool, compressed_runs: bool,
-              dmas_per_read: int = 1) -> tuple[int, int, int]:
+              dmas_per_read: int = 1, align: int = 1) -> tuple[int, int, int]:
     """Exact ``(token rows read one by one, token rows read by page runs, gather DMAs)`` of
     query rows with windows ``w_first, w_n`` and
     compressed walks of ``c_n`` valid positions (``row_info``'s fields, arrays; every page
     present: a released page's segments are not read), ``segment_plan``'s ``seg`` and flags;
-    ``dmas_per_read``: DMAs per segment / token (fp8 / CSA: 2)."""
+    ``dmas_per_read``: DMAs per segment / token (fp8 / CSA: 2). A segment's DMAs move its
+    wanted rows (``formats.issue_run``) widened to whole tiles of ``align`` rows
+    (``formats.run_align``; 1: each wanted token once; segments split at multiples of
+    ``align``, so a run's rows are the ``align``-row tiles its tokens touch)."""
     w_first, w_n, c_n = (np.asarray(x, np.int64) for x in (w_first, w_n, c_n))
     w_seg = window_segments(w_first, w_n, seg) if window_runs else w_n
     c_seg = -(-c_n // seg) if compressed_runs else c_n
     single = (0 if window_runs else w_seg.sum()) + (0 if compressed_runs else c_seg.sum())
-    runs = seg * ((w_seg.sum() if window_runs else 0) + (c_seg.sum() if compressed_runs else 0))
+    runs = align * ((_touched(w_first, w_n, align).sum() if window_runs else 0)
+                    + (_touched(0, c_n, align).sum() if compressed_runs else 0))
     return int(single), int(runs), int((w_seg + c_seg).sum() * dmas_per_read)
 
 
+def run_rope_rows(w_first, w_n, c_n, *, window_runs: bool, compressed_runs: bool) -> int:
+    """fp8 / CSA: the rope rows (4 tokens each) the page runs of ``run_reads``' rows read
+    exactly: a run of tokens ``f .. f + n - 1`` reads rows ``f // 4 .. (f + n - 1) // 4`` (its
+    segments split at multiples of 4: no row twice); an HCA walk's from entry 0."""
+    w_first, w_n, c_n = (np.asarray(x, np.int64) for x in (w_first, w_n, c_n))
+    return int((_touched(w_first, w_n, QUARTERS).sum() if window_runs else 0)
+               + (_touched(0, c_n, QUARTERS).sum() if compressed_runs else 0))
+
+
+def _touched_bound(window: int, entries: int, grain: int, window_runs: bool,
+                   compressed_runs: bool) -> int:
+    """Rows of ``grain`` tokens at most: ``window`` tokens anywhere touch ``ceil((W - 1) /
+    grain) + 1`` (``W`` for grain 1), ``entries`` from 0 ``ceil(entries / grain)``."""
+    w_rows = (window and -(-(window - 1) // grain) + 1) if window_runs else 0
+    return w_rows + (-(-entries // grain) if compressed_runs else 0)
+
+
 def run_bound(*, window: int, entries: int, seg: int, window_runs: bool,
-              compressed_runs: bool, dmas_per_read: int = 1) -> tuple[int, int, int]:
+              compressed_runs: bool, dmas_per_read: int = 1,
+              align: int = 1) -> tuple[int, int, int]:
     """``run_reads``' triple for one query row at most: ``window`` window tokens
     anywhere (``ceil((W - 1) / seg) + 1`` segments) and ``entries`` compressed positions
-    (HCA: entries from 0, ``ceil(entries / seg)`` segments)."""
+    (HCA: entries from 0, ``ceil(entries / seg)`` segments); the runs read their tokens'
+    ``align``-row tiles (``align`` 1: the tokens once)."""
     w_seg = (window and -(-(window - 1) // seg) + 1) if window_runs else window
     c_seg = -(-entries // seg) if compressed_runs else entries
     single = (0 if window_runs else w_seg) + (0 if compressed_runs else c_seg)
-    runs = seg * ((w_seg if window_runs else 0) + (c_seg if compressed_runs else 0))
+    runs = align * _touched_bound(window, entries, align, window_runs, compressed_runs)
     return single, runs, (w_seg + c_seg) * dmas_per_read
+
+
+def run_rope_bound(*, window: int, entries: int, window_runs: bool,
+                   compressed_runs: bool) -> int:
+    """``run_rope_rows`` for one query row at most: ``window`` tokens anywhere touch
+    ``ceil((W - 1) / 4) + 1`` rope rows, ``entries`` from 0 ``ceil(entries / 4)``."""
+    return _touched_bound(window, entries, QUARTERS, window_runs, compressed_runs)
 
 
 def fused_traffic(*, rows: int, heads: int, gathered_rows: int, meta_words: int,
@@ -83,7 +120,7 @@ def fused_traffic(*, rows: int, heads: int, gathered_rows: int, meta_words: int,
                   acc_in_itemsize: int = 0, acc_out_itemsize: int = 0,
                   written_rows: int = 0, read_rows: int | None = None,
                   gather_dmas: int | None = None, run_rows: int = 0,
-                  run_row_bytes: int = 0) -> aot.Traffic:
+                  run_row_bytes: int = 0, run_rope_rows: int = 0) -> aot.Traffic:
     """Modelled HBM traffic of one fused call where every query row gathers ``gathered_rows``
     rows (window + selected entries) of ``row_bytes`` each (packed and plane: 1024 B, one DMA;
     fp8 / CSA: ``FP8_ROW_BYTES`` = 1024 B in 2 DMAs, the 512 B record and the 512 B rope row it
@@ -95,7 +132,8 @@ def fused_traffic(*, rows: int, heads: int, gathered_rows: int, meta_words: int,
     (``writes``: ``WRITE_BYTES`` each, and a 4-byte position in SMEM per query row). Page runs
     (all query rows together, ``run_reads`` / ``run_bound``): ``read_rows`` tokens read one by
     one (None: ``rows * gathered_rows``), ``run_rows`` read by page runs at ``run_row_bytes``
-    each (0: ``row_bytes``; fp8 / CSA: 640 B, a record and a quarter rope row), in
+    each (0: ``row_bytes``; fp8 / CSA: the 512 B record) and, fp8 / CSA, their
+    ``run_rope_rows`` 512 B rope rows (``run_rope_rows``: 4 tokens a row), in
     ``gather_dmas`` descriptors (None: one per token read one by one per part). The minimum
     moves each row once at ``min_row_bytes`` (512 bf16 features: 1024 B; fp8 / CSA: the 640 B
     stored per token) plus q, out, the state and the writes. VMEM: the gather blocks (fp8 /
@@ -111,7 +149,8 @@ def fused_traffic(*, rows: int, heads: int, gathered_rows: int, meta_words: int,
     smem = 4 * (rows * (meta_words + INFO_WORDS + bool(written_rows)) + table_words)
     read_rows = rows * gathered_rows if read_rows is None else read_rows
     gather_dmas = read_rows * (2 if fp8 else 1) if gather_dmas is None else gather_dmas
-    moved = read_rows * row_bytes + run_rows * (run_row_bytes or row_bytes) + q_out + smem
+    moved = (read_rows * row_bytes + run_rows * (run_row_bytes or row_bytes)
+             + run_rope_rows * 4 * LANES + q_out + smem)
     bytes_min = rows * gathered_rows * min_row_bytes + q_out
     flops = 2 * rows * heads * gathered_rows * 2 * dim
     buf_bytes = 3 * 4 * LANES if fp8 else row_bytes

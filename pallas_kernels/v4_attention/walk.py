@@ -4,7 +4,8 @@ gather buffer (``_walk``), and the select masks of the wanted rows (``_live``).
 
 A unit is one token / listed entry (one row), or one page-run segment (``traffic.segment_plan``:
 ``seg`` aligned rows of one page, a window's or an HCA walk's contiguous tokens, one DMA per
-cache part). Each buffer keeps, per ``seg``-row slot, the wanted rows ``lo .. hi - 1`` and,
+cache part, of the slot's wanted rows only: ``formats.issue_run``). Each buffer keeps, per
+``seg``-row slot, the wanted rows ``lo .. hi - 1`` (what the waits re-derive sizes from) and,
 last, the segments issued (SMEM ``runs[b]``): segments fill slots from the block's start (the
 window comes first), single rows fill slots densely after them. A released page (table entry
 -1 or out of range: ``reference.batch.lookup_page``) is skipped, segment and all.
@@ -74,11 +75,15 @@ def _walk(refs, row, lslot, b, cur, *, fmt, listed, block, w_page, c_page, w_pag
         w_pid, w_ok = batch.lookup_page(wtab_ref, slot, w_pages)
         c_pid, c_ok = batch.lookup_page(ctab_ref, slot, c_pages)
         ok = jnp.where(in_window, w_ok, e_ok & c_ok) & layer_ok
-        for src, pid, here, rows in ((w_src, w_pid, in_window, w_rows),
-                                     (c_src, c_pid, ~in_window, c_rows)):
+        for src, pid, here, rows, lo, hi in ((w_src, w_pid, in_window, w_rows, w_lo, w_hi),
+                                             (c_src, c_pid, ~in_window, c_rows, c_lo, c_hi)):
             @pl.when(ok & here)
-            def _(src=src, pid=pid, rows=rows):
-                formats.issue(fmt, src, bufs, sems, layer, pid, unit % psize, b, n, rows)
+            def _(src=src, pid=pid, rows=rows, lo=lo, hi=hi):
+                if rows > 1:  # a segment: its wanted rows only
+                    formats.issue_run(fmt, src, bufs, sems, layer, pid, unit % psize, b, n,
+                                      lo, hi, rows)
+                else:
+                    formats.issue(fmt, src, bufs, sems, layer, pid, unit % psize, b, n)
 
         @pl.when(ok)
         def _():
