@@ -50,7 +50,7 @@ from reference.formats import packed_cache, stacked, tokamax_v4
 
 WRITE_BYTES = 2 * formats.PLANE_ROW_BYTES  # per written plane token: 1 KB read + 1 KB written
 WRITTEN = ("packed", "plain", "fp8", "plane")  # the formats the kernel writes in place
-QUARTERS = v4_cache.ROPE_TOKENS_PER_ROW  # fp8 tokens per rope row
+QUARTERS = formats.QUARTERS  # fp8 tokens per rope row (declared in formats)
 
 
 def writable(cache) -> bool:
