@@ -40,14 +40,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import aot, tpu
-from reference import v4_cache
+from reference.formats import model1
 
 PAGES = 32
 PAGE_SIZE = 64
 LANES = tpu.LANES
 ODD_PAGE_SIZE = 12  # a page size that is not whole (8, 128) tiles (form 4)
 RUNS = (2, 8, 64)  # static run lengths of form 2 (and 4)
-STRIDE = v4_cache.ROPE_TOKENS_PER_ROW  # the fp8 rope-quarter expansion: tokens per rope row
+STRIDE = model1.ROPE_TOKENS_PER_ROW  # the fp8 rope-quarter expansion: tokens per rope row
 STRIDED_ROWS = 8  # rows written / read by one strided access (form 5, 6)
 DTYPES = {"u32": jnp.uint32, "bf16": jnp.bfloat16, "f32": jnp.float32}
 
