@@ -6,7 +6,8 @@ roofline ``max(bytes / HBM bandwidth, flops / peak bf16)`` from ``pltpu.get_tpu_
 No TPU is used. The cases come from each kernel module's ``compile_cases(quick)``, the same list
 the compile-gate tests use.
 
-Usage: ``python -m scripts.cost.tpu_compile_report [--quick] [--chips v5e,v6e,tpu7x] [--out DIR]``
+Usage: ``python -m scripts.cost.tpu_compile_report [--quick] [--chips v5e,v6e,tpu7x] [--out DIR]
+[--limit N] [--kernels NAME,...]``
 """
 
 from __future__ import annotations
@@ -44,11 +45,16 @@ def collect_cases(quick: bool):
     return cases, missing
 
 
-def run(quick: bool, chips: list[str],
-        limit: int | None = None) -> tuple[list[dict], list[str]]:
+def run(quick: bool, chips: list[str], limit: int | None = None,
+        kernels: list[str] | None = None) -> tuple[list[dict], list[str]]:
     from pallas_kernels.aot import CompileError
 
     cases, missing = collect_cases(quick)
+    if kernels:  # only these kernels (a smoke run of the report)
+        unknown = sorted(set(kernels) - {c.kernel for c in cases})
+        if unknown:
+            raise ValueError(f"--kernels: no case of {unknown}")
+        cases = [c for c in cases if c.kernel in kernels]
     if limit is not None:  # the first ``limit`` cases of each kernel
         kept: dict[str, list] = {}
         for c in cases:
@@ -105,11 +111,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="out/tpu_compile_report", help="folder for .md and .json")
     p.add_argument("--limit", type=int, default=None,
                    help="only the first N cases of each kernel (a smoke run of the report)")
+    p.add_argument("--kernels", default="",
+                   help="comma-separated kernel names: only their cases (default: every kernel)")
     a = p.parse_args(argv)
     if a.limit is not None and a.limit < 1:
         p.error(f"--limit must be >= 1, got {a.limit}")
     chips = chip_specs.parse(a.chips)
-    rows, missing = run(a.quick, chips, a.limit)
+    kernels = [k.strip() for k in a.kernels.split(",") if k.strip()]
+    rows, missing = run(a.quick, chips, a.limit, kernels)
     md = markdown(rows, missing)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -78,8 +78,8 @@ def full_config(seed: int = 0) -> Config:
 
 def quick_config(seed: int = 0) -> Config:
     return Config(lm=M.LMConfig(n_layers=2, d_model=64, n_heads=4, context=256),
-                  indexer=M.IndexerConfig(heads=4, head_dim=16), layers=(1,), lm_steps=80,
-                  lm_batch=8, lm_seconds=25.0, idx_steps=30, idx_batch=4, idx_seconds=10.0,
+                  indexer=M.IndexerConfig(heads=4, head_dim=16), layers=(1,), lm_steps=30,
+                  lm_batch=8, lm_seconds=8.0, idx_steps=12, idx_batch=4, idx_seconds=4.0,
                   eval_windows=4, ks=(32, 64), segments=(4, 16), max_files=200,
                   api_merge_every_cell=False, seed=seed)
 
