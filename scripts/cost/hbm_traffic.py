@@ -3,7 +3,7 @@ interpreter (a simulation), against the kernel's traffic model and the minimum: 
 ``pallas_kernels.measure.hbm_traffic``'s cases (what is counted and modelled: its docstring).
 Exits 1 if a count differs from the model's kernel side (bytes) or the model's descriptors.
 
-Usage: ``python -m scripts.cost.hbm_traffic [--quick] [--out DIR]``
+Usage: ``python -m scripts.cost.hbm_traffic [--quick] [--out DIR] [--kernels NAME,...]``
 """
 
 from __future__ import annotations
@@ -61,10 +61,19 @@ def main(argv=None, count_case=count) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="decode shapes only (CI)")
     p.add_argument("--out", default="out/hbm_traffic", help="folder for .md and .json")
+    p.add_argument("--kernels", default="",
+                   help="comma-separated kernel names: only their cases (default: every kernel)")
     a = p.parse_args(argv)
+    cases = all_cases(a.quick)
+    kernels = {k.strip() for k in a.kernels.split(",") if k.strip()}
+    if kernels:  # a smoke run of the script
+        unknown = sorted(kernels - {c.kernel for c in cases})
+        if unknown:
+            p.error(f"--kernels: no case of {unknown}")
+        cases = [c for c in cases if c.kernel in kernels]
     counter.self_test()
     rows = []
-    for case in all_cases(a.quick):
+    for case in cases:
         t0 = time.perf_counter()
         counted = count_case(case)
         rows.append(row(case, counted, time.perf_counter() - t0))
