@@ -224,17 +224,21 @@ def _assert_same_picks(topk, sel, msg):
 
 @pytest.mark.slow
 def test_step_equals_statement_long_decode():
-    """Prefill (133 and 7 tokens) then 256 decodes: both sequences cross ratio-128 groups
-    (entries 0 and 1 complete at positions 127 and 255), many ratio-4 groups and the 128-token
-    window; every layer type, each step against the statement (reference backend, qat off;
-    about 1 min of CPU). Run in a process of its own (``tests/isolated.py``): a worker crashed
-    in XLA:CPU's compile here once, after an hour of other tests (issue 26)."""
+    """Prefill (133 and 118 tokens) then 140 decodes (to 273 and 258 tokens): both sequences
+    cross ratio-128 groups (entry 0 completes at position 127 in the first's prefill and at
+    the second's 10th decode; entry 1 at position 255 in both sequences' decodes, at different
+    steps), many ratio-4 groups (the second's prefill leaves 2 tokens of a group pending) and
+    the 128-token window (the first's prefill is longer than it, the second crosses it while
+    decoding); every layer type, each step against the statement (reference backend, qat off;
+    was 7 tokens and 256 decodes: the same crossings at ~half the steps). Run in a process
+    of its own (``tests/isolated.py``): a worker crashed in XLA:CPU's compile here once, after
+    an hour of other tests (issue 26)."""
     run_isolated(reference_long_decode)
 
 
 def reference_long_decode() -> None:
     """The body of ``test_step_equals_statement_long_decode`` (a child process runs it)."""
-    _drive(_schedule([133, 7], 256), qat=False, backend="reference")
+    _drive(_schedule([133, 118], 140), qat=False, backend="reference")
 
 
 # The window of the lockstep run and its page size (the interpreter's cost grows with the
