@@ -61,15 +61,18 @@ def _small_mixed(seed, num_heads):
 
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
 @pytest.mark.parametrize("op", sorted(TOPK))
-@pytest.mark.parametrize("layer", [1, 2])
-def test_topk_reads_the_given_layer_of_the_stack_in_place(op, backend, layer):
+def test_topk_reads_the_given_layer_of_the_stack_in_place(op, backend):
+    """Layers 1 and 2 in one test (once two parametrizations): the single-layer and the
+    traced-layer programs are compiled once and serve both layers (the strict interpreter's
+    cost here is the compile, not the run)."""
     b = _small_mixed(31, num_heads=2)
-    stack = jnp.asarray(_stack(b.cache, seed=layer))
-    want = _topk(op, b, stack[layer], backend)
-    got = _topk(op, b, stack, backend, layer=jnp.int32(layer))  # traced: one trace per shape
-    np.testing.assert_array_equal(got, want)
-    assert not np.array_equal(got, _topk(op, b, stack[0], backend)), "layers must differ"
-    np.testing.assert_array_equal(_topk(op, b, stack, backend, layer=layer), want)  # Python int
+    for layer in (1, 2):
+        stack = jnp.asarray(_stack(b.cache, seed=layer))
+        want = _topk(op, b, stack[layer], backend)
+        got = _topk(op, b, stack, backend, layer=jnp.int32(layer))  # traced: one trace/shape
+        np.testing.assert_array_equal(got, want)
+        assert not np.array_equal(got, _topk(op, b, stack[0], backend)), "layers must differ"
+        np.testing.assert_array_equal(_topk(op, b, stack, backend, layer=layer), want)  # int
 
 
 def _mla(op, b, sel, q, cache, backend, **kw):
@@ -132,16 +135,19 @@ def test_fp8_stacks_read_the_given_layer(backend):
 
 
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
-@pytest.mark.parametrize("bad", [-1, LAYERS, 2**31 - 1])
-def test_a_traced_layer_outside_the_stack_reads_nothing(backend, bad):
+def test_a_traced_layer_outside_the_stack_reads_nothing(backend):
+    """-1, L and 2^31 - 1 in one test (once three parametrizations): the layer is traced, so
+    each op compiles once and runs at the three layers."""
     b = batches.scenario("mtp", seed=34, num_heads=2, dim=128)
     stack = jnp.asarray(_stack(b.cache, seed=3))
-    for op in TOPK:
-        got = _topk(op, b, stack, backend, layer=jnp.int32(bad))
-        assert (got == -1).all()
     sel = _selection("token", b, stack[0])
-    out, lse = _mla("token", b, sel, jnp.asarray(b.q), stack, backend, layer=jnp.int32(bad))
-    assert (np.asarray(out) == 0).all() and np.isneginf(np.asarray(lse)).all()
+    for bad in (-1, LAYERS, 2**31 - 1):
+        for op in TOPK:
+            got = _topk(op, b, stack, backend, layer=jnp.int32(bad))
+            assert (got == -1).all(), (op, bad)
+        out, lse = _mla("token", b, sel, jnp.asarray(b.q), stack, backend,
+                        layer=jnp.int32(bad))
+        assert (np.asarray(out) == 0).all() and np.isneginf(np.asarray(lse)).all(), bad
 
 
 def test_validate_reports_a_layer_outside_the_stack():

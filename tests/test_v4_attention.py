@@ -61,8 +61,8 @@ def _pallas(*args, **kw):
     return v4_attention(*args, **kw, interpret=True, fused=False)
 
 
-def _fused(*args, **kw):
-    return v4_attention(*args, **kw, interpret=True, tokens_per_block=16)  # fused: the default
+def _fused(*args, tokens_per_block=16, **kw):  # fused: the default
+    return v4_attention(*args, **kw, interpret=True, tokens_per_block=tokens_per_block)
 
 
 # "pallas": the two-pass form (two MLA kernel calls merged in XLA, fused=False); "fused": the
@@ -335,9 +335,13 @@ def test_property_ragged_batches_match_the_oracle(spec, ratio, window, sink, bac
     ids=["v4_flash", "v4_pro", "v4_flash_fused", "v4_flash_hca", "v4_flash_hca_fused",
          "v4_pro_fused"])
 def test_model_dims_decode(heads, ratio, topk, kv, backend):
+    """The fused kernel walks blocks of 128 rows here (not ``_fused``'s 16): a row still walks
+    several blocks (1 window block, then 4 or 8 of its 512 / 1024 listed entries, or 1 of HCA
+    entries), at an eighth of the 16-row blocks' loop steps in the strict interpreter."""
     b = make_v4_batch(7, q_lens=[1, 1], kv_lens=[kv, 300], heads=heads, ratio=ratio, k=topk,
                       window_size=128, window_page_size=64, comp_page_size=64)
-    out, lse = run(b, backend, sink=np.linspace(-2, 2, heads).astype(np.float32))
+    blk = {"tokens_per_block": 128} if backend == "fused" else {}
+    out, lse = run(b, backend, sink=np.linspace(-2, 2, heads).astype(np.float32), **blk)
     check(out, lse, b, np.linspace(-2, 2, heads).astype(np.float32))
 
 
