@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from pallas_kernels import block_table, tpu
 from pallas_kernels.block_table import Row, pow2
+from pallas_kernels.v4_attention import formats
 
 DEFAULT_BLOCK = 256  # rows per gathered block: 256 KB of packed rows in VMEM
 MIN_BLOCK = tpu.SUBLANES  # a block is a positive multiple of 8 rows
@@ -66,7 +67,7 @@ def row(chip: str | None, fmt: str | None = None, heads: int | None = None) -> R
 def gather_vmem(block: int, *, fp8: bool) -> int:
     """VMEM bytes of the two gather buffers of ``block`` rows (``kernel.fused_traffic``'s
     gather term; fp8: with the page runs' rope rows and their expansion)."""
-    return 2 * block * (3 * 4 * tpu.LANES + 3 * tpu.LANES if fp8 else 4 * 2 * tpu.LANES)
+    return 2 * block * formats.gather_row_vmem(fp8, 4 * formats.WORDS, runs=True)
 
 
 def clamp(block: int, chip: str | None, *, fp8: bool = False) -> int:

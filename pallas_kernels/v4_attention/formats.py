@@ -170,6 +170,17 @@ def stored_bytes(fmt: str) -> int:
     return FP8_STORED_BYTES if fmt in ("fp8", "csa") else 2 * v4.HEAD_DIM
 
 
+def gather_row_vmem(fp8: bool, row_bytes: int, runs: bool = False) -> int:
+    """VMEM bytes per block row of ``buffers``' gather buffers, one of the two: fp8 / CSA the
+    nope, rope and quarter rows (``3 x 512`` B), with page runs (``runs``) plus the runs' rope
+    rows (``2 x block / 4`` rows over both buffers) and their expansion (``block`` rows): ``3 x
+    128`` words more; else one row of ``row_bytes``."""
+    if not fp8:
+        return row_bytes
+    run_rows = 4 * LANES * (2 + QUARTERS) // (2 * QUARTERS) if runs else 0
+    return 3 * 4 * LANES + run_rows
+
+
 def buffers(fmt: str, block: int, w_parts, runs: bool = False) -> list:
     """The two gather buffers of ``block`` rows (a leading 2) of each part; fp8 / CSA page
     runs (``runs``) add the runs' rope rows (``block / 4``, a leading 2) and one ``[block,

@@ -18,7 +18,7 @@ import numpy as np
 
 from pallas_kernels import aot
 from pallas_kernels.tpu import SUBLANES
-from pallas_kernels.v4_attention.formats import LANES, QUARTERS
+from pallas_kernels.v4_attention.formats import LANES, QUARTERS, gather_row_vmem
 from pallas_kernels.v4_attention.writes import WRITE_BYTES
 from reference import v4_attention as v4
 
@@ -153,9 +153,7 @@ def fused_traffic(*, rows: int, heads: int, gathered_rows: int, meta_words: int,
              + run_rope_rows * 4 * LANES + q_out + smem)
     bytes_min = rows * gathered_rows * min_row_bytes + q_out
     flops = 2 * rows * heads * gathered_rows * 2 * dim
-    buf_bytes = 3 * 4 * LANES if fp8 else row_bytes
-    if fp8 and run_rows:  # + the runs' rope rows (2 x block / 4) and their expansion (block)
-        buf_bytes += 4 * LANES * (2 + QUARTERS) // (2 * QUARTERS)
+    buf_bytes = gather_row_vmem(fp8, row_bytes, runs=bool(run_rows))
     vmem = (2 * block * buf_bytes + 4 * heads * dim
             + 2 * heads * dim * (q_itemsize + out_itemsize + acc_in_itemsize))
     blocks = rows * (1 + (3 if acc_out_itemsize else 2) + (3 if acc_in_itemsize else 0)) + 1
