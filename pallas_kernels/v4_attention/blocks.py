@@ -48,7 +48,7 @@ def table_format(kernel_format: str) -> str:
     """The table's format key of a kernel cache format (``formats.FORMATS``): ``"fp8"`` for the
     two-DMA fp8 formats (MODEL1 ``"fp8"``, tokamax ``"csa"``), else ``"packed"`` (one DMA per
     token: packed, f32 and tokamax ``"plane"`` rows)."""
-    return "fp8" if kernel_format in ("fp8", "csa") else "packed"
+    return "fp8" if kernel_format in formats.FP8_FORMATS else "packed"
 
 
 def shape_key(fmt: str | None = None, heads: int | None = None) -> tuple:

@@ -146,17 +146,17 @@ def _fused_model(chip: str, fmt: str, *, rows: int, heads: int, gathered: int, m
     seg, w_runs, c_runs = traffic.segment_plan(kfmt, block, PAGE, PAGE, listed=bool(meta))
     single, runs, dmas = traffic.run_bound(window=window, entries=gathered - window, seg=seg,
                                    window_runs=w_runs, compressed_runs=c_runs,
-                                   dmas_per_read=2 if kfmt in ("fp8", "csa") else 1,
+                                   dmas_per_read=2 if kfmt in formats.FP8_FORMATS else 1,
                                    align=formats.run_align(kfmt, width))
     rope = traffic.run_rope_bound(window=window, entries=gathered - window,
                                   window_runs=w_runs, compressed_runs=c_runs)
     t = fused_traffic(rows=rows, heads=heads, gathered_rows=gathered, meta_words=meta,
                       table_words=tables, block=block,
                       q_itemsize=2, row_bytes=formats.row_bytes(kfmt, width),
-                      min_row_bytes=formats.stored_bytes(kfmt), fp8=kfmt in ("fp8", "csa"),
+                      min_row_bytes=formats.stored_bytes(kfmt), fp8=kfmt in formats.FP8_FORMATS,
                       read_rows=rows * single, gather_dmas=rows * dmas, run_rows=rows * runs,
                       run_row_bytes=formats.run_row_bytes(kfmt, width),
-                      run_rope_rows=rows * rope if kfmt in ("fp8", "csa") else 0, **state)
+                      run_rope_rows=rows * rope if kfmt in formats.FP8_FORMATS else 0, **state)
     return aot.Traffic(t.bytes_moved + rows * INFO_WORDS * 4, t.bytes_min, t.flops,
                        t.vmem_bytes, t.dmas)  # + row_info written by XLA
 

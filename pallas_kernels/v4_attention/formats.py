@@ -54,6 +54,7 @@ FP8_STORED_BYTES = v4_cache.STORED_BYTES_PER_TOKEN  # 640 B of HBM per fp8 / CSA
 PLANE_ROWS = tokamax_v4.ROWS_PER_TOKEN  # 2 rows of 128 words per PlaneCache token
 PLANE_ROW_BYTES = PLANE_ROWS * tokamax_v4.SLAB_ROWS * LANES  # one DMA per token: 1024 B, all stored
 FORMATS = ("packed", "plain", "fp8", "csa", "plane")
+FP8_FORMATS = ("fp8", "csa")  # the MODEL1 byte layouts: a record and a shared rope row
 QUARTERS = v4_cache.ROPE_TOKENS_PER_ROW  # 4 tokens' rope in one fp8 / CSA rope row
 _HIGH = -65536  # 0xFFFF0000 as an i32: a word's high bf16 half
 
@@ -161,13 +162,13 @@ def run_row_bytes(fmt: str, width: int = WORDS) -> int:
     """HBM bytes per token of a page run but its rope rows: fp8 / CSA its 512 B record (the
     run's rope rows, 4 tokens each, counted apart: ``traffic.run_rope_rows``), else
     ``row_bytes``."""
-    return 4 * LANES if fmt in ("fp8", "csa") else row_bytes(fmt, width)
+    return 4 * LANES if fmt in FP8_FORMATS else row_bytes(fmt, width)
 
 
 def stored_bytes(fmt: str) -> int:
     """The minimum HBM bytes of one token: 640 B stored per fp8 / CSA token, else its 512
     bf16 features (1024 B)."""
-    return FP8_STORED_BYTES if fmt in ("fp8", "csa") else 2 * v4.HEAD_DIM
+    return FP8_STORED_BYTES if fmt in FP8_FORMATS else 2 * v4.HEAD_DIM
 
 
 def gather_row_vmem(fp8: bool, row_bytes: int, runs: bool = False) -> int:
@@ -185,7 +186,7 @@ def buffers(fmt: str, block: int, w_parts, runs: bool = False) -> list:
     """The two gather buffers of ``block`` rows (a leading 2) of each part; fp8 / CSA page
     runs (``runs``) add the runs' rope rows (``block / 4``, a leading 2) and one ``[block,
     128]`` buffer they are expanded into, one row per token."""
-    if fmt in ("fp8", "csa"):
+    if fmt in FP8_FORMATS:
         dt = w_parts[0].dtype
         run_bufs = [pltpu.VMEM((2, block // QUARTERS, LANES), w_parts[1].dtype),
                     pltpu.VMEM((block, LANES), w_parts[1].dtype)] if runs else []
@@ -216,7 +217,7 @@ def issue(fmt: str, src, bufs, sems, layer, pid, off, b, n, rows: int = 1):
               PLANE_ROWS).start()
         return
     _copy(src[0], bufs[0], sems, 0, layer, pid, off, b, n).start()
-    if fmt in ("fp8", "csa"):
+    if fmt in FP8_FORMATS:
         quarters = v4_cache.ROPE_TOKENS_PER_ROW
         _copy(src[1], bufs[1], sems, 1, layer, pid, off // quarters, b, n).start()
         bufs[2][b, pl.ds(n, 1), :] = jnp.full((1, LANES), off % quarters, jnp.int32)
@@ -227,7 +228,7 @@ def run_align(fmt: str, width: int = WORDS) -> int:
     (fp8 / CSA records and rope rows, plane rows); else (packed 256 words, f32 512) 8, the
     sublane tile: Mosaic refuses a VMEM slice of wider rows at an offset or of a size that is
     not a multiple of it, so the run moves its wanted rows widened to whole 8-row tiles."""
-    return 1 if fmt in ("fp8", "csa", "plane") or width == LANES else SUBLANES
+    return 1 if fmt in (*FP8_FORMATS, "plane") or width == LANES else SUBLANES
 
 
 def _run_copies(fmt: str, src, bufs, sems, layer, pid, off, b, n, lo, hi):
@@ -245,7 +246,7 @@ def _run_copies(fmt: str, src, bufs, sems, layer, pid, off, b, n, lo, hi):
         return [_copy(src[0], bufs[0], sems, 0, layer, pid, PLANE_ROWS * (off + lo), b,
                       PLANE_ROWS * (n + lo), PLANE_ROWS * (hi - lo))]
     copies = [_copy(src[0], bufs[0], sems, 0, layer, pid, off + lo, b, n + lo, hi - lo)]
-    if fmt in ("fp8", "csa"):
+    if fmt in FP8_FORMATS:
         r0 = lo // QUARTERS
         copies.append(_copy(src[1], bufs[3], sems, 1, layer, pid, off // QUARTERS + r0, b,
                             n // QUARTERS + r0, (hi - 1) // QUARTERS - r0 + 1))
@@ -398,7 +399,7 @@ def operands(fmt: str, bufs, b, live, cdt, run_rows=0):
     """Gathered block ``b`` -> ``[(first q feature, operand cdt[block, width])]`` covering the
     512 features, unwanted rows (``live`` false) selected to zero (a select: NaN cannot leak);
     ``run_rows``: the block's rows read by page runs (fp8 / CSA: their rope rows expand)."""
-    if fmt in ("fp8", "csa"):
+    if fmt in FP8_FORMATS:
         rope, quarter = _run_rope(bufs, b, run_rows)
         x = _decode_fp8(bufs[0][b], rope, quarter, csa=fmt == "csa")
         chunks = [(0, x)]

@@ -255,7 +255,7 @@ def _kernel(info_ref, wtab_ref, ctab_ref, layer_ref, q_ref, sink_ref, ent_hbm, *
     next row's first block (and loads that row's list), so the DMA round trip is hidden across
     blocks and rows alike (grid steps run in order: ``dimension_semantics`` arbitrary)."""
     runs_on = walk_statics["window_runs"] or walk_statics["compressed_runs"]
-    nparts, nbufs = (2, 3 + 2 * runs_on) if fmt in ("fp8", "csa") else (1, 1)
+    nparts, nbufs = (2, 3 + 2 * runs_on) if fmt in formats.FP8_FORMATS else (1, 1)
     n_state = 3 if state_in else 0
     state_refs, refs = refs[:n_state], refs[n_state:]
     w_src, c_src = refs[:nparts], refs[nparts:2 * nparts]
@@ -423,13 +423,13 @@ def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn
         dmas_per_read=len(w_parts), align=formats.run_align(fmt, w_parts[0].shape[-1]))
     rope_rows = traffic.run_rope_bound(
         window=window_size, entries=gathered_rows - window_size, window_runs=window_runs,
-        compressed_runs=compressed_runs) if fmt in ("fp8", "csa") else 0
+        compressed_runs=compressed_runs) if fmt in formats.FP8_FORMATS else 0
     t = fused_traffic(rows=num_rows, heads=heads, gathered_rows=gathered_rows,
                       meta_words=k if listed else 0,
                       table_words=w_table.shape[0] + c_table.shape[0], block=block,
                       q_itemsize=q.dtype.itemsize,
                       row_bytes=formats.row_bytes(fmt, w_parts[0].shape[-1]),
-                      min_row_bytes=formats.stored_bytes(fmt), fp8=fmt in ("fp8", "csa"),
+                      min_row_bytes=formats.stored_bytes(fmt), fp8=fmt in formats.FP8_FORMATS,
                       acc_in_itemsize=0 if state is None else state[0].dtype.itemsize,
                       acc_out_itemsize=acc_dtype.itemsize if return_state else 0,
                       written_rows=0 if new_rows is None else

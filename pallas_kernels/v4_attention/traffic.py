@@ -18,13 +18,17 @@ import numpy as np
 
 from pallas_kernels import aot
 from pallas_kernels.tpu import SUBLANES
-from pallas_kernels.v4_attention.formats import LANES, QUARTERS, gather_row_vmem
+from pallas_kernels.v4_attention.formats import (  # noqa: F401 (FP8_FORMATS: old name)
+    FP8_FORMATS,
+    LANES,
+    QUARTERS,
+    gather_row_vmem,
+)
 from pallas_kernels.v4_attention.writes import WRITE_BYTES
 from reference import v4_attention as v4
 
 INFO_WORDS = 6  # row_info words per query row (kernel.row_info): SMEM
 MAX_SLOTS = 32  # segment slots per gathered block at most (the masks unroll over them)
-FP8_FORMATS = ("fp8", "csa")  # two parts: a run's rope rows (seg / 4) are a tiled slice too
 
 
 def segment_plan(fmt: str, block: int, w_page: int, c_page: int, listed: bool
