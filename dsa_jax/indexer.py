@@ -13,6 +13,7 @@ import numpy as np
 from dsa_jax import backend as _backend
 from dsa_jax import batch as _batch
 from dsa_jax import dispatch as _dispatch
+from reference.formats import fp8_index_pages as fip
 from reference.indexer.selection import DEFAULT_RECALL_TARGET
 
 
@@ -34,8 +35,11 @@ def indexer_topk(q, weights, cache_kv, seq_lens=None, page_indices=None, cu_q_le
     Args:
       q: ``f32|bf16[T, H, D]`` index queries (D = 128 for DeepSeek).
       weights: ``f32|bf16[T, H]`` per-head weights.
-      cache_kv: ``f32|bf16[num_pages, page_size, D]`` index keys, an ``Fp8IndexCache``, or
-        either stacked with a leading ``L`` (read in place at ``layer``).
+      cache_kv: ``f32|bf16[num_pages, page_size, D]`` index keys, an ``Fp8IndexCache``, fp8
+        index pages ``u8[num_pages, G, 4, 128]`` (``reference.formats.fp8_index_pages``: the
+        ``Fp8IndexCache``'s codes and scales in one array, one DMA per page; an
+        ``IndexPages`` or the bare bytes; the same results bit for bit), or any of them
+        stacked with a leading ``L`` (read in place at ``layer``).
       seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution: the batch,
         ``i32[S]``, ``i32[N]``, ``i32[S+1]``, ``i32[S+1]``, ``i32[3]``
         (``reference.core.batch``), or ``batch=`` instead.
@@ -72,6 +76,7 @@ def indexer_topk(q, weights, cache_kv, seq_lens=None, page_indices=None, cu_q_le
       ``S = 0``) is served (``dsa_jax.dispatch.empty_batch``). Details:
       ``reference.streamindex_topk_ref``.
     """
+    cache_kv = _index_pages(cache_kv)
     meta, pages_per_seq = _batch.op_batch(
         "indexer_topk", batch, (seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution),
         names=_NAMES, cache=cache_kv, pages_per_seq=pages_per_seq, layout=layout,
@@ -114,6 +119,7 @@ def page_topk(q, weights, cache_kv, seq_lens=None, page_indices=None, cu_q_lens=
       ``i32[T, k_pages]``; rows outside every sequence all ``-1``; an empty batch is served.
       Details: ``reference.streamindex_page_topk_ref``.
     """
+    cache_kv = _index_pages(cache_kv)
     meta, pages_per_seq = _batch.op_batch(
         "page_topk", batch, (seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution),
         names=_NAMES, cache=cache_kv, pages_per_seq=pages_per_seq, layout=layout,
@@ -127,6 +133,12 @@ def page_topk(q, weights, cache_kv, seq_lens=None, page_indices=None, cu_q_lens=
     return _run("page_topk", (q, weights, cache_kv, *meta), statics, validate,
                 pages_per_seq=pages_per_seq, layer=layer, backend=backend,
                 implementation=implementation, kernel_options=kernel_options, config=config)
+
+
+def _index_pages(cache_kv):
+    """fp8 index pages ``u8[..., P, G, 4, 128]`` as an ``IndexPages`` (their logical keys
+    shape, checked: ``reference.formats.fp8_index_pages``); any other cache as given."""
+    return fip.as_index_pages(cache_kv) if fip.is_index_pages(cache_kv) else cache_kv
 
 
 _NAMES = ("seq_lens", "page_indices", "cu_q_lens", "cu_kv_lens", "distribution")

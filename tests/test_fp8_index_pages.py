@@ -296,3 +296,37 @@ def test_compiles_on_every_chip_without_a_cache_copy():
         assert not producers, (chip, producers[:3])
         assert "tpu_custom_call" in text and any(cache_sized.search(ln)
                                                  for ln in text.splitlines()), chip
+
+
+# ------------------------------------------------------------------------------- the public ops
+
+def test_public_ops_take_the_pages_on_both_implementations():
+    """``dsa_jax.indexer_topk`` / ``page_topk`` take the pages (bare bytes, stacked at layer 1;
+    and an ``IndexPages``): the jnp path and the Pallas path (strict interpreter: the token
+    top-k reads the pages as stored) return the ``Fp8IndexCache`` call's results exactly; with
+    ``validate=True`` too (jnp path); a layer outside the stack and a non-page byte array are
+    refused naming the numbers."""
+    import dsa_jax
+
+    qw, cache, pages, meta = make_case(np.random.default_rng(), q_lens=[5, 1, 3],
+                                       seq_lens=[40, 93, 22])
+    stack = jnp.stack([jnp.full_like(pages, NAN), pages])  # layer 0 all NaN: never read
+    kw = dict(k=8, pages_per_seq=PPS, exact=True)
+    for impl in ("xla", "pallas"):
+        want = np.asarray(dsa_jax.indexer_topk(*qw, cache, *meta, **kw, implementation=impl))
+        got = dsa_jax.indexer_topk(*qw, stack, *meta, **kw, implementation=impl, layer=1)
+        np.testing.assert_array_equal(np.asarray(got), want)
+        assert (want[:-1, 0] >= 0).all() and (want[-1] == -1).all()
+        if impl == "xla":  # validate: the batch rules under checkify, the same call
+            got = dsa_jax.indexer_topk(*qw, fip.IndexPages(pages), *meta, **kw,
+                                       implementation=impl, validate=True)
+            np.testing.assert_array_equal(np.asarray(got), want)
+    # page top-k: the references read the pages as their Fp8IndexCache (the Pallas page entry
+    # too, after the same bit move: not run again here)
+    pkw = dict(k_pages=2, pages_per_seq=PPS, exact=True, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(dsa_jax.page_topk(*qw, pages, *meta, **pkw)),
+                                  np.asarray(dsa_jax.page_topk(*qw, cache, *meta, **pkw)))
+    with pytest.raises(ValueError, match=r"layer=2 is outside \[0, 2\)"):
+        dsa_jax.indexer_topk(*qw, stack, *meta, **kw, layer=2)
+    with pytest.raises(ValueError, match="lanes per group"):
+        dsa_jax.indexer_topk(*qw, pages[..., :64], *meta, **kw)

@@ -19,11 +19,8 @@ multiplies by its scale rows: same operands, same order, so the same f32 scores 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from reference.formats import fp8_cache
@@ -34,34 +31,14 @@ PAGES_FORMAT = "fp8_index_pages"
 _BYTE_BITS = 8
 
 
-@dataclass(frozen=True)
-class PagesCache:
-    """fp8 index pages ``u8[..., P, G, 4, 128]`` (module docstring) seen by the indexer glue as
-    keys of logical shape ``(..., P, ps, 128)``. A pytree."""
-
-    pages: jax.Array
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The logical ``(..., num_pages, page_size, 128)`` of the keys it holds."""
-        *lead, groups, _, _ = np.shape(self.pages)
-        return (*lead, fip.page_size_of(groups), fip.KEY_DIM)
-
-    @property
-    def page_size(self) -> int:
-        """Tokens (entries) per page."""
-        return self.shape[-2]
-
-
-jax.tree_util.register_dataclass(PagesCache, data_fields=["pages"], meta_fields=[])
+PagesCache = fip.IndexPages  # the pages seen as keys (..., P, ps, 128): declared in reference
 
 
 def wrap(cache) -> PagesCache:
     """``u8[P, G, 4, 128]`` (or stacked ``[L, P, G, 4, 128]``) pages as a ``PagesCache``
     (checked by ``reference.formats.fp8_index_pages.check_index_pages``: ValueError/TypeError
-    naming it)."""
-    fip.check_index_pages("cache_kv", cache)
-    return PagesCache(jnp.asarray(cache))
+    naming it); a ``PagesCache`` is returned as is."""
+    return fip.as_index_pages(cache, "cache_kv")
 
 
 def stand_in(cache: PagesCache) -> fp8_cache.Fp8IndexCache:

@@ -17,7 +17,7 @@ import jax
 
 from pallas_kernels.indexer.blocks import IndexerBlocks, check_kernel_knobs, entry_blocks
 from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, select_rows
-from reference.formats import stacked
+from reference.formats import fp8_index_pages, stacked
 from reference.indexer import selection
 from reference.indexer.args import (
     check_index_precision,
@@ -61,6 +61,8 @@ def streamindex_page_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array,
 
     Returns: what ``reference.streamindex_page_topk_ref`` returns (``i32[T, k_pages]``).
     """
+    # fp8 index pages: their Fp8IndexCache (an XLA bit move; the token top-k reads them as stored)
+    cache_kv = fp8_index_pages.as_keys(cache_kv)
     one_layer = stacked.resolve("cache_kv", cache_kv, layer).one
     check_topk_args((q, weights, one_layer, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                      distribution), k=k_pages, k_name="k_pages", pages_per_seq=pages_per_seq,

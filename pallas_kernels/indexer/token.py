@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.indexer import records
+from pallas_kernels.indexer import fp8_pages, fp8_pages_topk, records
 from pallas_kernels.indexer.blocks import IndexerBlocks, check_kernel_knobs, entry_blocks
 from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, score_and_select, select_rows
 from reference.core import batch
@@ -96,6 +96,18 @@ def streamindex_topk(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, seq_
       i32[T, k]: sequence-local token offsets (entry numbers when ``compression_ratio > 1``) by
       descending score, ``-1`` padding in the tail; rows outside every sequence all ``-1``.
     """
+    if isinstance(cache_kv, fp8_pages.PagesCache):  # read as stored: fp8_pages_topk
+        stand_in = fp8_pages.stand_in(stacked.resolve("cache_kv", cache_kv, layer).one)
+        check_index_quant(index_quant, int(q.shape[2]), stand_in)
+        check_index_precision(precision, index_quant, stand_in)
+        return fp8_pages_topk.streamindex_topk_fp8_pages(
+            q, weights, cache_kv, seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution,
+            k=k, pages_per_seq=pages_per_seq, one_token_per_seq=one_token_per_seq,
+            num_segments=num_segments, fill=fill, refuse_full_overwrite=refuse_full_overwrite,
+            recall_target=recall_target, exact=exact, block_rows=block_rows,
+            block_pages=block_pages, blocks=blocks, chip=chip,
+            score_chunk_bytes=score_chunk_bytes, vmem_limit_bytes=vmem_limit_bytes,
+            interpret=interpret, compression_ratio=compression_ratio, layer=layer)
     one_layer = stacked.resolve("cache_kv", cache_kv, layer).one
     check_topk_args((q, weights, one_layer, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                      distribution), k=k, k_name="k", pages_per_seq=pages_per_seq,

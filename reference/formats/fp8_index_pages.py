@@ -31,6 +31,8 @@ ue8m0 scales would save nothing here (the scale row is 512 B either way) and cou
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,6 +101,49 @@ def check_index_pages(name: str, pages) -> int:
     return ps
 
 
+@dataclass(frozen=True)
+class IndexPages:
+    """fp8 index pages ``u8[..., P, G, 4, 128]`` (module docstring) seen by the indexer ops as
+    keys of logical shape ``(..., P, ps, 128)`` (what their shape checks, batch and layer rules
+    read). A pytree; ``pallas_kernels.indexer.fp8_pages.PagesCache`` is this class."""
+
+    pages: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical ``(..., num_pages, page_size, 128)`` of the keys it holds."""
+        *lead, groups, _, _ = np.shape(self.pages)
+        return (*lead, page_size_of(groups), KEY_DIM)
+
+    @property
+    def page_size(self) -> int:
+        """Tokens (entries) per page."""
+        return self.shape[-2]
+
+
+jax.tree_util.register_dataclass(IndexPages, data_fields=["pages"], meta_fields=[])
+
+
+def is_index_pages(cache) -> bool:
+    """Whether ``cache`` is meant as fp8 index pages: an ``IndexPages``, or a uint8 array of
+    rank >= 4 (no other index cache of the indexer ops is bytes; checked in full by
+    ``as_index_pages``)."""
+    if isinstance(cache, IndexPages):
+        return True
+    shape = getattr(cache, "shape", None)
+    return (shape is not None and hasattr(cache, "dtype") and len(shape) >= 4
+            and np.dtype(cache.dtype) == _U8)
+
+
+def as_index_pages(cache, name: str = "cache_kv") -> IndexPages:
+    """``cache`` (pages ``u8[..., P, G, 4, 128]`` or an ``IndexPages``) as an ``IndexPages``,
+    checked by ``check_index_pages`` (ValueError / TypeError naming ``name``)."""
+    if isinstance(cache, IndexPages):
+        return cache
+    check_index_pages(name, cache)
+    return IndexPages(jnp.asarray(cache))
+
+
 # ---------------------------------------------------------------------------------------------
 # Bit moves.
 
@@ -152,11 +197,20 @@ def from_index_cache(cache: fp8_cache.Fp8IndexCache) -> jax.Array:
 
 
 def to_index_cache(pages) -> fp8_cache.Fp8IndexCache:
-    """The pages as an ``Fp8IndexCache`` (bit move; scale lanes past ``ps`` zero)."""
+    """The pages (``u8[..., P, G, 4, 128]`` or an ``IndexPages``) as an ``Fp8IndexCache`` (bit
+    move; scale lanes past ``ps`` zero)."""
+    if isinstance(pages, IndexPages):
+        pages = pages.pages
     k8, s = split_index_pages(pages)
     ps = k8.shape[-2]
     pad = fp8_cache.scale_lanes(ps) - ps
     return fp8_cache.Fp8IndexCache(k8, jnp.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, pad)]))
+
+
+def as_keys(cache):
+    """What the indexer references score: an ``IndexPages`` as its ``Fp8IndexCache``
+    (``to_index_cache``, a bit move), anything else as given."""
+    return to_index_cache(cache) if isinstance(cache, IndexPages) else cache
 
 
 # ---------------------------------------------------------------------------------------------

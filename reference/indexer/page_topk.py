@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from reference.formats import stacked
+from reference.formats import fp8_index_pages, stacked
 from reference.indexer import scores as index_scores
 from reference.indexer import selection
 from reference.indexer.args import (
@@ -68,6 +68,7 @@ def streamindex_page_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Ar
       i32[T, k_pages]: sequence-local page numbers by descending page score, ``-1`` padding;
       rows outside every sequence all ``-1``.
     """
+    cache_kv = fp8_index_pages.as_keys(cache_kv)  # fp8 index pages: their Fp8IndexCache
     one_layer = stacked.resolve("cache_kv", cache_kv, layer).one
     check_topk_args((q, weights, one_layer, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                      distribution), k=k_pages, k_name="k_pages", pages_per_seq=pages_per_seq,

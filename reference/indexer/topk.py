@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from reference.formats import stacked
+from reference.formats import fp8_index_pages, stacked
 from reference.indexer import scores as index_scores
 from reference.indexer import selection
 from reference.indexer.args import (
@@ -86,6 +86,7 @@ def streamindex_topk_ref(q: jax.Array, weights: jax.Array, cache_kv: jax.Array, 
       i32[T, k]: sequence-local token offsets (entry numbers when ``compression_ratio > 1``) by
       descending score, ``-1`` padding in the tail; rows outside every sequence are all ``-1``.
     """
+    cache_kv = fp8_index_pages.as_keys(cache_kv)  # fp8 index pages: their Fp8IndexCache
     one_layer = stacked.resolve("cache_kv", cache_kv, layer).one
     check_topk_args((q, weights, one_layer, seq_lens, page_indices, cu_q_lens, cu_kv_lens,
                      distribution), k=k, k_name="k", pages_per_seq=pages_per_seq,
