@@ -2,32 +2,35 @@
 KV source, index source and candidate use, validated once.
 
 Where it comes from (read, restated, not copied): the official ``inference/model.py`` of the
-``deepseek-ai/DeepSeek-V4.1-Flash`` release (vendored in public repositories; its ``Indexer.forward``
-around l.527-580 and ``Attention._compress_kv`` around l.739-763) keeps one mutable runtime
-(``shared_attn``) that KV-source layers publish their compressed pool and index keys to, that
-index-source layers publish their top-k to, and that the candidate source publishes its candidate
-blocks to; every other layer reads whatever was published last. sglang's dsv41 code
+``deepseek-ai/DeepSeek-V4.1-Flash`` release (vendored in public repositories; its
+``Indexer.forward`` around l.527-580 and ``Attention._compress_kv`` around l.739-763) keeps one
+mutable runtime (``shared_attn``) that KV-source layers publish their compressed pool and index
+keys to, that index-source layers publish their top-k to, and that the candidate source publishes
+its candidate blocks to; every other layer reads whatever was published last. sglang's dsv41 code
 (``layers/attention/dsv4/dsv41_*``, ``v41_indexer/``, ``candidate_blocks.py``) resolves the same
 roles from the config lists. The facts this map states:
 
-- ``compress_ratios`` has one entry per backbone layer then one per MTP layer; ratios are 0 (sliding
-  window only), 1 or 2; MTP entries are 0.
-- **Modes** of a backbone layer ``L`` with ratio ``r``: ``SWA`` if ``r == 0``; ``FULL`` if ``L`` is
-  a KV source (it compresses, publishes a pool and index keys, and runs its own indexer: query,
-  ``weights_proj``, top-k); ``REINDEX`` if ``L`` is an index source but not a KV source (its own
-  query and weights over the published keys); ``REUSE`` otherwise (the last published top-k).
-- **Sources by publication order**: ``L``'s KV source is the last KV source at or before ``L``, its
-  index source the last index source at or before ``L``. The released config also satisfies "the
-  last source *of the same ratio*"; a config where the two readings differ is refused, so either
-  reading is this map.
-- **Candidates**: the candidate source (a KV source, hence ``FULL``) keeps its own top-k unrestricted
-  and publishes per-row candidate blocks; every index source after it (``Indexer.uses_candidates``:
-  ``candidate_source_layer_id < layer_id``) restricts its top-k to them; ``REUSE`` layers copy the
-  top-k they reuse. The blocks index the candidate source's pool, so a consumer must read that
-  pool (same ratio, same KV source). Where fewer than ``index_topk`` candidate entries are finite
-  the official code attends masked entries and sglang returns -1; ``candidate_topk_blocks *
-  candidate_block_size - (candidate_block_size - 1) >= index_topk`` (the newest block may hold a
-  single visible entry) makes them agree, and is required.
+- ``compress_ratios`` has one entry per backbone layer then one per MTP layer; ratios are 0
+  (sliding window only), 1 or 2; MTP entries are 0.
+- **Modes** of a backbone layer ``L`` with ratio ``r``: ``SWA`` if ``r == 0``; ``FULL`` if ``L``
+  is a KV source (it compresses, publishes a pool and index keys, and runs its own indexer:
+  query, ``weights_proj``, top-k); ``REINDEX`` if ``L`` is an index source but not a KV source
+  (its own query and weights over the published keys); ``REUSE`` otherwise (the last published
+  top-k).
+- **Sources by publication order**: ``L``'s KV source is the last KV source at or before ``L``,
+  its index source the last index source at or before ``L``. The released config also satisfies
+  "the last source *of the same ratio*"; a config where the two readings differ is refused, so
+  either reading is this map. (Since every KV source is an index source, a disagreement on the
+  index source implies one on the KV source; both are checked.)
+- **Candidates**: the candidate source (a KV source, hence ``FULL``) keeps its own top-k
+  unrestricted and publishes per-row candidate blocks; every index source after it
+  (``Indexer.uses_candidates``: ``candidate_source_layer_id < layer_id``) restricts its top-k to
+  them; ``REUSE`` layers copy the top-k they reuse. The blocks index the candidate source's
+  pool, so a consumer must read that pool (same ratio, same KV source). Where fewer than
+  ``index_topk`` candidate entries are finite the official code attends masked entries and
+  sglang returns -1; ``candidate_topk_blocks * candidate_block_size - (candidate_block_size - 1)
+  >= index_topk`` (the newest block may hold a single visible entry) makes them agree, and is
+  required.
 
 Every refusal is a ``ValueError`` naming the layer and the numbers. ``V41Config`` validates on
 construction (it calls ``resolve_layers``), so an invalid config never exists.
@@ -45,7 +48,7 @@ __all__ = ["CandidateUse", "LayerPlan", "Mode", "V41Config", "resolve_layers", "
 RATIOS = (0, 1, 2)
 
 
-class Mode(str, enum.Enum):
+class Mode(enum.StrEnum):
     """How a layer gets its compressed entries (module docstring)."""
     SWA = "swa"
     FULL = "full"
@@ -53,7 +56,7 @@ class Mode(str, enum.Enum):
     REUSE = "reuse"
 
 
-class CandidateUse(str, enum.Enum):
+class CandidateUse(enum.StrEnum):
     """A layer's part in the candidate-block restriction."""
     NONE = "none"
     PRODUCES = "produces"

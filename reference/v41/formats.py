@@ -30,8 +30,8 @@ an f32 quotient never lands across an e2m1 or e4m3 midpoint that the exact quoti
 
 Byte layouts (one token row; little-endian; ``D`` the row width):
 
-- window: ``D`` e4m3 bytes (feature ``i`` at byte ``i``), then ``D / 32`` ue8m0 bytes (block ``j`` at
-  ``D + j``; value ``2**(byte - 127)``, 0xFF NaN): **528 B** for ``D = 512``.
+- window: ``D`` e4m3 bytes (feature ``i`` at byte ``i``), then ``D / 32`` ue8m0 bytes (block
+  ``j`` at ``D + j``; value ``2**(byte - 127)``, 0xFF NaN): **528 B** for ``D = 512``.
 - compressed: ``D / 2`` nibble bytes (byte ``i``: feature ``2i`` in the low nibble, ``2i + 1`` in
   the high one, as ``torch.float4_e2m1fn_x2`` and the official ``fp4_gemm`` pack), then ``D / 16``
   e4m3 scale bytes: **288 B** for ``D = 512``.
