@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from reference.v41 import (
+    Mode,
     compressed_kv_bytes,
     decode_compressed_kv,
     decode_index_fp4,
@@ -17,6 +18,8 @@ from reference.v41 import (
     encode_index_fp4,
     encode_window_kv,
     index_fp4_bytes,
+    resolve_layers,
+    v41_flash,
     window_kv_bytes,
 )
 
@@ -93,6 +96,15 @@ def _round_trip(name, x):
 def test_bytes_per_token():
     assert (window_kv_bytes(), compressed_kv_bytes(), index_fp4_bytes()) == (528, 288, 68)
     assert (window_kv_bytes(64), compressed_kv_bytes(64), index_fp4_bytes(32)) == (66, 36, 17)
+
+
+def test_compressed_footprint_per_context_token_of_v41_flash():
+    """Each KV source stores one compressed kv row and one index key per entry, an entry per
+    ``ratio`` tokens: 3 ratio-2 pools and 1 ratio-1 pool give 890 B per context token."""
+    entry = compressed_kv_bytes() + index_fp4_bytes()
+    pools = [p.ratio for p in resolve_layers(v41_flash()) if p.mode is Mode.FULL]
+    assert entry == 356 and pools == [2, 2, 2, 1]
+    assert sum(entry / r for r in pools) == 890
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))

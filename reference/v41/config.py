@@ -46,6 +46,8 @@ __all__ = ["CandidateUse", "LayerPlan", "Mode", "V41Config", "resolve_layers", "
            "v41_tiny"]
 
 RATIOS = (0, 1, 2)
+HEAD_DIM = 512  # V4.1-Flash's kv row (window and compressed), RoPE tail included
+INDEX_HEAD_DIM = 128  # V4.1-Flash's index head (query heads and keys)
 
 
 class Mode(enum.StrEnum):
@@ -98,11 +100,11 @@ class V41Config:
     candidate_topk_blocks: int
     candidate_block_size: int
     n_heads: int = 64
-    head_dim: int = 512
+    head_dim: int = HEAD_DIM
     rope_head_dim: int = 64
     window_size: int = 128
     index_n_heads: int = 32
-    index_head_dim: int = 128
+    index_head_dim: int = INDEX_HEAD_DIM
     index_topk: int = 512
     rms_norm_eps: float = 1e-20
     rope_theta: float = 10000.0

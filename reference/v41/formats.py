@@ -1,10 +1,10 @@
 """DeepSeek-V4.1's cache quantizers as stored formats: encode rows to bytes, decode bytes to f32.
 
 The rules are the official ``inference/kernel.py`` of the DeepSeek-V4.1-Flash release (TileLang
-``act_quant_kernel`` and ``fp4_quant_kernel``; read through its public vendored copies, restated
-here), called from ``inference/model.py`` with ``inplace=True`` (quantize, dequantize, write the
-bf16 value back). Everything is f32; ``/`` is an IEEE f32 division (``reference.quant.fp8._divide``
-keeps XLA from turning it into a multiply by the reciprocal).
+``act_quant_kernel`` and ``fp4_quant_kernel``; read through public restatements that cite its
+lines, restated here), called from ``inference/model.py`` with ``inplace=True`` (quantize,
+dequantize, write the bf16 value back). Everything is f32; ``/`` is an IEEE f32 division
+(``reference.quant.fp8._divide`` keeps XLA from turning it into a multiply by the reciprocal).
 
 - **Window KV**, fp8 e4m3 with ue8m0 scales per 32 over all ``D = 512`` dims (the RoPE tail
   included): per block ``amax = max(max |x|, 1e-4)``, ``s = 2**ceil(log2(amax * f32(1/448)))``
@@ -56,6 +56,7 @@ from jax import lax
 from reference.core import checks as _checks
 from reference.formats import model1
 from reference.quant import fp8, qat
+from reference.v41.config import HEAD_DIM, INDEX_HEAD_DIM
 
 __all__ = [
     "COMPRESSED_BLOCK", "E2M1_GRID", "INDEX_BLOCK", "WINDOW_BLOCK", "compressed_kv_bytes",
@@ -72,17 +73,17 @@ E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code 0..7; bit 3 is the 
 _U8 = jnp.dtype(jnp.uint8)
 
 
-def window_kv_bytes(dim: int = 512) -> int:
+def window_kv_bytes(dim: int = HEAD_DIM) -> int:
     """Bytes per token of the window kv: ``dim`` e4m3 codes + ``dim / 32`` ue8m0 scales."""
     return dim + dim // WINDOW_BLOCK
 
 
-def compressed_kv_bytes(dim: int = 512) -> int:
+def compressed_kv_bytes(dim: int = HEAD_DIM) -> int:
     """Bytes per token of the compressed kv: ``dim / 2`` nibble bytes + ``dim / 16`` e4m3 scales."""
     return dim // 2 + dim // COMPRESSED_BLOCK
 
 
-def index_fp4_bytes(dim: int = 128) -> int:
+def index_fp4_bytes(dim: int = INDEX_HEAD_DIM) -> int:
     """Bytes per index head row: ``dim / 2`` nibble bytes + ``dim / 32`` ue8m0 scales."""
     return dim // 2 + dim // INDEX_BLOCK
 
