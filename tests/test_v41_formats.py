@@ -129,6 +129,36 @@ def test_random_rows_match_the_float64_oracle(name):
         _same(_round_trip(name, got.astype(np.float32))[1], got)
 
 
+def _bytes_oracle(name, x):
+    """The stored bytes from NumPy alone: scales from the float64 definitions, e2m1 / e4m3 codes
+    from ``ml_dtypes``' round-to-nearest-even casts, fp4 packed low nibble first."""
+    b = _blocks(x, 16 if name == "compressed" else 32)
+    amax = np.abs(b).max(-1, keepdims=True)
+    if name == "window":
+        s = 2.0 ** np.ceil(np.log2(np.maximum(amax, np.float32(1e-4)) / 448))
+        codes = (b / s).astype(np.float32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        s_bytes = (np.log2(s[..., 0]) + 127).astype(np.uint8)
+        return np.concatenate([codes.reshape(np.shape(x)), s_bytes], axis=-1)
+    if name == "compressed":
+        s = _e4m3(np.minimum(np.maximum(amax, 6 * 2.0 ** -9) / 6, 448))
+        s_bytes = s[..., 0].astype(np.float32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    else:
+        s = 2.0 ** np.ceil(np.log2(np.maximum(amax, 6 * 2.0 ** -126) / 6))
+        s_bytes = (np.log2(s[..., 0]) + 127).astype(np.uint8)
+    y = np.clip(b / s, -6, 6).astype(np.float32).reshape(np.shape(x))
+    nib = y.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
+    return np.concatenate([nib[..., 0::2] | (nib[..., 1::2] << 4), s_bytes], axis=-1)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_bytes_match_a_numpy_byte_oracle(name):
+    rng = np.random.default_rng(7)
+    dim = FORMATS[name][3]
+    x = rng.standard_normal((4, dim)) * 2.0 ** rng.integers(-20, 20, (4, dim // 16)).repeat(16, -1)
+    x = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(FORMATS[name][0](x)), _bytes_oracle(name, x))
+
+
 MIDPOINTS = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
 TIES_TO_EVEN = [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
 
