@@ -7,6 +7,7 @@ One folder per op family, imports flowing one way (tests/test_lint.py checks it)
   neither imports the other;
 - ``indexer`` (top-k, page top-k, scores, selection, index share), ``mla`` (sparse MLA, page
   sparse MLA, the gather, sinks), ``v4_compressor``;
+- ``v41`` (DeepSeek-V4.1: the per-layer resolution map and its fp8 / fp4 cache formats);
 - ``formats`` (how caches are stored: packed bf16, fp8, MODEL1, stacked layers);
 - ``quant`` (fp8 scale rules, the V4 QAT simulations);
 - ``core`` (the ragged batch layout, argument checks, synthetic batches), and beside it

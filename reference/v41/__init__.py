@@ -1,0 +1,52 @@
+"""DeepSeek-V4.1 (issue 31), reference side: the per-layer resolution map (``config``: modes, KV
+and index sources, candidate use, validated) and the cache quantizers as stored formats
+(``formats``: window fp8 / ue8m0-32, compressed fp4 / e4m3-16, index fp4 / ue8m0-32). Imports only
+``reference.core``, ``reference.quant`` and ``reference.formats``; ``docs/v41.md`` states both."""
+
+from reference.v41.config import (
+    CandidateUse,
+    LayerPlan,
+    Mode,
+    V41Config,
+    resolve_layers,
+    v41_flash,
+    v41_tiny,
+)
+from reference.v41.formats import (
+    COMPRESSED_BLOCK,
+    E2M1_GRID,
+    INDEX_BLOCK,
+    WINDOW_BLOCK,
+    compressed_kv_bytes,
+    decode_compressed_kv,
+    decode_index_fp4,
+    decode_window_kv,
+    encode_compressed_kv,
+    encode_index_fp4,
+    encode_window_kv,
+    index_fp4_bytes,
+    window_kv_bytes,
+)
+
+__all__ = [
+    "COMPRESSED_BLOCK",
+    "E2M1_GRID",
+    "INDEX_BLOCK",
+    "WINDOW_BLOCK",
+    "CandidateUse",
+    "LayerPlan",
+    "Mode",
+    "V41Config",
+    "compressed_kv_bytes",
+    "decode_compressed_kv",
+    "decode_index_fp4",
+    "decode_window_kv",
+    "encode_compressed_kv",
+    "encode_index_fp4",
+    "encode_window_kv",
+    "index_fp4_bytes",
+    "resolve_layers",
+    "v41_flash",
+    "v41_tiny",
+    "window_kv_bytes",
+]
