@@ -16,11 +16,14 @@ ones only (``formats.issue_run``), widened to whole 8-row tiles for packed rows 
 Mosaic refuses a VMEM slice of them at an unaligned row or size; ``formats.run_align``): at
 most 136 rows for a 128-token window, so 1.014x (Flash CSA), 1.027x (Flash HCA: 8 rows of 200),
 1.009x (Pro CSA); 1.0035x / 1.0017x / 1.0033x before page runs, 1.09x / 1.20x / 1.05x with
-whole segments. fp8 caches (fused only): a CSA entry's
-2 DMAs move 1024 B against the 640 B stored (1.6x on those bytes), page runs a 512 B record per
-token and the rope rows (4 tokens each) their tokens touch (a 128-token window: at most 33
-rows, <= 644 B per token), so 1.37x (Flash CSA), 1.004x (Flash HCA), 1.40x (Pro CSA) of the
-fp8 minimum, in 2x the packed DMAs. Numbers per chip:
+whole segments. ``run_grain="exact"`` (``exact_run_cases``, each shape on one chip) moves the
+wanted rows only, a segment's whole 8-row tiles as one DMA and its ragged head and tail rows one
+DMA each: 1.00348x / 1.00172x / 1.00332x (the bytes before page runs) in 8 more DMAs per decode
+row (a 128-token window: <= 3 tile DMAs + 8 one-row DMAs, against 3 DMAs). fp8 caches (fused
+only): a CSA entry's 2 DMAs move 1024 B against the 640 B stored (1.6x on those bytes), page
+runs a 512 B record per token and the rope rows (4 tokens each) their tokens touch (a 128-token
+window: at most 33 rows, <= 644 B per token), so 1.37x (Flash CSA), 1.004x (Flash HCA), 1.40x
+(Pro CSA) of the fp8 minimum, in 2x the packed DMAs. Numbers per chip:
 ``python scripts/cost/v4_cost.py`` (BENCHMARKS.md, "DeepSeek-V4 attention (issue 20)").
 The bf16 regime (``precision="bf16"``, issue 27; ``bf16_regime_cases``): the fused
 kernel at the V4-Flash CSA shape on packed caches (1.014x, the packed case's program) and on
