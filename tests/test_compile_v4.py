@@ -16,11 +16,14 @@ ones only (``formats.issue_run``), widened to whole 8-row tiles for packed rows 
 Mosaic refuses a VMEM slice of them at an unaligned row or size; ``formats.run_align``): at
 most 136 rows for a 128-token window, so 1.014x (Flash CSA), 1.027x (Flash HCA: 8 rows of 200),
 1.009x (Pro CSA); 1.0035x / 1.0017x / 1.0033x before page runs, 1.09x / 1.20x / 1.05x with
-whole segments. fp8 caches (fused only): a CSA entry's
-2 DMAs move 1024 B against the 640 B stored (1.6x on those bytes), page runs a 512 B record per
-token and the rope rows (4 tokens each) their tokens touch (a 128-token window: at most 33
-rows, <= 644 B per token), so 1.37x (Flash CSA), 1.004x (Flash HCA), 1.40x (Pro CSA) of the
-fp8 minimum, in 2x the packed DMAs. Numbers per chip:
+whole segments. ``run_grain="exact"`` (``exact_run_cases``, each shape on one chip) moves the
+wanted rows only, a segment's whole 8-row tiles as one DMA and its ragged head and tail rows one
+DMA each: 1.00348x / 1.00172x / 1.00332x (the bytes before page runs) in 8 more DMAs per decode
+row (a 128-token window: <= 3 tile DMAs + 8 one-row DMAs, against 3 DMAs). fp8 caches (fused
+only): a CSA entry's 2 DMAs move 1024 B against the 640 B stored (1.6x on those bytes), page
+runs a 512 B record per token and the rope rows (4 tokens each) their tokens touch (a 128-token
+window: at most 33 rows, <= 644 B per token), so 1.37x (Flash CSA), 1.004x (Flash HCA), 1.40x
+(Pro CSA) of the fp8 minimum, in 2x the packed DMAs. Numbers per chip:
 ``python scripts/cost/v4_cost.py`` (BENCHMARKS.md, "DeepSeek-V4 attention (issue 20)").
 The bf16 regime (``precision="bf16"``, issue 27; ``bf16_regime_cases``): the fused
 kernel at the V4-Flash CSA shape on packed caches (1.014x, the packed case's program) and on
@@ -42,7 +45,9 @@ import pytest
 from pallas_kernels import aot, chips, xla_cost
 from pallas_kernels.v4 import compile_cases as v4cases
 from pallas_kernels.v4.fused import INFO_WORDS
-from pallas_kernels.v4_attention.compile_cases import bf16_regime_cases
+from pallas_kernels.v4_attention import blocks as v4_blocks
+from pallas_kernels.v4_attention import formats, traffic
+from pallas_kernels.v4_attention.compile_cases import bf16_regime_cases, exact_run_cases
 from pallas_kernels.v4_compressor import compile_cases as v4ccases
 from pallas_kernels.v4_compressor import traffic as v4ctraffic
 from reference import v4_compressor as vc
@@ -55,9 +60,16 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 CASES = [(case, chip) for fused, fmt in ((False, "packed"), (True, "packed"), (True, "fp8"))
          for case in v4cases.compile_cases(fused, fmt) for chip in aot.CHIPS]
 CASES += [(case, chip) for case in bf16_regime_cases() for chip in aot.CHIPS]
+# run_grain="exact": each shape on one chip (every chip once; Mosaic's answer on 256-word rows
+# is the same on all three: tests/test_dma_probe.py)
+CASES += list(zip(exact_run_cases(), sorted(aot.CHIPS), strict=True))
 # the model's bytes per decode row over the minimum, per path and shape (module docstring)
 MAX_RATIO = {"v4_attention": {"flash_csa": 1.45, "flash_hca": 2.05, "pro_csa": 1.5},
              "v4_attention_fused": {"flash_csa": 1.014, "flash_hca": 1.027, "pro_csa": 1.009},
+             # run_grain="exact": every wanted row once, 1.00348x / 1.00172x / 1.00332x (the
+             # bytes of one DMA per token, before page runs), in <= 8 more DMAs per decode row
+             "v4_attention_fused_exact": {"flash_csa": 1.00349, "flash_hca": 1.00173,
+                                          "pro_csa": 1.00333},
              "v4_attention_fused_fp8": {"flash_csa": 1.37, "flash_hca": 1.005, "pro_csa": 1.40},
              "v4_attention_fused_packed_precision_bf16": {"flash_csa": 1.014},
              "v4_attention_fused_f32_precision_bf16": {"flash_csa": 1.86}}
@@ -119,6 +131,26 @@ def test_two_pass_dma_descriptors_per_decode_row(chip):
         entries = k if ratio == 4 else context // ratio
         t = case.traffic(chip)
         assert 0 < t.dmas == rows * (v4cases.WINDOW + entries + 2 * (1 + 2 + 1)), name
+
+
+@pytest.mark.parametrize("chip", sorted(aot.CHIPS))
+def test_exact_runs_dma_descriptors_per_decode_row(chip):
+    """The fused kernel's page runs per decode row (model), ``run_grain="tiles"`` vs
+    ``"exact"``: a 128-token window anywhere (pages of 64) is <= 3 DMAs of tiles (<= 136 rows)
+    or <= 3 tile DMAs + 14 one-row DMAs of its 128 rows exactly (the worst window, first row
+    ``1 mod 8``: 3 + 8 = 11); HCA's 64 entries from 0: one DMA either way. So exact takes 8
+    more DMAs per decode row at every shape and moves 8 rows fewer at the worst window."""
+    for tiles, exact in zip(v4cases.compile_cases(True, "packed"), exact_run_cases(),
+                            strict=True):
+        rows = tiles.specs[0].shape[0]
+        block = v4_blocks.block(chip, "packed", tiles.specs[0].shape[1])
+        seg, w_runs, _ = traffic.segment_plan("packed", block, v4cases.PAGE, v4cases.PAGE, True)
+        window = dict(window=v4cases.WINDOW, entries=0, seg=seg, window_runs=w_runs,
+                      compressed_runs=False, align=formats.run_align("packed"))
+        assert traffic.run_bound(**window) == (0, 136, 3)
+        _, w_rows, w_dmas = traffic.run_bound(**window, exact=True)
+        assert w_rows == v4cases.WINDOW and w_dmas == 11 <= 3 + 14
+        assert exact.traffic(chip).dmas - tiles.traffic(chip).dmas == rows * (11 - 3)
 
 
 def test_compressor_model_of_an_unaligned_hca_prefill():

@@ -30,6 +30,9 @@ def _libtpu() -> tuple[int, ...]:
 # 0.12's) accepts it (a dynamic start stays refused: "Only static indices ... packed types").
 _BF16_STATIC_LOAD = _libtpu() >= (0, 0, 50)
 
+_UNALIGNED_OFFSET = "Offsets along tiled dimensions must be aligned to tiles"
+_UNALIGNED_SIZE = "Slice sizes along tiled dimensions must be aligned to tiles"
+
 # form -> (accepted, what the detail holds: "" when accepted, else a piece of Mosaic's message;
 # for the flat runs, whether the program copies the whole cache)
 EXPECTED: dict[str, tuple[bool, object]] = {
@@ -52,6 +55,15 @@ EXPECTED: dict[str, tuple[bool, object]] = {
                                    else (False, "Strided load with non 32-bit data")),
     "strided load bf16 dynamic j": (False, "compile: "),
     "dma to strided vmem": (False, "lower: NotImplementedError: Strided slices of references"),
+    # 256-word rows (packed bf16 V4 rows; the same on libtpu 0.0.42 and 0.0.50): one row at any
+    # dynamic HBM / VMEM row; several only at rows AND sizes provably multiples of 8 (the V4
+    # page runs' "tiles" grain, or "exact": the tile-aligned middle plus single-row DMAs)
+    "wide row": (True, ""),
+    "wide run 8 at a multiple of 8": (True, ""),
+    "wide run 8 at an unaligned row": (False, _UNALIGNED_OFFSET),
+    "wide run 5": (False, _UNALIGNED_SIZE),
+    "wide run dynamic length": (False, _UNALIGNED_SIZE),
+    "wide run dynamic length, multiple of 8": (True, ""),
 }
 
 

@@ -44,10 +44,11 @@ def _batch(seed, page=PAGE, kv_lens=KV_LENS, ratio=128):
                          comp_page_size=page)
 
 
-def _run(b, cast, interpret=True, block=BLOCK):
+def _run(b, cast, interpret=True, block=BLOCK, run_grain="tiles"):
     return kernel.v4_attention_fused(
         jnp.asarray(b.q), *b.args(cast=cast)[1:], sm_scale=SCALE, return_lse=True,
-        block=block, interpret=interpret, **b.kwargs(cast=cast, sink=SINK))
+        block=block, interpret=interpret, run_grain=run_grain,
+        **b.kwargs(cast=cast, sink=SINK))
 
 
 def test_segment_plan_runs_the_contiguous_sources_only():
@@ -118,9 +119,11 @@ def _row_fields(b):
 
 
 # fmt -> (page, block, decode kv_lens): fp8 runs need seg % 32 == 0 (their seg / 4 rope rows)
-# packed32: segments of 32 rows, runs widened to 8-row tiles inside them (formats.run_align)
-COUNT_CASES = {"packed": (PAGE, BLOCK, KV_LENS[:5]), "fp8": (32, 64, [1, 63, 300, 700]),
-               "packed32": (32, 64, [1, 63, 300, 700])}
+# packed32: segments of 32 rows, runs widened to 8-row tiles inside them (formats.run_align);
+# packed32-exact: run_grain="exact", the wanted rows only (ragged ends one row a DMA)
+EXACT_KV = [1, 63, 300, 700]
+COUNT_CASES = {"packed": (PAGE, BLOCK, KV_LENS[:5]), "fp8": (32, 64, EXACT_KV),
+               "packed32": (32, 64, EXACT_KV), "packed32-exact": (32, 64, EXACT_KV)}
 
 
 @pytest.mark.parametrize("case", COUNT_CASES)
@@ -132,18 +135,19 @@ def test_counted_bytes_and_dmas_equal_the_model(case):
     the runs read each wanted token once (dynamic-length DMAs: ``formats.issue_run``) and, fp8,
     its 512 B record and its share of the rope rows its run touches (<= 1.05 x 640 B)."""
     page, block, kv_lens = COUNT_CASES[case]
-    fmt = case.rstrip("0123456789")
+    fmt, exact = case.split("-")[0].rstrip("0123456789"), case.endswith("-exact")
     b = make_v4_batch([30, 2], q_lens=[1] * len(kv_lens), kv_lens=kv_lens, ratio=128,
                       heads=2, window_size=max(16, page), window_page_size=page,
                       comp_page_size=page)
     t, h = b.q.shape[:2]
     cast, parts = (to_fp8, 2) if fmt == "fp8" else (pack_cache, 1)
-    n = _counted(lambda ip: _run(b, cast, interpret=ip, block=block))
+    n = _counted(lambda ip: _run(b, cast, interpret=ip, block=block,
+                                 run_grain="exact" if exact else "tiles"))
     seg, w_runs, c_runs = traffic.segment_plan(fmt, block, page, page, listed=False)
     assert (seg, w_runs, c_runs) == (page, True, True)
     single, runs, gather_dmas = traffic.run_reads(*_row_fields(b), seg=seg, window_runs=w_runs,
                                                   compressed_runs=c_runs, dmas_per_read=parts,
-                                                  align=formats.run_align(fmt))
+                                                  align=formats.run_align(fmt), exact=exact)
     rope = traffic.run_rope_rows(*_row_fields(b), window_runs=w_runs,
                                  compressed_runs=c_runs) if fmt == "fp8" else 0
     tables = len(b.window[1]) + len(b.compressed[1])
@@ -160,9 +164,10 @@ def test_counted_bytes_and_dmas_equal_the_model(case):
     assert len(n.copies) == model.dmas, n.table()
     _, w_n, c_n = _row_fields(b)
     w_bound = -(-b.window_size // page) + 1
-    assert gather_dmas <= parts * sum(w_bound + c // page + 2 for c in c_n)
+    ragged = 2 * (formats.run_align(fmt) - 1) * len(kv_lens) if exact else 0  # 1-row DMAs
+    assert gather_dmas <= parts * sum(w_bound + c // page + 2 for c in c_n) + ragged
     assert gather_dmas < parts * (w_n.sum() + c_n.sum())  # fewer than one per token
-    if fmt == "fp8":  # 128-lane rows: each wanted token once, no other row
+    if fmt == "fp8" or exact:  # each wanted token once, no other row
         assert runs == w_n.sum() + c_n.sum()
     else:  # 256-word rows: the wanted rows widened to 8-row tiles (formats.run_align)
         assert w_n.sum() + c_n.sum() < runs <= (w_n + c_n + 14).sum()
@@ -191,3 +196,58 @@ def test_a_run_over_a_released_window_page_skips_it_as_the_reference():
     assert np.isfinite(np.asarray(out)).all()
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), **F32_TOL)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), **F32_TOL)
+
+
+def _nan_outside_windows(b, page: int) -> None:
+    """NaN in every window slot before a decode row's window (``b.window``'s cache, in place;
+    the slots past ``kv_len`` are NaN already: ``v4_batches.paged``)."""
+    cache, table, cu = b.window
+    w_first, _, _ = _row_fields(b)
+    for seq, first in enumerate(w_first):
+        for tok in range(first):
+            pid = table[cu[seq] // page + tok // page]
+            if 0 <= pid < len(cache):
+                cache[pid, tok % page] = np.nan
+
+
+@pytest.mark.parametrize("fmt", ["packed", "plain"])
+def test_exact_runs_match_the_reference(fmt):
+    """``run_grain="exact"`` on packed and f32 rows: pages of 32, block 64 (segments of 32,
+    8-row tiles inside), decode rows (``EXACT_KV``): a 1-token window (a run of 1 row), a
+    window 31..62 (a lone head row in page 0, then one tile DMA and a 7-row tail in page 1),
+    268..299 (4-row head, tiles, 4-row tail), HCA entries 0..1 and 0..4 (all in one page:
+    tails only); one window page inside two rows' windows released (-1, an id past the pool;
+    NaN), and NaN in every other slot no row reads, as ``reference.v4_attention_ref``."""
+    b = make_v4_batch([30, 11 + len(fmt)], q_lens=[1] * 4, kv_lens=EXACT_KV, ratio=128, heads=2,
+                      window_size=32, window_page_size=32, comp_page_size=32, release=False)
+    cache, table, cu = (np.array(x) for x in b.window)
+    for seq, page, bad in ((1, 0, -1), (2, 8, cache.shape[0] + 3)):
+        cache[table[cu[seq] // 32 + page]] = np.nan
+        table[cu[seq] // 32 + page] = bad
+    b.window = (cache, table, cu)
+    _nan_outside_windows(b, 32)
+    cast = pack_cache if fmt == "packed" else None
+    out, lse = _run(b, cast, block=64, run_grain="exact")
+    want, want_lse = v4_attention_ref(
+        jnp.asarray(b.q), *b.args(cast=cast)[1:], sm_scale=SCALE, return_lse=True,
+        **b.kwargs(cast=cast, sink=SINK))
+    assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(want)).all()
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), **F32_TOL)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), **F32_TOL)
+
+
+def test_run_grain_is_checked_and_bounded():
+    """``run_grain`` not in ``formats.RUN_GRAINS``: ValueError naming it; the exact model's
+    worst row at V4's shapes (window 128 anywhere, segments of 64, HCA's 64 entries from 0):
+    128 + 64 tokens once in <= 3 + 1 tile DMAs and <= 14 one-row DMAs (tiles: 136 + 64 rows in
+    4 DMAs)."""
+    with pytest.raises(ValueError, match="run_grain"):
+        formats.check_run_grain("rows")
+    flags = dict(window=128, entries=64, seg=64, window_runs=True, compressed_runs=True,
+                 align=8)
+    assert traffic.run_bound(**flags) == (0, 136 + 64, 4)
+    single, rows, dmas = traffic.run_bound(**flags, exact=True)
+    assert (single, rows) == (0, 128 + 64) and dmas <= 3 + 1 + 14
+    assert all(traffic.run_reads(f, 128, 64, **{k: v for k, v in flags.items()
+                                              if k not in ("window", "entries")}, exact=True)
+               [2] <= dmas for f in range(200))

@@ -22,6 +22,15 @@ Every form is a small Pallas kernel reading rows of a ``u32[P, ps, 128]`` cache 
    static ``j`` and at a dynamic ``j`` (the fp8 rope-quarter expansion needs one of them).
 6. ``dma to strided vmem``: a DMA of ``n`` rows whose destination is
    ``buf.at[pl.ds(j, n, stride=4)]``.
+7. ``wide ...``: DMAs of rows of ``WIDE_LANES`` (256) u32 words, a packed bf16 V4 row
+   (``u32[P, ps, 256]``), from HBM into a VMEM scratch (the V4 page runs' packed / f32 form):
+   ``wide row`` one row at a dynamic, unaligned HBM row into a dynamic, unaligned VMEM row;
+   ``wide run 8 at a multiple of 8`` 8 rows at dynamic rows that are multiples of 8 (both
+   sides: ``pl.multiple_of(r // 8 * 8, 8)``); ``wide run 8 at an unaligned row`` 8 rows at a
+   dynamic row (``pl.multiple_of`` absent: not provably aligned); ``wide run 5`` 5 rows at
+   aligned rows; ``wide run dynamic length`` a traced number of rows at aligned rows;
+   ``wide run dynamic length, multiple of 8`` the same declared ``pl.multiple_of(n, 8)`` (the
+   form of ``v4_attention.formats._run_copies``' tile-aligned DMAs).
 
 A form is ``(True, "")`` when it compiles, else ``(False, "<stage>: <first line>")``.
 ``probe(chip)`` returns every compiled form for ``chip``, ``interpreter_facts()`` the interpreted
@@ -49,6 +58,8 @@ ODD_PAGE_SIZE = 12  # a page size that is not whole (8, 128) tiles (form 4)
 RUNS = (2, 8, 64)  # static run lengths of form 2 (and 4)
 STRIDE = model1.ROPE_TOKENS_PER_ROW  # the fp8 rope-quarter expansion: tokens per rope row
 STRIDED_ROWS = 8  # rows written / read by one strided access (form 5, 6)
+WIDE_LANES = 2 * LANES  # form 7: a packed bf16 V4 row, 256 u32 words
+WIDE_TILE = 8  # form 7: the sublane tile of a 32-bit VMEM buffer
 DTYPES = {"u32": jnp.uint32, "bf16": jnp.bfloat16, "f32": jnp.float32}
 
 
@@ -80,8 +91,9 @@ def _stage_compile(fn, specs, chip: str):
 
 def _gather(kernel, cache_shape, buf_rows: int, *, flat: bool = False, interpret=False):
     """``(fn, specs)``: ``pallas_call`` of ``kernel(tbl_smem, cache_hbm, out, buf, sem)`` with
-    ``tbl`` i32[4] = (page, row, length, j); ``flat`` reshapes the cache to ``[P * ps, 128]``
-    before the call (outside the kernel)."""
+    ``tbl`` i32[4] = (page, row, length, j); ``flat`` reshapes the cache to ``[P * ps, lanes]``
+    before the call (outside the kernel); ``lanes``: the cache's last dim (128 or 256)."""
+    lanes = cache_shape[-1]
     def f(tbl, cache):
         if flat:
             cache = cache.reshape(-1, cache.shape[-1])
@@ -89,10 +101,10 @@ def _gather(kernel, cache_shape, buf_rows: int, *, flat: bool = False, interpret
             kernel,
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=1, grid=(1,), in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
-                out_specs=pl.BlockSpec((8, LANES), lambda i, *_: (0, 0)),
-                scratch_shapes=[pltpu.VMEM((buf_rows, LANES), jnp.uint32),
+                out_specs=pl.BlockSpec((8, lanes), lambda i, *_: (0, 0)),
+                scratch_shapes=[pltpu.VMEM((buf_rows, lanes), jnp.uint32),
                                 pltpu.SemaphoreType.DMA((1,))]),
-            out_shape=jax.ShapeDtypeStruct((8, LANES), jnp.uint32),
+            out_shape=jax.ShapeDtypeStruct((8, lanes), jnp.uint32),
             interpret=interpret)(tbl, cache)
     return f, [jax.ShapeDtypeStruct((4,), jnp.int32),
                jax.ShapeDtypeStruct(cache_shape, jnp.uint32)]
@@ -208,6 +220,46 @@ def dma_to_strided_vmem(chip: str) -> tuple[bool, str]:
     return compiled is not None, err
 
 
+def _wide_kernel(tbl, cache, out_ref, buf, sem, *, n, aligned, dynamic_len, multiple):
+    tile = WIDE_TILE
+    row, dst = tbl[1], tbl[3]
+    if aligned:
+        row, dst = pl.multiple_of(row // tile * tile, tile), pl.multiple_of(dst // tile * tile,
+                                                                            tile)
+    size = n
+    if dynamic_len:
+        size = pl.multiple_of(tbl[2] // tile * tile, tile) if multiple else tbl[2]
+    copy = pltpu.make_async_copy(cache.at[tbl[0], pl.ds(row, size)], buf.at[pl.ds(dst, size)],
+                                 sem.at[0])
+    copy.start()
+    copy.wait()
+    _sum_rows(out_ref, buf)
+
+
+def wide_dma(chip: str, n: int, *, aligned: bool, dynamic_len: bool = False,
+             multiple: bool = False) -> tuple[bool, str]:
+    """Form 7: one DMA of ``n`` rows of ``u32[P, ps, 256]`` at a dynamic (page, row) into a
+    dynamic row of a ``[4 * 8, 256]`` VMEM buffer; ``aligned``: both rows
+    ``pl.multiple_of(r // 8 * 8, 8)``; ``dynamic_len``: a traced number of rows, as given
+    or (``multiple``) ``pl.multiple_of(n // 8 * 8, 8)``."""
+    kernel = functools.partial(_wide_kernel, n=n, aligned=aligned, dynamic_len=dynamic_len,
+                               multiple=multiple)
+    compiled, err = _stage_compile(
+        *_gather(kernel, (PAGES, PAGE_SIZE, WIDE_LANES), 4 * WIDE_TILE), chip)
+    return compiled is not None, err
+
+
+def probe_wide(chip: str) -> dict:
+    """Form 7 for ``chip``: ``{form: result}``."""
+    return {"wide row": wide_dma(chip, 1, aligned=False),
+            "wide run 8 at a multiple of 8": wide_dma(chip, 8, aligned=True),
+            "wide run 8 at an unaligned row": wide_dma(chip, 8, aligned=False),
+            "wide run 5": wide_dma(chip, 5, aligned=True),
+            "wide run dynamic length": wide_dma(chip, 8, aligned=True, dynamic_len=True),
+            "wide run dynamic length, multiple of 8": wide_dma(chip, 8, aligned=True,
+                                                               dynamic_len=True, multiple=True)}
+
+
 def probe_strided(chip: str) -> dict:
     """Form 5 for ``chip``: ``{"strided <store|load> <dtype> <static|dynamic> j": result}``."""
     return {f"strided {op} {dtype} {'dynamic' if dyn else 'static'} j":
@@ -229,6 +281,7 @@ def probe(chip: str) -> dict:
     got[f"flat run 1, ps={ODD_PAGE_SIZE}"] = flat_run_dma(chip, 1, ODD_PAGE_SIZE)
     got.update(probe_strided(chip))
     got["dma to strided vmem"] = dma_to_strided_vmem(chip)
+    got.update(probe_wide(chip))
     return got
 
 

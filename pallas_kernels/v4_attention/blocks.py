@@ -22,6 +22,11 @@ from pallas_kernels.block_table import Row, pow2
 from pallas_kernels.v4_attention import formats
 
 DEFAULT_BLOCK = 256  # rows per gathered block: 256 KB of packed rows in VMEM
+# how page runs move packed / f32 rows (formats.RUN_GRAINS): "tiles", one DMA per segment of
+# its wanted rows widened to 8-row tiles (<= 14 rows more per window); "exact" moves the wanted
+# rows only but its ragged head and tail one row a DMA (<= 14 DMAs more per window): Mosaic
+# allows one of the two per run for 256-lane rows (tests/test_dma_probe.py). Not timed.
+DEFAULT_RUN_GRAIN = "tiles"
 MIN_BLOCK = tpu.SUBLANES  # a block is a positive multiple of 8 rows
 
 _VMEM = "default: VMEM budget (two 256 KiB packed gather buffers, one DMA per row); not timed"

@@ -123,23 +123,27 @@ def v4_traffic(chip: str, *, rows: int, context: int, heads: int, ratio: int,
 
 
 def fused_v4_traffic(chip: str, *, rows: int, context: int, heads: int, ratio: int,
-                     k: int | None, fmt: str = "packed") -> aot.Traffic:
+                     k: int | None, fmt: str = "packed",
+                     run_grain: str = "tiles") -> aot.Traffic:
     """``kernel.fused_traffic`` at a compile shape (every row gathers its whole window and
     every selected / visible entry); fp8: 1024 B moved per gathered token (2 DMAs) against a
     minimum of the 640 B stored per token; f32: 2048 B rows against the 1024 B of their bf16
-    values (as the kernel's own call); the block is the table's for ``chip``."""
+    values (as the kernel's own call); the block is the table's for ``chip``; ``run_grain``:
+    the page runs' (``formats.RUN_GRAINS``)."""
     entries = 0 if not ratio else (k if ratio == 4 else context // ratio)
     pages = rows * (context // PAGE) + (rows * -(-(context // ratio) // PAGE) if ratio else 1)
     return _fused_model(chip, fmt, rows=rows, heads=heads, gathered=WINDOW + entries,
-                        meta=k or 0, tables=pages)
+                        meta=k or 0, tables=pages, run_grain=run_grain)
 
 
 def _fused_model(chip: str, fmt: str, *, rows: int, heads: int, gathered: int, meta: int,
-                 tables: int, window: int = WINDOW, **state) -> aot.Traffic:
+                 tables: int, window: int = WINDOW, run_grain: str = "tiles",
+                 **state) -> aot.Traffic:
     """``fused_traffic`` of one call in ``fmt`` (``formats``' bytes per token) with a bf16 q,
     plus the ``row_info`` XLA writes; ``state``: its ``acc_in_itemsize`` / ``acc_out_itemsize``.
     ``gathered``: ``window`` tokens then entries (listed when ``meta``), read as the kernel's
-    page runs at their bound (``traffic.run_bound``: a window anywhere, pages of ``PAGE``)."""
+    page runs at their bound (``traffic.run_bound``: a window anywhere, pages of ``PAGE``;
+    ``run_grain``: ``formats.RUN_GRAINS``)."""
     kfmt = "plain" if fmt == "f32" else fmt
     width = HEAD_DIM if fmt == "f32" else WORDS
     block = v4_blocks.block(chip, v4_blocks.table_format(kfmt), heads)
@@ -147,7 +151,8 @@ def _fused_model(chip: str, fmt: str, *, rows: int, heads: int, gathered: int, m
     single, runs, dmas = traffic.run_bound(window=window, entries=gathered - window, seg=seg,
                                    window_runs=w_runs, compressed_runs=c_runs,
                                    dmas_per_read=2 if kfmt in formats.FP8_FORMATS else 1,
-                                   align=formats.run_align(kfmt, width))
+                                   align=formats.run_align(kfmt, width),
+                                   exact=run_grain == "exact")
     rope = traffic.run_rope_bound(window=window, entries=gathered - window,
                                   window_runs=w_runs, compressed_runs=c_runs)
     t = fused_traffic(rows=rows, heads=heads, gathered_rows=gathered, meta_words=meta,
@@ -162,9 +167,9 @@ def _fused_model(chip: str, fmt: str, *, rows: int, heads: int, gathered: int, m
 
 
 def _case(kernel: str, name: str, dims: dict, *, fused: bool, fmt: str,
-          precision: str = "f32") -> aot.CompileCase:
-    """One ``CompileCase`` of ``v4_attention(..., fused=fused, precision=precision)`` at
-    ``dims`` (a ``SHAPES`` row) with both caches in ``fmt``."""
+          precision: str = "f32", run_grain: str = "tiles") -> aot.CompileCase:
+    """One ``CompileCase`` of ``v4_attention(..., fused=fused, precision=precision,
+    run_grain=run_grain)`` at ``dims`` (a ``SHAPES`` row) with both caches in ``fmt``."""
     ratio, context = dims["ratio"], dims["context"]
     c_pages = -(-(context // ratio) // PAGE) if ratio else 0
 
@@ -172,11 +177,12 @@ def _case(kernel: str, name: str, dims: dict, *, fused: bool, fmt: str,
         f = functools.partial(v4_attention, sm_scale=SCALE, window_size=WINDOW,
                               compress_ratio=ratio, window_pages_per_seq=context // PAGE,
                               compressed_pages_per_seq=c_pages, fused=fused,
-                              precision=precision)
+                              precision=precision, run_grain=run_grain)
         return lambda q, w, kv, cu, d, c, i: f(q, w, kv, cu, d, compressed=c,
                                                compressed_indices=i)
 
-    traffic = (functools.partial(fused_v4_traffic, fmt=fmt) if fused else v4_traffic)
+    traffic = (functools.partial(fused_v4_traffic, fmt=fmt, run_grain=run_grain) if fused
+               else v4_traffic)
     return aot.CompileCase(kernel, name, fn_for_chip, specs(**dims, fmt=fmt),
                            functools.partial(traffic, **dims), tags=("decode",))
 
@@ -192,6 +198,16 @@ def compile_cases(fused: bool = False, fmt: str = "packed") -> list[aot.CompileC
                                                                     else "")
     return [_case(kernel, name, dict(rows=rows, context=context, heads=heads, ratio=ratio, k=k),
                   fused=fused, fmt=fmt)
+            for name, rows, context, heads, ratio, k in SHAPES]
+
+
+def exact_run_cases() -> list[aot.CompileCase]:
+    """The fused kernel on packed caches with ``run_grain="exact"`` (page runs move the wanted
+    rows only: ``formats.RUN_GRAINS``) at every ``SHAPES`` row, kernel
+    ``"v4_attention_fused_exact"``."""
+    return [_case("v4_attention_fused_exact", name,
+                  dict(rows=rows, context=context, heads=heads, ratio=ratio, k=k), fused=True,
+                  fmt="packed", run_grain="exact")
             for name, rows, context, heads, ratio, k in SHAPES]
 
 

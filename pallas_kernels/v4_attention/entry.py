@@ -36,7 +36,7 @@ from reference import v4_attention as v4
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "window_size", "compress_ratio", "window_pages_per_seq",
     "compressed_pages_per_seq", "return_lse", "tokens_per_block", "blocks", "vmem_limit_bytes",
-    "interpret", "fused", "precision"))
+    "interpret", "fused", "precision", "run_grain"))
 def v4_attention(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array, cu_q_lens: jax.Array,
                  distribution: jax.Array, *, sm_scale: float, window_size: int,
                  compress_ratio: int, window_pages_per_seq: int,
@@ -46,7 +46,9 @@ def v4_attention(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array, cu_q_lens
                  tokens_per_block: int | None = None,
                  blocks: mla_blocks.MlaBlocks | None = None,
                  vmem_limit_bytes: int | None = None, interpret=False, fused: bool = True,
-                 layer=None, precision: str = "f32") -> jax.Array | tuple[jax.Array, jax.Array]:
+                 layer=None, precision: str = "f32",
+                 run_grain: str = v4_blocks.DEFAULT_RUN_GRAIN
+                 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """DeepSeek-V4 attention (Pallas TPU); same semantics as ``reference.v4_attention_ref``.
 
     Args:
@@ -65,6 +67,10 @@ def v4_attention(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array, cu_q_lens
       precision: ``"f32"`` (default) or ``"bf16"`` (``reference.v4_attention``'s module
         docstring; the fused kernel runs on q cast to bf16: ``kernel``'s "Precision"); static.
         ``fused=False`` refuses ``"bf16"`` (NotImplementedError); any other value: ValueError.
+      run_grain: fused: how page runs move packed / f32 rows, ``"tiles"`` (default: the
+        wanted rows widened to 8-row tiles, one DMA a segment) or ``"exact"`` (the wanted rows
+        only, ragged ends one row a DMA): ``formats.RUN_GRAINS``; static; the two-pass path
+        has no page runs and does not read it (checked either way: ValueError).
 
     Returns:
       ``q.dtype[T, H, 512]``; with ``return_lse`` also the sink-free ``f32[T, H]``.
@@ -72,13 +78,14 @@ def v4_attention(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array, cu_q_lens
     statics = dict(sm_scale=sm_scale, window_size=window_size, compress_ratio=compress_ratio,
                    window_pages_per_seq=window_pages_per_seq,
                    compressed_pages_per_seq=compressed_pages_per_seq)
+    formats.check_run_grain(run_grain)
     if fused:
         block = fused_block(window.cache, q.shape[1], tokens_per_block, blocks)
         return v4_attention_fused(q, window, kv_lens, cu_q_lens, distribution, **statics,
                                   compressed=compressed, compressed_indices=compressed_indices,
                                   attn_sink=attn_sink, return_lse=return_lse, block=block,
                                   vmem_limit_bytes=vmem_limit_bytes, interpret=interpret,
-                                  layer=layer, precision=precision)
+                                  layer=layer, precision=precision, run_grain=run_grain)
     return two_pass(q, window, kv_lens, cu_q_lens, distribution, **statics,
                     compressed=compressed, compressed_indices=compressed_indices,
                     attn_sink=attn_sink, return_lse=return_lse,

@@ -22,10 +22,14 @@ matmul operands in q's feature order. Five formats (``kernel_format``):
 
 Page runs (``traffic.segment_plan``): ``issue_run`` of a segment's wanted tokens
 ``lo .. hi - 1`` is one DMA of their contiguous rows, a dynamic number (plane: ``2 (hi - lo)``
-rows), into the rows a whole segment would fill (packed / f32: widened to 8-row tiles,
-``run_align``); fp8 / CSA: their records and their rope rows ``lo // 4 .. (hi - 1) // 4`` into
-a run rope buffer, expanded per token at decode (``_run_rope``); ``wait`` re-derives each
-segment's sizes from its slot's ``lo, hi``.
+rows), into the rows a whole segment would fill; fp8 / CSA: their records and their rope rows
+``lo // 4 .. (hi - 1) // 4`` into a run rope buffer, expanded per token at decode
+(``_run_rope``). Packed / f32 rows (256 / 512 lanes): Mosaic moves several of them only at rows
+and sizes that are multiples of the 8-row tile (``tests/test_dma_probe.py``), so by
+``run_grain`` (``RUN_GRAINS``): ``"tiles"`` widens the wanted rows to whole 8-row tiles (one
+DMA, up to 7 unwanted rows at each end); ``"exact"`` moves the wanted rows only, the segment's
+tile-aligned middle as one DMA and its ragged head and tail rows (< 8 each) one DMA a row.
+``wait`` re-derives each segment's DMAs from its slot's ``lo, hi``.
 
 Every decode is exact (bf16 halves, e4m3 times a power-of-two scale) and selects unwanted rows
 to zero (a select: a NaN in VMEM cannot leak).
@@ -57,6 +61,7 @@ FORMATS = ("packed", "plain", "fp8", "csa", "plane")
 FP8_FORMATS = ("fp8", "csa")  # the MODEL1 byte layouts: a record and a shared rope row
 QUARTERS = v4_cache.ROPE_TOKENS_PER_ROW  # 4 tokens' rope in one fp8 / CSA rope row
 _HIGH = -65536  # 0xFFFF0000 as an i32: a word's high bf16 half
+RUN_GRAINS = ("tiles", "exact")  # how a page run moves packed / f32 rows (module docstring)
 
 
 def kernel_cache(cache):
@@ -224,11 +229,19 @@ def issue(fmt: str, src, bufs, sems, layer, pid, off, b, n, rows: int = 1):
 
 
 def run_align(fmt: str, width: int = WORDS) -> int:
-    """The row grain of a page run's DMA: 1 (its wanted rows exactly) for rows of 128 lanes
-    (fp8 / CSA records and rope rows, plane rows); else (packed 256 words, f32 512) 8, the
-    sublane tile: Mosaic refuses a VMEM slice of wider rows at an offset or of a size that is
-    not a multiple of it, so the run moves its wanted rows widened to whole 8-row tiles."""
+    """The row tile of a page run's DMA: 1 (any rows, one DMA) for rows of 128 lanes (fp8 /
+    CSA records and rope rows, plane rows); else (packed 256 words, f32 512) 8, the sublane
+    tile: Mosaic refuses a DMA of several wider rows at a row or of a size that is not a
+    multiple of it (one row it moves anywhere), so a run's rows are widened to whole tiles
+    (``run_grain="tiles"``) or its ragged ends moved one row a DMA (``"exact"``)."""
     return 1 if fmt in (*FP8_FORMATS, "plane") or width == LANES else SUBLANES
+
+
+def check_run_grain(run_grain) -> str:
+    """``run_grain`` if it is one of ``RUN_GRAINS``, else ``ValueError``."""
+    if run_grain not in RUN_GRAINS:
+        raise ValueError(f"run_grain must be one of {RUN_GRAINS}, got run_grain={run_grain!r}")
+    return run_grain
 
 
 def _run_copies(fmt: str, src, bufs, sems, layer, pid, off, b, n, lo, hi):
@@ -253,23 +266,63 @@ def _run_copies(fmt: str, src, bufs, sems, layer, pid, off, b, n, lo, hi):
     return copies
 
 
-def issue_run(fmt: str, src, bufs, sems, layer, pid, off, b, n, lo, hi, seg: int):
+def _exact_run(src, buf, sems, layer, pid, off, b, n, lo, hi, grain: int, act) -> None:
+    """``act`` (start or wait) on the DMAs of a packed / f32 segment's wanted rows ``lo .. hi -
+    1`` exactly (``run_grain="exact"``): its ragged head ``lo .. min(a, hi) - 1`` one row a DMA
+    (``a``: ``lo`` rounded up to ``grain``), its whole tiles ``a .. z - 1`` (``z``: ``hi``
+    rounded down, at least ``a``) as one DMA when there are any, its ragged tail one row a DMA;
+    at most ``2 (grain - 1) + 1`` DMAs (``traffic.run_reads`` counts them)."""
+    a = pl.multiple_of((lo + grain - 1) // grain * grain, grain)
+    z = pl.multiple_of(jnp.maximum(hi // grain * grain, a), grain)
+    head_end = jnp.minimum(a, hi)
+
+    def one_row(r, c):
+        act(_copy(src, buf, sems, 0, layer, pid, off + r, b, n + r))
+        return c
+
+    jax.lax.fori_loop(lo, head_end, one_row, 0)
+
+    @pl.when(z > a)
+    def _():
+        size = pl.multiple_of(z - a, grain)
+        act(pltpu.make_async_copy(src.at[layer, pid, pl.ds(off + a, size)],
+                                  buf.at[b, pl.ds(pl.multiple_of(n + a, grain), size)],
+                                  sems.at[0, b]))
+
+    jax.lax.fori_loop(jnp.maximum(z, head_end), hi, one_row, 0)
+
+
+def _run_dmas(fmt: str, src, bufs, sems, layer, pid, off, b, n, lo, hi, run_grain: str,
+              act) -> None:
+    """``act`` (start or wait) on each DMA of a page-run segment (``_run_copies``, or
+    ``_exact_run`` for packed / f32 rows with ``run_grain="exact"``)."""
+    grain = run_align(fmt, src[0].shape[-1])
+    if grain > 1 and run_grain == "exact":
+        _exact_run(src[0], bufs[0], sems, layer, pid, off, b, n, lo, hi, grain, act)
+        return
+    for copy in _run_copies(fmt, src, bufs, sems, layer, pid, off, b, n, lo, hi):
+        act(copy)
+
+
+def issue_run(fmt: str, src, bufs, sems, layer, pid, off, b, n, lo, hi, seg: int,
+              run_grain: str = "tiles"):
     """Start the DMAs of a page-run segment (``seg`` rows of page ``pid`` from in-page row
     ``off`` into slot rows ``n ..`` of buffer ``b``; ``off``, ``n`` multiples of ``seg``): only
     its wanted rows ``lo .. hi - 1`` (``0 <= lo < hi <= seg``, dynamic), one DMA per part of
-    a dynamic number of rows, each row where a whole-segment DMA would put it (the masks by
-    slot are unchanged)."""
+    a dynamic number of rows (packed / f32: by ``run_grain``, module docstring), each row where
+    a whole-segment DMA would put it (the masks by slot are unchanged)."""
     off, n = pl.multiple_of(off, seg), pl.multiple_of(n, seg)
-    for copy in _run_copies(fmt, src, bufs, sems, layer, pid, off, b, n, lo, hi):
-        copy.start()
+    _run_dmas(fmt, src, bufs, sems, layer, pid, off, b, n, lo, hi, run_grain,
+              lambda copy: copy.start())
 
 
-def wait(fmt: str, src, bufs, sems, b, n, runs=0, seg: int = 1, slots=None):
+def wait(fmt: str, src, bufs, sems, b, n, runs=0, seg: int = 1, slots=None,
+         run_grain: str = "tiles"):
     """Wait for the DMAs into gather buffer ``b``: ``n`` single tokens and ``runs`` segments
     (one semaphore per part counts their bytes; each wait takes one copy's bytes of that part).
-    A segment's DMAs move its slot's wanted rows (``issue_run``), re-derived from ``slots``
-    (SMEM ``i32[2, >= 2 runs]``: slot ``j``'s ``lo, hi`` at ``[b, 2 j]``, ``[b, 2 j + 1]``);
-    ``slots`` None: every segment whole (``seg`` rows)."""
+    A segment's DMAs move its slot's wanted rows (``issue_run`` with ``run_grain``), re-derived
+    from ``slots`` (SMEM ``i32[2, >= 2 runs]``: slot ``j``'s ``lo, hi`` at ``[b, 2 j]``,
+    ``[b, 2 j + 1]``); ``slots`` None: every segment whole (``seg`` rows)."""
     rows = PLANE_ROWS if fmt == "plane" else 1
     for part in range(len(src)):
         copy = _copy(src[part], bufs[part], sems, part, 0, 0, 0, b, 0, rows)
@@ -284,8 +337,8 @@ def wait(fmt: str, src, bufs, sems, b, n, runs=0, seg: int = 1, slots=None):
 
     def run_body(j, c):
         lo, hi = (0, seg) if slots is None else (slots[b, 2 * j], slots[b, 2 * j + 1])
-        for copy in _run_copies(fmt, src, bufs, sems, 0, 0, 0, b, 0, lo, hi):
-            copy.wait()
+        _run_dmas(fmt, src, bufs, sems, 0, 0, 0, b, 0, lo, hi, run_grain,
+                  lambda copy: copy.wait())
         return c
 
     jax.lax.fori_loop(0, runs, run_body, 0)

@@ -26,7 +26,8 @@ CSA: of 32), one DMA per cache part each, of the unit's wanted rows ``lo .. hi -
 dynamic number: ``formats.issue_run``), into the rows they take in the next ``seg``-row slot
 of a block of ``block`` rows; ``lo, hi`` are kept in SMEM (the waits re-derive the DMAs' sizes
 from them) and the slot's other rows (stale, maybe NaN) are selected away; packed / f32 rows
-move whole 8-row tiles (``formats.run_align``). A CSA walk's units are the list's first ``nc``
+move whole 8-row tiles (``run_grain="tiles"``) or exactly, ragged ends a row a DMA
+(``"exact"``: ``formats.RUN_GRAINS``). A CSA walk's units are the list's first ``nc``
 positions (the walk end: one past its last entry that can be valid), one row each, packed
 densely after the runs. Each unit is checked (``0 <= e < limit``, page slot inside the table,
 page id in ``[0, P)``: ``reference.batch.lookup_page``; a released page is never read) and each
@@ -86,7 +87,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import tpu
 from pallas_kernels.v4_attention import formats, traffic
 from pallas_kernels.v4_attention import writes as row_writes
-from pallas_kernels.v4_attention.blocks import DEFAULT_BLOCK
+from pallas_kernels.v4_attention.blocks import DEFAULT_BLOCK, DEFAULT_RUN_GRAIN
 from pallas_kernels.v4_attention.formats import (  # noqa: F401 (old names of this module)
     FP8_ROW_BYTES,
     FP8_STORED_BYTES,
@@ -316,7 +317,7 @@ def _kernel(info_ref, wtab_ref, ctab_ref, layer_ref, q_ref, sink_ref, ent_hbm, *
         cur2, n2 = jax.lax.cond(cur < total, more, last)
         ns = runs[b, 2 * (block // seg)]  # segments: 0 unless page runs are on
         formats.wait(fmt, w_src, bufs, sems, b, n - ns * seg, ns, seg if runs_on else 1,
-                     runs)
+                     runs, walk_statics["run_grain"])
         live = _live(runs, b, (block, 1), 0, seg)
         cols = _live(runs, b, (q_ref.shape[1], block), 1, seg)
         ops = formats.operands(fmt, bufs, b, live, cdt, ns * seg)
@@ -369,7 +370,7 @@ def _state_io(state, return_state: bool, acc_dtype, q, row_block):
 def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn_sink, *,
                gathered_rows: int, block: int, sm_scale: float, vmem_limit_bytes: int | None,
                interpret, state=None, return_state: bool = False, acc_dtype=None,
-               new_rows=None, window_size: int = 0):
+               new_rows=None, window_size: int = 0, run_grain: str = DEFAULT_RUN_GRAIN):
     """The ``pallas_call`` (see ``_kernel``): caches stacked ``[L, P, ps, Wc]`` (packed u32 or
     f32) or stacked format pytrees (``formats``), both caches in one format, read at ``layer``
     (i32). ``state``: the rows' starting flash state ``(acc f32|bf16[T, H, 512], l f32[T, H],
@@ -380,7 +381,7 @@ def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn
     kernel writes into the window cache first, ``info`` then ending in their positions; the
     updated stacked window parts are returned last, aliased to the inputs. ``window_size``: the
     window tokens of ``gathered_rows`` (the rest: compressed entries), for the page-run
-    traffic bound (``traffic.run_bound``)."""
+    traffic bound (``traffic.run_bound``); ``run_grain``: ``formats.RUN_GRAINS``."""
     num_rows, heads, dim = q.shape
     listed = entries is not None
     ent = entries.astype(jnp.int32) if listed else jnp.zeros((num_rows, 1), jnp.int32)
@@ -394,6 +395,7 @@ def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn
     kernel = functools.partial(
         _kernel, fmt=fmt, listed=listed, block=block, seg=seg, window_runs=window_runs,
         compressed_runs=compressed_runs, w_page=w_page, c_page=c_page,
+        run_grain=formats.check_run_grain(run_grain),
         w_pages=w_pages, c_pages=c_pages, layers=layers, sm_scale=float(sm_scale),
         cdt=jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16,
         state_in=state is not None, state_out=return_state, writes=new_rows is not None)
@@ -420,7 +422,8 @@ def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn
     single_rows, run_rows, gather_dmas = traffic.run_bound(
         window=window_size, entries=gathered_rows - window_size, seg=seg,
         window_runs=window_runs, compressed_runs=compressed_runs,
-        dmas_per_read=len(w_parts), align=formats.run_align(fmt, w_parts[0].shape[-1]))
+        dmas_per_read=len(w_parts), align=formats.run_align(fmt, w_parts[0].shape[-1]),
+        exact=run_grain == "exact")
     rope_rows = traffic.run_rope_bound(
         window=window_size, entries=gathered_rows - window_size, window_runs=window_runs,
         compressed_runs=compressed_runs) if fmt in formats.FP8_FORMATS else 0
@@ -458,10 +461,12 @@ def fused_rows(q, window: v4.PagedKV, kv_lens, cu_q_lens, distribution, *, compr
                new_kv=None, **statics):
     """Check and run one fused call (``v4_attention_fused``'s arguments, ``statics`` its static
     ones; ``state`` / ``return_state`` / ``acc_dtype``: ``fused_call``'s; ``new_kv f32|bf16[T,
-    512]``: this step's rows, written into the window cache first, ``writes``). Returns
+    512]``: this step's rows, written into the window cache first, ``writes``; a ``run_grain``
+    in ``statics``: ``fused_call``'s). Returns
     ``(fused_call's outputs, the updated window cache as given, or None)``, q's precision cast
     applied (``precision="bf16"``: the kernel runs on q cast to bf16; its normalized output is
     cast back to q's dtype)."""
+    run_grain = statics.pop("run_grain", DEFAULT_RUN_GRAIN)
     w_read, c_read, w_cache, c_cache = check_fused_args(
         q, window, kv_lens, cu_q_lens, distribution, compressed, compressed_indices, attn_sink,
         block=block, layer=layer, precision=precision, **statics)
@@ -491,7 +496,8 @@ def fused_rows(q, window: v4.PagedKV, kv_lens, cu_q_lens, distribution, *, compr
                      sm_scale=statics["sm_scale"], vmem_limit_bytes=vmem_limit_bytes,
                      interpret=interpret, state=state, return_state=return_state,
                      acc_dtype=q.dtype if acc_dtype is None else acc_dtype,
-                     new_rows=new_rows, window_size=statics["window_size"])
+                     new_rows=new_rows, window_size=statics["window_size"],
+                     run_grain=run_grain)
     res, written = list(res), None
     if new_kv is not None:
         n = len(formats.parts(w_cache))
@@ -505,7 +511,7 @@ def fused_rows(q, window: v4.PagedKV, kv_lens, cu_q_lens, distribution, *, compr
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "window_size", "compress_ratio", "window_pages_per_seq",
     "compressed_pages_per_seq", "return_lse", "block", "vmem_limit_bytes", "interpret",
-    "precision"))
+    "precision", "run_grain"))
 def v4_attention_fused(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array,
                        cu_q_lens: jax.Array, distribution: jax.Array, *, sm_scale: float,
                        window_size: int, compress_ratio: int, window_pages_per_seq: int,
@@ -514,14 +520,16 @@ def v4_attention_fused(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array,
                        compressed_indices: jax.Array | None = None,
                        attn_sink: jax.Array | None = None, return_lse: bool = False,
                        block: int = DEFAULT_BLOCK, vmem_limit_bytes: int | None = None,
-                       interpret=False, layer=None, precision: str = "f32"):
+                       interpret=False, layer=None, precision: str = "f32",
+                       run_grain: str = DEFAULT_RUN_GRAIN):
     """``reference.v4_attention_ref``'s semantics in one kernel (module docstring).
 
     Args as ``pallas_kernels.v4_attention.v4_attention`` (both caches in one format: packed
     u32, f32, ``Fp8V4Cache``, or tokamax's ``CsaCache`` / ``PlaneCache``; a plain bf16 cache is
     packed per call, a full copy: the slow path), plus ``block``: cache rows per gathered block
-    (a positive multiple of 8; ``blocks.py`` holds the table), and ``precision`` (``"f32"`` |
-    ``"bf16"``: module docstring, "Precision").
+    (a positive multiple of 8; ``blocks.py`` holds the table), ``precision`` (``"f32"`` |
+    ``"bf16"``: module docstring, "Precision") and ``run_grain`` (``"tiles"`` | ``"exact"``:
+    how page runs move packed / f32 rows, ``formats.RUN_GRAINS``; ``blocks.DEFAULT_RUN_GRAIN``).
     """
     (out, lse), _ = fused_rows(
         q, window, kv_lens, cu_q_lens, distribution, sm_scale=sm_scale,
@@ -530,6 +538,6 @@ def v4_attention_fused(q: jax.Array, window: v4.PagedKV, kv_lens: jax.Array,
         compressed_pages_per_seq=compressed_pages_per_seq, compressed=compressed,
         compressed_indices=compressed_indices, attn_sink=attn_sink, block=block,
         vmem_limit_bytes=vmem_limit_bytes, interpret=interpret, layer=layer,
-        precision=precision)
+        precision=precision, run_grain=run_grain)
     lse = lse[..., 0]
     return (out, lse) if return_lse else out

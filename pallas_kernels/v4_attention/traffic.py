@@ -7,7 +7,8 @@ Page runs (``segment_plan``): the contiguous sources, a row's window tokens and 
 entries ``0 .. c_limit - 1``, are read as aligned segments of ``seg`` rows of a page (one DMA
 per segment per cache part, a dynamic start and a dynamic number of rows: only the segment's
 wanted rows, ``formats.issue_run``; packed / f32 rows widened to 8-row tiles,
-``formats.run_align``): ``run_reads`` / ``run_rope_rows`` count them exactly per
+``formats.run_align``, or with ``run_grain="exact"`` moved exactly, ragged ends a row a DMA):
+``run_reads`` / ``run_rope_rows`` count them exactly per
 row, ``run_bound`` / ``run_rope_bound`` bound them from shapes (the AOT cases' static model)."""
 
 from __future__ import annotations
@@ -61,8 +62,23 @@ def _touched(first, n, grain: int):
     return (n > 0) * ((first + n - 1) // grain - first // grain + 1)
 
 
+def _exact_dmas(first, n, seg: int, tile: int):
+    """Elementwise (numpy): DMAs of ``run_grain="exact"`` runs of tokens ``first .. first + n -
+    1`` split at multiples of ``seg`` (``formats._exact_run``): per segment its whole ``tile``-row
+    tiles as one DMA (segments split at multiples of ``tile``: only the run's first and last
+    segment are ragged), its ragged head and tail rows one each."""
+    end = first + n
+    a = -(-first // tile) * tile  # first tile boundary at or after the run's start
+    head_end = np.minimum(a, end)
+    z = np.maximum(end // tile * tile, a)
+    tail = np.maximum(end - np.maximum(z, head_end), 0)
+    middles = (z > a) * ((z - 1) // seg - a // seg + 1)
+    return (n > 0) * (head_end - first + tail + middles)
+
+
 def run_reads(w_first, w_n, c_n, *, seg: int, window_runs: bool, compressed_runs: bool,
-              dmas_per_read: int = 1, align: int = 1) -> tuple[int, int, int]:
+              dmas_per_read: int = 1, align: int = 1,
+              exact: bool = False) -> tuple[int, int, int]:
     """Exact ``(token rows read one by one, token rows read by page runs, gather DMAs)`` of
     query rows with windows ``w_first, w_n`` and
     compressed walks of ``c_n`` valid positions (``row_info``'s fields, arrays; every page
@@ -70,11 +86,18 @@ def run_reads(w_first, w_n, c_n, *, seg: int, window_runs: bool, compressed_runs
     ``dmas_per_read``: DMAs per segment / token (fp8 / CSA: 2). A segment's DMAs move its
     wanted rows (``formats.issue_run``) widened to whole tiles of ``align`` rows
     (``formats.run_align``; 1: each wanted token once; segments split at multiples of
-    ``align``, so a run's rows are the ``align``-row tiles its tokens touch)."""
+    ``align``, so a run's rows are the ``align``-row tiles its tokens touch); ``exact``
+    (``run_grain="exact"``, one part): the wanted rows once, in a segment's whole tiles as one
+    DMA and its ragged rows one DMA each (``_exact_dmas``)."""
     w_first, w_n, c_n = (np.asarray(x, np.int64) for x in (w_first, w_n, c_n))
     w_seg = window_segments(w_first, w_n, seg) if window_runs else w_n
     c_seg = -(-c_n // seg) if compressed_runs else c_n
     single = (0 if window_runs else w_seg.sum()) + (0 if compressed_runs else c_seg.sum())
+    if exact and align > 1:
+        runs = (w_n.sum() if window_runs else 0) + (c_n.sum() if compressed_runs else 0)
+        dmas = ((_exact_dmas(w_first, w_n, seg, align) if window_runs else w_seg).sum()
+                + (_exact_dmas(0, c_n, seg, align) if compressed_runs else c_seg).sum())
+        return int(single), int(runs), int(dmas * dmas_per_read)
     runs = align * ((_touched(w_first, w_n, align).sum() if window_runs else 0)
                     + (_touched(0, c_n, align).sum() if compressed_runs else 0))
     return int(single), int(runs), int((w_seg + c_seg).sum() * dmas_per_read)
@@ -99,11 +122,17 @@ def _touched_bound(window: int, entries: int, grain: int, window_runs: bool,
 
 def run_bound(*, window: int, entries: int, seg: int, window_runs: bool,
               compressed_runs: bool, dmas_per_read: int = 1,
-              align: int = 1) -> tuple[int, int, int]:
+              align: int = 1, exact: bool = False) -> tuple[int, int, int]:
     """``run_reads``' triple for one query row at most: ``window`` window tokens
     anywhere (``ceil((W - 1) / seg) + 1`` segments) and ``entries`` compressed positions
     (HCA: entries from 0, ``ceil(entries / seg)`` segments); the runs read their tokens'
-    ``align``-row tiles (``align`` 1: the tokens once)."""
+    ``align``-row tiles (``align`` 1: the tokens once); ``exact``: the tokens once, in the most
+    DMAs a window starting anywhere takes (``_exact_dmas`` over every first row mod ``seg``)."""
+    if exact and align > 1:
+        flags = dict(seg=seg, window_runs=window_runs, compressed_runs=compressed_runs,
+                     dmas_per_read=dmas_per_read, align=align, exact=True)
+        return max((run_reads(f, window, entries, **flags) for f in range(seg)),
+                   key=lambda reads: reads[2])
     w_seg = (window and -(-(window - 1) // seg) + 1) if window_runs else window
     c_seg = -(-entries // seg) if compressed_runs else entries
     single = (0 if window_runs else w_seg) + (0 if compressed_runs else c_seg)

@@ -35,13 +35,14 @@ def _units(info_ref, row, seg, window_runs, compressed_runs):
 
 
 def _walk(refs, row, lslot, b, cur, *, fmt, listed, block, w_page, c_page, w_pages, c_pages,
-          layer, layer_ok, seg, window_runs, compressed_runs):
+          layer, layer_ok, seg, window_runs, compressed_runs, run_grain="tiles"):
     """Issue the DMAs of query row ``row``'s next stream units from ``cur`` into gather buffer
     ``b`` until it is full (its list is in SMEM slot ``lslot``): a token / entry into the next
     free row, a page-run segment into the next ``seg``-row slot; each records the wanted rows
     of its slot in ``runs[b]`` (``lo, hi`` per slot, then the segments issued). Returns
     ``(cursor, rows filled)``; a row's stream is its window units then its compressed units
-    (module docstring)."""
+    (module docstring); ``run_grain``: how a segment moves packed / f32 rows
+    (``formats.RUN_GRAINS``)."""
     info_ref, wtab_ref, ctab_ref, w_src, c_src, bufs, ent_smem, sems, runs = refs
     at = row * INFO_WORDS
     w_first, w_n, w_slot0 = info_ref[at + _WFIRST], info_ref[at + _WN], info_ref[at + _WSLOT0]
@@ -81,7 +82,7 @@ def _walk(refs, row, lslot, b, cur, *, fmt, listed, block, w_page, c_page, w_pag
             def _(src=src, pid=pid, rows=rows, lo=lo, hi=hi):
                 if rows > 1:  # a segment: its wanted rows only
                     formats.issue_run(fmt, src, bufs, sems, layer, pid, unit % psize, b, n,
-                                      lo, hi, rows)
+                                      lo, hi, rows, run_grain)
                 else:
                     formats.issue(fmt, src, bufs, sems, layer, pid, unit % psize, b, n)
 

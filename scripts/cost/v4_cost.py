@@ -5,8 +5,10 @@ TPU runs).
 Programs: the compile-gate cases of ``pallas_kernels.v4.compile_cases`` (64 decode rows x 8192
 tokens, window 128 in pages of 64, compressed pages of 64 entries): Flash CSA (H=64, ratio 4,
 top-512), Flash HCA (H=64, ratio 128: every visible entry, 64 at 8192), Pro CSA (H=128, ratio 4,
-top-1024); paths: the fused kernel (the default) on packed bf16 and on fp8 MODEL1 caches, and
-the two-pass form (``fused=False``, two MLA kernel calls merged in XLA) on packed bf16 caches.
+top-1024); paths: the fused kernel (the default) on packed bf16 and on fp8 MODEL1 caches, on
+packed bf16 with ``run_grain="exact"`` (``fused exact``: page runs move the wanted rows only,
+ragged ends one row a DMA; the default ``"tiles"`` widens them to 8-row tiles), and the two-pass
+form (``fused=False``, two MLA kernel calls merged in XLA) on packed bf16 caches.
 
 Columns, per decode row (a call's bytes / 64):
 
@@ -17,6 +19,7 @@ Columns, per decode row (a call's bytes / 64):
   ratio against it shows the storage format's gain, none for a token-sparse gather);
 - ``model``: the traffic model's bytes moved (fp8: 1024 B per token, its 2 DMAs: the 512 B
   record and the 512 B rope row shared with 3 tokens), and ``model / min``;
+- ``DMAs``: the model's DMA descriptors (gathers, list loads, block copies);
 - ``XLA``: XLA's ``bytes accessed`` of the whole program (the kernels' declared estimates plus
   the XLA glue: row facts, index building, the two-pass merge), and ``XLA / min``.
 
@@ -37,9 +40,11 @@ from pallas_kernels import chips as chip_specs  # noqa: E402
 from pallas_kernels import xla_cost  # noqa: E402
 from pallas_kernels.v4 import compile_cases as v4cases  # noqa: E402
 from pallas_kernels.v4.fused import FP8_STORED_BYTES  # noqa: E402
+from pallas_kernels.v4_attention.compile_cases import exact_run_cases  # noqa: E402
 from reference.v4_attention import HEAD_DIM  # noqa: E402
 
-PATHS = (("fused", True, "packed"), ("fused", True, "fp8"), ("two-pass", False, "packed"))
+PATHS = (("fused", True, "packed"), ("fused", True, "fp8"), ("fused exact", True, "packed"),
+         ("two-pass", False, "packed"))
 LABELS = {"flash_csa": "Flash CSA (H=64, top-512)", "flash_hca": "Flash HCA (H=64, ratio 128)",
           "pro_csa": "Pro CSA (H=128, top-1024)"}
 
@@ -49,7 +54,9 @@ def rows_for(chips, quick: bool) -> list[dict]:
     out = []
     for chip in chips:
         for path, fused, fmt in PATHS:
-            for case in v4cases.compile_cases(fused, fmt):
+            cases = (exact_run_cases() if path == "fused exact"
+                     else v4cases.compile_cases(fused, fmt))
+            for case in cases:
                 shape = case.shape.split("_decode")[0]
                 if quick and shape != "flash_csa":
                     continue
@@ -62,22 +69,24 @@ def rows_for(chips, quick: bool) -> list[dict]:
                                           if fmt == "fp8" else 0)
                 out.append(dict(chip=chip, shape=shape, path=path, fmt=fmt, gathered=gathered,
                                 min=t.bytes_min / rows, min_bf16=min_bf16 / rows,
-                                model=t.bytes_moved / rows, xla=cost.total_bytes / rows,
+                                model=t.bytes_moved / rows, dmas=t.dmas / rows,
+                                xla=cost.total_bytes / rows,
                                 loop=cost.has_loop))
     return out
 
 
 def markdown(rows: list[dict]) -> str:
     head = ("| chip | shape | path | cache | gathered rows | min B/row | min@bf16 B/row | "
-            "model B/row | model / min | XLA B/row | XLA / min |\n"
-            "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|\n")
+            "model B/row | model / min | DMAs/row | XLA B/row | XLA / min |\n"
+            "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     lines = []
     for r in rows:
         lines.append(
             f"| {r['chip']} | {LABELS[r['shape']]} | {r['path']} | "
             f"{'fp8 MODEL1' if r['fmt'] == 'fp8' else 'packed bf16'} | {r['gathered']} | "
             f"{r['min']:,.0f} | {r['min_bf16']:,.0f} | {r['model']:,.0f} | "
-            f"{r['model'] / r['min']:.2f}x | {r['xla']:,.0f} | {r['xla'] / r['min']:.2f}x |")
+            f"{r['model'] / r['min']:.4f}x | {r['dmas']:,.1f} | {r['xla']:,.0f} | "
+            f"{r['xla'] / r['min']:.2f}x |")
     return head + "\n".join(lines) + "\n"
 
 
