@@ -22,7 +22,8 @@ def compress_step(kv, score, ape, norm_weight, cos, sin, state: vc.CompressorSta
                   kv_lens, cu_q_lens, distribution, *, ratio: int, eps: float = vc.NORM_EPS,
                   backend: str | None = None, interpret=None,
                   vmem_limit_bytes: int | None = None, precision: str = "f32",
-                  implementation=None) -> tuple[vc.CompressedEntries, vc.CompressorState]:
+                  implementation=None,
+                  rope_rows=None) -> tuple[vc.CompressedEntries, vc.CompressorState]:
     """One step of the V4 compressor: ``(CompressedEntries, CompressorState)``.
 
     Args as ``reference.v4_compressor.compress_step`` (``kv`` / ``score f32|bf16[T, coff * d]``,
@@ -38,13 +39,17 @@ def compress_step(kv, score, ape, norm_weight, cos, sin, state: vc.CompressorSta
       is the interpreter;
     - ``vmem_limit_bytes``: the Pallas entry's scoped-VMEM override (``None``: its default);
     - ``implementation``: ``"xla"`` (the jnp reference), ``"pallas"``, an ordered list or
-      ``None`` (``dsa_jax.backend``; ``backend=`` is the older spelling).
+      ``None`` (``dsa_jax.backend``; ``backend=`` is the older spelling);
+    - ``rope_rows``: ``f32[P, 128]``, the tables in the Pallas kernel's row layout
+      (``pallas_kernels.v4_compressor.rope_rows(cos, sin)``, a model constant: build it once),
+      so the kernel reads one 512-B row per entry instead of two 16-KB table tiles; ``None``:
+      the tiles. The reference ignores it.
 
     Jit the caller with ``state`` donated to update the pool in place. Bad shapes, dtypes or a
     ratio other than 4 / 128 raise ``ValueError`` naming the numbers (on either backend).
     """
-    knobs = {k: v for k, v in (("interpret", interpret), ("vmem_limit_bytes", vmem_limit_bytes))
-             if v is not None}
+    knobs = {k: v for k, v in (("interpret", interpret), ("vmem_limit_bytes", vmem_limit_bytes),
+                               ("rope_rows", rope_rows)) if v is not None}
 
     def call(fn, extra):
         return fn(kv, score, ape, norm_weight, cos, sin, state, state_slots, kv_lens, cu_q_lens,

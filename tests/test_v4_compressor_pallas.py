@@ -203,3 +203,61 @@ def test_bad_input_is_refused_naming_the_numbers():
     with pytest.raises(ValueError, match=r"kv has T = 0 rows.*at least one row"):  # empty step
         pvc.compress_step(jnp.zeros((0, 32)), jnp.zeros((0, 32)), *args[2:], ratio=4,
                           interpret=True)
+
+
+@pytest.mark.parametrize("ratio,d,precision", [(4, 512, "f32"), (4, 128, "bf16")])
+def test_rope_rows_give_the_reference_bits(ratio, d, precision):
+    """The tables given in the kernel's row layout (``rope_rows``: one 512-B row per entry):
+    the layout is the definition's (each ``cos`` / ``sin`` value on both lanes of its pair,
+    zero padding below), and a prefill-and-decode step from a NaN pool gives the reference's
+    entries bit for bit (the same ops on the same values as the tables' tiles)."""
+    rng = np.random.default_rng()
+    params = _params(rng, ratio, d, 64)
+    ape, weight, cos, sin = params
+    rows = np.asarray(pvc.rope_rows(cos, sin))
+    half = cos.shape[1]
+    want_rows = np.zeros((cos.shape[0], 128), np.float32)
+    want_rows[:, 128 - 4 * half:128 - 2 * half] = np.repeat(np.asarray(cos), 2, axis=1)
+    want_rows[:, 128 - 2 * half:] = np.repeat(np.asarray(sin), 2, axis=1)
+    np.testing.assert_array_equal(rows, want_rows)
+    n = (3 if ratio == 4 else 1) * ratio + 1
+    seqs = [_tokens(rng, m, ratio, d) for m in (n, ratio)]
+    state, slots = _nan_state(2, ratio, d), jnp.asarray([1, 0], jnp.int32)
+    step = _Step(seqs, [(0, n), (ratio - 1, 1)], n + 2)
+    args = (*step.args, ape, weight, cos, sin, state, slots, step.kv_lens, step.cu_q_lens,
+            step.distribution)
+    got = pvc.compress_step(*args, ratio=ratio, interpret=True, precision=precision,
+                            rope_rows=jnp.asarray(rows))
+    want = vc.compress_step(*args, ratio=ratio, precision=precision)
+    assert (np.asarray(got[0].entry) >= 0).sum() == n // ratio + 1
+    np.testing.assert_array_equal(np.asarray(got[0].entry), np.asarray(want[0].entry))
+    np.testing.assert_array_equal(np.asarray(got[0].rows).view(np.uint32),
+                                  np.asarray(want[0].rows).view(np.uint32))
+    np.testing.assert_array_equal(np.asarray(got[1].kv), np.asarray(want[1].kv))
+
+
+def test_rope_rows_counted_bytes_and_descriptors_equal_the_model():
+    """``hbm_traffic.compressor_case`` with the tables in the row layout (4 sequences completing
+    an entry, ratio 4, d 128): the interpreter's bytes and descriptors equal
+    ``compressor_traffic(row_table=True)``'s, one 512-B table row DMA per entry (the tiles: 2 x 16
+    KB and 2 DMAs per tile)."""
+    from pallas_kernels.measure import hbm_traffic as ht
+
+    case = ht.compressor_case(rope_rows=True)
+    n = ht.count(case)
+    assert n.dmas_unexecuted == 0
+    assert n.bytes(lane_padded=True) + n.bytes("hbm", "hbm") == case.model.bytes_moved, n.table()
+    assert n.descriptors == case.model.dmas == 7 * 4 + 5 + 2 + 1 + 4, n.table()
+    tables = [c for c in n.select("hbm", "vmem", "dma") if c.shape == (1, 128)]
+    assert len(tables) == 4 and {c.nbytes for c in tables} == {512}
+
+
+def test_bad_rope_rows_are_refused_naming_the_shapes():
+    cos, sin = vc.rope_tables(64, 64)
+    args = [jnp.zeros((5, 256)), jnp.zeros((5, 256)), jnp.zeros((4, 256)), jnp.ones(128), cos,
+            sin, vc.init_compressor_state(3, 4, 128), jnp.zeros(2, jnp.int32),
+            jnp.zeros(2, jnp.int32), jnp.zeros(3, jnp.int32), jnp.zeros(3, jnp.int32)]
+    with pytest.raises(ValueError, match=r"rope_rows shape \(32, 128\) != \(64, 128\)"):
+        pvc.compress_step(*args, ratio=4, interpret=True, rope_rows=jnp.zeros((32, 128)))
+    with pytest.raises(ValueError, match=r"4 \* h <= 128: cos width h 64"):
+        pvc.rope_rows(*vc.rope_tables(8, 128))

@@ -22,6 +22,7 @@ import pytest
 from dsa_jax import v4_cli
 from dsa_jax.v4_step import v4_step_body
 from pallas_kernels import chips, xla_cost
+from pallas_kernels.measure import interpret_counter as counter
 from pallas_kernels.v4_attention import compile_cases, writes
 from pallas_kernels.v4_attention.state import v4_attention_state
 from reference.formats import model1
@@ -78,11 +79,33 @@ def _run(batch, fused: bool, monkeypatch):
     return fn(inputs, params, caches, states, meta)
 
 
+def _written(n, fmt: str, calls: int):
+    """The interpreter's count ``n`` of the writes of ``calls`` writing attention calls, each
+    writing this step's ``sum(Q_LENS)`` tokens: the model's bytes and descriptors per token
+    (``writes.written_bytes`` / ``written_dmas``: an HBM -> HBM copy is read and written;
+    fp8: the nope record, and the rope row of a leader only, the first of the step's tokens
+    on that row; the model's worst case is every token a leader)."""
+    copies = [c for c in n.select("hbm", "hbm", "dma") if "uint" in c.dtype or fmt == "plain"]
+    tokens = calls * sum(Q_LENS)
+    leaders = calls * sum(len({p // writes.QUARTERS for p in range(kv - ql, kv)})
+                          for ql, kv in zip(Q_LENS, KV_LENS, strict=True))
+    dmas = tokens * writes.written_dmas(fmt) - (tokens - leaders if fmt == "fp8" else 0)
+    assert len(copies) == dmas, n.table()
+    per_dma = writes.written_bytes(fmt) // 2 // writes.written_dmas(fmt)
+    assert {c.nbytes for c in copies} == {per_dma}
+
+
 @pytest.mark.parametrize("fmt", ["packed", "fp8"])
 def test_fused_window_writes_equal_the_scatter_bit_for_bit(fmt, monkeypatch):
+    """... and the interpreter counts the writes' bytes and descriptors of the model
+    (``writes.written_bytes`` / ``written_dmas`` per token, ``_written``)."""
     batch = _batch(fmt)
     assert all(writes.writable(getattr(batch[3], f)) for f in batch[-1])
-    got, want = _run(batch, True, monkeypatch), _run(batch, False, monkeypatch)
+    with counter.count_hbm_traffic() as n:
+        got = _run(batch, True, monkeypatch)
+        jax.block_until_ready(got)
+    _written(n, fmt, calls=len(batch[-1]) * 2)  # each window stack, at each of the 2 layers
+    want = _run(batch, False, monkeypatch)
     np.testing.assert_array_equal(np.asarray(got.out), np.asarray(want.out))
     assert not np.isnan(np.asarray(got.out)[:, :sum(Q_LENS)]).any()
     for f in batch[-1]:
@@ -125,7 +148,9 @@ def test_the_writing_kernel_compiles_in_place(fmt):
 def test_f32_rows_written_at_a_layer_of_a_stack_equal_the_scatter():
     """An f32 window stack ``[2, P, 16, 512]`` written at layer 1 by the kernel (strict
     interpreter; a decode row, a 3-row chunk, a padding row) equals the rows stored by the
-    XLA scatter, layer 0 untouched, and the output equals the call on the scattered stack."""
+    XLA scatter, layer 0 untouched, and the output equals the call on the scattered stack;
+    the interpreter counts the model's writes (``writes.written_bytes`` / ``written_dmas``:
+    one DMA and 4 KB per token, the padding row none)."""
     rng = np.random.default_rng(3)
     ps, pps, kv_lens, q_lens = 16, 4, [20, 5], [1, 3]
     table = rng.permutation(2 * pps + 1)[:2 * pps].astype(np.int32)
@@ -143,8 +168,13 @@ def test_f32_rows_written_at_a_layer_of_a_stack_equal_the_scatter():
     kw = dict(sm_scale=0.05, window_size=16, compress_ratio=0, window_pages_per_seq=pps,
               layer=1, interpret=True, block=8)
     cu = jnp.asarray([0, pps * ps, 2 * pps * ps], jnp.int32)
-    out, got = v4_attention_state(q, PagedKV(jnp.asarray(cache), table, cu), *args,
-                                  new_kv=jnp.asarray(rows), **kw)
+    with counter.count_hbm_traffic() as n:
+        out, got = v4_attention_state(q, PagedKV(jnp.asarray(cache), table, cu), *args,
+                                      new_kv=jnp.asarray(rows), **kw)
+        jax.block_until_ready(got)
+    written = n.select("hbm", "hbm", "dma")  # one 2 KB row DMA per token: 4 KB moved
+    assert len(written) == sum(q_lens) * writes.written_dmas("plain")
+    assert {2 * c.nbytes for c in written} == {writes.written_bytes("plain")}
     ref = v4_attention_state(q, PagedKV(jnp.asarray(want), table, cu), *args, **kw)
     assert np.asarray(got).tobytes() == want.tobytes()
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))

@@ -162,12 +162,13 @@ def fill_v4(specs, rng, *, ratio: int) -> tuple:
 def fill_compressor(specs, rng, *, ratio: int) -> tuple:
     """A decode step for ``compress_step`` where every sequence completes an entry: ``(kv,
     score, ape, weight, cos, sin, state kv, state score, slots, kv_lens, cu_q_lens,
-    distribution)``."""
+    distribution[, rope_rows])``."""
     seqs = specs[8].shape[0]
     cu_q, dist = _decode_meta(seqs)
     floats = [_rand(rng, s, 1 / 8) for s in specs[:8]]
+    rows = [_rand(rng, s, 1 / 8) for s in specs[12:]]  # rope_rows (values do not matter here)
     return (*floats, np.arange(seqs, dtype=np.int32), np.full((seqs,), 8 * ratio, np.int32),
-            cu_q, dist)
+            cu_q, dist, *rows)
 
 
 # ------------------------------------------------------------------------------------- cases
@@ -317,10 +318,11 @@ def quick_kernel_cases(interpret: bool = True) -> list[Case]:
                             lambda g=g, specs=specs, r=ratio: (g, fill_v4(specs, rng, ratio=r))))
     specs = ccases.specs(d=128, ratio=4, rows=2, seqs=2)
 
-    def comp(kv, score, ape, weight, cos, sin, skv, sscore, slots, kv_lens, cu, dist):
+    def comp(kv, score, ape, weight, cos, sin, skv, sscore, slots, kv_lens, cu, dist,
+             rope_rows=None):
         return compress_step(kv, score, ape, weight, cos, sin,
                              vc.CompressorState(skv, sscore), slots, kv_lens, cu, dist,
-                             ratio=4, interpret=interpret)
+                             ratio=4, interpret=interpret, rope_rows=rope_rows)
     out.append(Case("kernel", "v4_compressor", "index d128 decode 2",
                     lambda: (comp, fill_compressor(specs, rng, ratio=4))))
     return out

@@ -245,12 +245,15 @@ def mla_case(s: Shape, *, page_mode: bool, k: int, block: int, v_dim: int,
 # ----------------------------------------------------------------------------- V4 compressor
 
 
-def compressor_case(*, ratio: int = 4, d: int = 128, seqs: int = 4, seed: int = 0) -> Case:
+def compressor_case(*, ratio: int = 4, d: int = 128, seqs: int = 4, seed: int = 0,
+                    rope_rows: bool = False) -> Case:
     """A decode step of the Pallas V4 compressor (``v4_compressor.compress_step``): ``seqs``
     sequences of one token each, every one completing an entry (``traffic.decode_counts``: the
     step the static program must serve) and reading its ring slot; random rows and ring. At
-    ``seqs = 4``, ratio 4: 5 output slots, one of them unused (a zero row)."""
+    ``seqs = 4``, ratio 4: 5 output slots, one of them unused (a zero row). ``rope_rows``: the
+    tables given in the kernel's row layout (``v4_compressor.rope_rows``)."""
     from pallas_kernels.v4_compressor import compress_step
+    from pallas_kernels.v4_compressor import rope_rows as build_rows
     from pallas_kernels.v4_compressor import traffic as ctraffic
     from reference import v4_compressor as vc
 
@@ -270,10 +273,11 @@ def compressor_case(*, ratio: int = 4, d: int = 128, seqs: int = 4, seed: int = 
     tiles = [(n // ratio - 1) * ratio // ctraffic.TABLE_TILE for n in kv_lens]
     counts = dataclasses.replace(ctraffic.decode_counts(seqs, ratio),
                                  table_tiles=1 + int(np.count_nonzero(np.diff(tiles))))
-    model = ctraffic.compressor_traffic(counts, ratio=ratio, d=d)
+    model = ctraffic.compressor_traffic(counts, ratio=ratio, d=d, row_table=rope_rows)
+    table = build_rows(cos, sin) if rope_rows else None
     return Case("v4_compressor", f"decode {seqs} seqs, ratio {ratio} d{d}",
-                lambda: compress_step(*args, ratio=ratio, interpret=INTERPRET), model, 0,
-                f"R={rows} W={width}")
+                lambda: compress_step(*args, ratio=ratio, interpret=INTERPRET, rope_rows=table),
+                model, 0, f"R={rows} W={width}")
 
 
 # ----------------------------------------------------------------------------- cases

@@ -435,12 +435,13 @@ def fused_call(q, w_cache, c_cache, layer, entries, info, w_table, c_table, attn
                       min_row_bytes=formats.stored_bytes(fmt), fp8=fmt in formats.FP8_FORMATS,
                       acc_in_itemsize=0 if state is None else state[0].dtype.itemsize,
                       acc_out_itemsize=acc_dtype.itemsize if return_state else 0,
-                      written_rows=0 if new_rows is None else
-                      num_rows * row_writes.written_bytes(fmt) // row_writes.WRITE_BYTES,
+                      written_rows=0 if new_rows is None else num_rows,
                       read_rows=num_rows * single_rows, gather_dmas=num_rows * gather_dmas,
                       run_rows=num_rows * run_rows,
                       run_row_bytes=formats.run_row_bytes(fmt, w_parts[0].shape[-1]),
-                      run_rope_rows=num_rows * rope_rows)
+                      run_rope_rows=num_rows * rope_rows,
+                      write_bytes=row_writes.written_bytes(fmt),
+                      write_dmas=row_writes.written_dmas(fmt))
     call = pl.pallas_call(
         kernel, grid_spec=grid_spec, out_shape=out_shape, input_output_aliases=aliases,
         compiler_params=pltpu.CompilerParams(

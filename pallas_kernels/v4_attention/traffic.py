@@ -153,7 +153,8 @@ def fused_traffic(*, rows: int, heads: int, gathered_rows: int, meta_words: int,
                   acc_in_itemsize: int = 0, acc_out_itemsize: int = 0,
                   written_rows: int = 0, read_rows: int | None = None,
                   gather_dmas: int | None = None, run_rows: int = 0,
-                  run_row_bytes: int = 0, run_rope_rows: int = 0) -> aot.Traffic:
+                  run_row_bytes: int = 0, run_rope_rows: int = 0,
+                  write_bytes: int = WRITE_BYTES, write_dmas: int = 1) -> aot.Traffic:
     """Modelled HBM traffic of one fused call where every query row gathers ``gathered_rows``
     rows (window + selected entries) of ``row_bytes`` each (packed and plane: 1024 B, one DMA;
     fp8 / CSA: ``FP8_ROW_BYTES`` = 1024 B in 2 DMAs, the 512 B record and the 512 B rope row it
@@ -161,8 +162,10 @@ def fused_traffic(*, rows: int, heads: int, gathered_rows: int, meta_words: int,
     rows' lists (``meta_words``) and ``row_info`` into SMEM, the page tables once. With a flash
     state: ``acc_in_itemsize`` (0: none) reads the state's ``acc`` in that itemsize and its f32
     ``l`` and ``m``; ``acc_out_itemsize`` (0: the normalized output and LSE) writes the state
-    in their place; ``written_rows``: rows the call writes into its window cache in place
-    (``writes``: ``WRITE_BYTES`` each, and a 4-byte position in SMEM per query row). Page runs
+    in their place; ``written_rows``: tokens the call writes into its window cache in place
+    (``writes``: ``write_bytes`` and ``write_dmas`` each, ``writes.written_bytes`` /
+    ``written_dmas`` of the format (default: a plane token's 2 KB in one DMA), and a 4-byte
+    position in SMEM per DMA). Page runs
     (all query rows together, ``run_reads`` / ``run_bound``): ``read_rows`` tokens read one by
     one (None: ``rows * gathered_rows``), ``run_rows`` read by page runs at ``run_row_bytes``
     each (0: ``row_bytes``; fp8 / CSA: the 512 B record) and, fp8 / CSA, their
@@ -172,14 +175,14 @@ def fused_traffic(*, rows: int, heads: int, gathered_rows: int, meta_words: int,
     stored per token) plus q, out, the state and the writes. VMEM: the gather blocks (fp8 /
     CSA: nope, rope and quarter buffers; with runs their rope rows and expansion), the f32
     accumulator, q, out and state blocks double-buffered. ``dmas``: the gathers, one list load
-    per row (``meta_words``), one per written row, and the pipeline's block copies (q, out and
-    LSE or the state's three, the state read's three, the sink once)."""
+    per row (``meta_words``), ``write_dmas`` per written token, and the pipeline's block
+    copies (q, out and LSE or the state's three, the state read's three, the sink once)."""
     dim = v4.HEAD_DIM
     out_itemsize = acc_out_itemsize or q_itemsize
     per_head = dim * q_itemsize + dim * out_itemsize + (8 if acc_out_itemsize else 4)
     per_head += (dim * acc_in_itemsize + 8) if acc_in_itemsize else 0
-    q_out = rows * heads * per_head + written_rows * WRITE_BYTES
-    smem = 4 * (rows * (meta_words + INFO_WORDS + bool(written_rows)) + table_words)
+    q_out = rows * heads * per_head + written_rows * write_bytes
+    smem = 4 * (rows * (meta_words + INFO_WORDS) + written_rows * write_dmas + table_words)
     read_rows = rows * gathered_rows if read_rows is None else read_rows
     gather_dmas = read_rows * (2 if fp8 else 1) if gather_dmas is None else gather_dmas
     moved = (read_rows * row_bytes + run_rows * (run_row_bytes or row_bytes)
@@ -190,5 +193,5 @@ def fused_traffic(*, rows: int, heads: int, gathered_rows: int, meta_words: int,
     vmem = (2 * block * buf_bytes + 4 * heads * dim
             + 2 * heads * dim * (q_itemsize + out_itemsize + acc_in_itemsize))
     blocks = rows * (1 + (3 if acc_out_itemsize else 2) + (3 if acc_in_itemsize else 0)) + 1
-    dmas = gather_dmas + rows * bool(meta_words) + written_rows + blocks
+    dmas = gather_dmas + rows * bool(meta_words) + written_rows * write_dmas + blocks
     return aot.Traffic(int(moved), int(bytes_min), int(flops), int(vmem), int(dmas))

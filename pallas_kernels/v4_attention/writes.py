@@ -32,7 +32,9 @@ to its inputs (``input_output_aliases``): in place when the caller donates them,
 them first.
 
 Traffic: each written token reads its encoded bytes and writes them (``written_bytes``: 2 KB
-packed, plane and fp8 (nope record and, worst case, its rope row), 4 KB f32).
+packed, plane and fp8 (nope record and, worst case, its rope row), 4 KB f32) in
+``written_dmas`` HBM -> HBM DMAs (one; fp8 two: the nope record and, worst case, the rope row
+of a leader).
 """
 
 from __future__ import annotations
@@ -62,9 +64,16 @@ def writable(cache) -> bool:
 
 
 def written_bytes(fmt: str) -> int:
-    """HBM bytes the writes of one token move: its encoded rows read and written (fp8: the nope
-    record and the whole rope row, the worst case of a leader)."""
-    return 2 * (4 * 2 * v4.HEAD_DIM if fmt == "plain" else formats.PLANE_ROW_BYTES)
+    """HBM bytes the writes of one token move: its encoded rows read and written (packed 1 KB,
+    plain f32 2 KB, plane 1 KB; fp8: the 512 B nope record and the whole 512 B rope row, the
+    worst case of a leader), twice (an HBM -> HBM copy reads and writes)."""
+    return 2 * formats.row_bytes(fmt, v4.HEAD_DIM if fmt == "plain" else formats.WORDS)
+
+
+def written_dmas(fmt: str) -> int:
+    """DMA descriptors the writes of one token issue: one per cache part (``part_rows``: fp8's
+    nope record and, worst case, its rope row as a leader; else one)."""
+    return len(part_rows(fmt))
 
 
 def part_rows(fmt: str) -> tuple[tuple[int, int], ...]:

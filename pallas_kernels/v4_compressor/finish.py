@@ -12,6 +12,13 @@ multiple of 128): one ``[h, 128]`` DMA per table and completing entry, the 128-p
 that holds ``r j``. Column ``r j % 128`` of the tile is spread onto the rope lanes of the row by
 exact selects and sums of zeros (no arithmetic on the values).
 
+The caller may instead pass the tables once in the kernel's row layout (``rope_rows``:
+``f32[P, 128]``, position ``p``'s ``cos`` and ``sin`` each repeated onto the lane pairs they
+rotate, a model constant built once): then the kernel reads one 512-B row per completing entry
+(``row_copies``), not 2 x 16 KB, and places it by one lane rotation (``_row_lanes``). Building
+that layout per call in the glue would cost more than it saves (XLA's TPU model: ~5-9 MB at
+8192 positions, ratio 4, from the column-major tables), so the glue never builds it.
+
 The norm's mean uses ``reference.v4_compressor._tree``'s pairwise order by lane rotations
 (``y + roll(y, d - h)`` at ``h = d / 2, ..., 1``: lane ``i < h`` adds lane ``i + h``, the
 reference's ``x[:h] + x[h:]``), so ``d`` must be a power of two; ``fusable`` says when the
@@ -44,6 +51,28 @@ def table_view(table: jax.Array) -> jax.Array:
     return jnp.pad(t, ((0, 0), (0, pad))) if pad else t
 
 
+def rope_rows(cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """The RoPE tables in the kernel's row layout: ``cos`` / ``sin f32[P, h]`` (``4 h <=
+    128``) -> ``f32[P, 128]`` whose row ``p`` holds ``cos[p, i]`` at lanes ``128 - 4 h + 2 i +
+    b`` and ``sin[p, i]`` at lanes ``128 - 2 h + 2 i + b`` (``b`` 0, 1: each value on both lanes
+    of the pair it rotates), lanes below ``128 - 4 h`` zero. Exact (copies only); build it once
+    per model (``pallas_kernels.v4_compressor.compress_step``'s ``rope_rows``)."""
+    num, half = cos.shape
+    if sin.shape != cos.shape:
+        raise ValueError(f"sin shape {sin.shape} != cos shape {cos.shape}")
+    if 4 * half > tpu.LANES:
+        raise ValueError(f"rope_rows needs 4 * h <= {tpu.LANES}: cos width h {half}")
+    pad = jnp.zeros((num, tpu.LANES - 4 * half), jnp.float32)
+    return jnp.concatenate([pad, jnp.repeat(jnp.asarray(cos, jnp.float32), 2, axis=1),
+                            jnp.repeat(jnp.asarray(sin, jnp.float32), 2, axis=1)], axis=1)
+
+
+def row_copies(rows_hbm, tbuf, tsem, pos):
+    """The DMA of position ``pos``'s row of the ``rope_rows`` table (HBM f32[P, 128]) into
+    ``tbuf[0]`` (VMEM f32[1, 1, 128]): one 512-B row DMA."""
+    return [pltpu.make_async_copy(rows_hbm.at[pl.ds(pos, 1)], tbuf.at[0], tsem.at[0])]
+
+
 def table_copies(cos_t, sin_t, tbuf, tsem, pos):
     """The DMAs of the 128-position tiles holding position ``pos``: ``cos_t`` / ``sin_t``
     (HBM f32[h, P']) into ``tbuf[0]`` / ``tbuf[1]`` (VMEM f32[2, h, 128])."""
@@ -64,6 +93,17 @@ def _lanes(tile, pos, d: int):
     return jnp.sum(jnp.where(hit, col, 0.0), axis=0, keepdims=True)
 
 
+def _row_lanes(row, d: int, half: int):
+    """``(cos, sin) f32[1, d]`` from a ``rope_rows`` row ``f32[1, 128]``: the rope lanes ``d -
+    2 h + 2 i + b`` of each hold ``cos[i]`` / ``sin[i]`` (one static lane rotation for cos;
+    the other lanes hold whatever: ``finish_row`` selects the rope lanes)."""
+    cos = pltpu.roll(row, 2 * half, 1)
+    reps = d // tpu.LANES
+    if reps == 1:
+        return cos, row
+    return jnp.concatenate([cos] * reps, axis=1), jnp.concatenate([row] * reps, axis=1)
+
+
 def _lane_tree_sum(y):
     """``f32[1, d] -> f32[1, 1]``: ``_tree(y, -1, add)`` (module docstring)."""
     d = y.shape[1]
@@ -74,19 +114,25 @@ def _lane_tree_sum(y):
     return y[:, :1]
 
 
-def finish_row(pooled, weight, tbuf, pos, *, eps: float, precision: str):
+def finish_row(pooled, weight, tbuf, pos, *, eps: float, precision: str, half: int = 0):
     """``f32[1, d]``: ``finish_entries``' row of one valid entry from its pooled row
     ``pooled f32[1, d]``, the norm weight ``weight f32[1, d]``, the table tiles ``tbuf f32[2,
-    h, 128]`` (``table_copies``) and the RoPE position ``pos = r j``."""
+    h, 128]`` (``table_copies``) and the RoPE position ``pos = r j``; or (``half``, the tables'
+    ``h``, nonzero) the position's ``rope_rows`` row in ``tbuf f32[1, 1, 128]``
+    (``row_copies``)."""
     rb = rounding(precision)
     d = pooled.shape[1]
     x = rb(pooled)
     var = _lane_tree_sum(jnp.square(x)) / jnp.float32(d)
     x = rb(weight * (x * jax.lax.rsqrt(var + jnp.float32(eps))))
-    cos, sin = _lanes(tbuf[0], pos, d), _lanes(tbuf[1], pos, d)
+    if half:
+        cos, sin = _row_lanes(tbuf[0], d, half)
+    else:
+        half = tbuf.shape[1]
+        cos, sin = _lanes(tbuf[0], pos, d), _lanes(tbuf[1], pos, d)
     nxt = pltpu.roll(x, d - 1, 1)  # lane l holds x[l + 1]: at an even lane, (a, b) = (x, nxt)
     lane = jax.lax.broadcasted_iota(jnp.int32, (1, d), 1)
-    rope = lane >= d - 2 * tbuf.shape[1]
+    rope = lane >= d - 2 * half
     even = x * cos - nxt * sin  # a cos - b sin
     odd = pltpu.roll(x * sin + nxt * cos, 1, 1)  # a sin + b cos, moved to the pair's odd lane
     return rb(jnp.where(rope, jnp.where(lane % 2 == 0, even, odd), x))

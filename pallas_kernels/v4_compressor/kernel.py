@@ -38,11 +38,13 @@ them in order and keeps one pool buffer):
 
 The pool call also finishes each entry (``finish``: the weighted RMSNorm and RoPE at ``r j``,
 the tables read through their free transposed view, one ``[h, 128]`` tile per table and run of
-entries in a tile) and writes its row by one row DMA into ``f32[E, d]``, so the glue (XLA) only
-computes the per-slot facts (``reference.v4_compressor.seq_facts``, ``enumerate_slots``:
-elementwise over ``E`` and ``S``, a compare-and-count search and one-hot reads, no gather: XLA's
-TPU model prices a scalar gather at kilobytes per index) and masks ``seq`` / ``entry``: ~1.2 MB
-per V4-Flash decode call in XLA's model (was ~22 MB with the finish in XLA). When
+entries in a tile, or, given ``rope_rows`` (the tables in the kernel's row layout, a model
+constant), one 512-B row per entry) and writes its row by one row DMA into ``f32[E, d]``, so
+the glue (XLA) only computes the per-slot facts (``reference.v4_compressor.seq_facts``,
+``enumerate_slots``: elementwise over ``E`` and ``S``, a compare-and-count search and one-hot
+reads, no gather: XLA's TPU model prices a scalar gather at kilobytes per index) and masks
+``seq`` / ``entry``: ~1.2 MB per V4-Flash decode call in XLA's model (was ~22 MB with the
+finish in XLA). When
 ``finish.fusable`` is false (``d`` not a power of two of whole lane rows, or the tables' width
 not a multiple of 8) the glue finishes the rows with ``finish_entries`` as before.
 
@@ -233,13 +235,15 @@ def _pool(chunk_kv, chunk_score, rbuf, ape_ref, k_s, k_c, off, ratio: int):
 def _pool_kernel(facts_ref, kv_hbm, score_hbm, ape_ref, skv_hbm, sscore_hbm, weight_ref,
                  cos_hbm, sin_hbm, out_hbm, cbuf, rbuf, wbuf, tbuf, obuf, csem, rsem, wsem, tsem,
                  osem, last, *, ratio: int, window: bool, fused: bool, eps: float,
-                 precision: str):
+                 precision: str, row_half: int = 0):
     """One grid step = one output slot. Prefetch: ``facts`` (SMEM i32[E * ENTRY_WORDS]);
     inputs: this step's ``kv`` / ``score`` (HBM f32[T, W]), the ape tile (VMEM f32[R, W], row
     ``k`` = ``ape[k % r]``), the pool's ``kv`` / ``score`` (HBM f32[N, R, W]), the norm weight
-    (VMEM f32[1, d]), the RoPE tables' transposed views (HBM f32[h, P'], ``finish``); output
+    (VMEM f32[1, d]), the RoPE tables' transposed views (HBM f32[h, P'], ``finish``; or, with
+    ``row_half`` = h, the ``rope_rows`` table HBM f32[P, 128] and an unused dummy); output
     the rows (HBM f32[E, d]: one row DMA from ``obuf`` per slot); scratch: chunk, ring, window
-    and table-tile buffers (VMEM f32[2, R | R | R + 8, W], f32[2, h, 128]), the row, their DMA
+    and table-tile buffers (VMEM f32[2, R | R | R + 8, W], f32[2, h, 128] | f32[1, 1, 128]),
+    the row, their DMA
     semaphores, the tile ``tbuf`` holds (SMEM i32[1]: a run of entries in one tile loads it
     once). With ``fused`` (static; ``finish.fusable``) the row is finished
     (``finish.finish_row``), else pooled only. A run of all ``R`` slots starting at a row that is a
@@ -266,10 +270,12 @@ def _pool_kernel(facts_ref, kv_hbm, score_hbm, ape_ref, skv_hbm, sscore_hbm, wei
         aligned = use_window = jnp.bool_(False)
         copies = [(k_s < k_c, cp) for cp in _ring_copies(skv_hbm, sscore_hbm, rbuf, rsem,
                                                          facts_ref[at + _SLOT])]
-        if fused:  # the tables' tile, unless the previous entry loaded it
-            tile = facts_ref[at + _POS] // finish.TILE
-            copies += [(tile != last[0], cp) for cp in finish.table_copies(
-                cos_hbm, sin_hbm, tbuf, tsem, facts_ref[at + _POS])]
+        if fused:  # the tables' tile (row), unless the previous entry loaded it
+            pos = facts_ref[at + _POS]
+            tile = pos if row_half else pos // finish.TILE
+            copies += [(tile != last[0], cp) for cp in (
+                finish.row_copies(cos_hbm, tbuf, tsem, pos) if row_half
+                else finish.table_copies(cos_hbm, sin_hbm, tbuf, tsem, pos))]
         if kv_hbm.shape[0] >= rows:  # (a static slice of R rows must fit)
             aligned = (k_c == 0) & (base % pad == 0)
             copies += [(aligned, cp) for cp in _run_copies(kv_hbm, score_hbm, cbuf, wsem, base)]
@@ -291,7 +297,7 @@ def _pool_kernel(facts_ref, kv_hbm, score_hbm, ape_ref, skv_hbm, sscore_hbm, wei
         row = _pool(chunk_kv, chunk_score, rbuf, ape_ref, k_s, k_c, facts_ref[at + _OFF], ratio)
         if fused:
             row = finish.finish_row(row, weight_ref[...], tbuf, facts_ref[at + _POS], eps=eps,
-                                    precision=precision)
+                                    precision=precision, half=row_half)
         obuf[...] = row
 
     out = pltpu.make_async_copy(obuf, out_hbm.at[pl.ds(pl.program_id(0), 1)], osem.at[0])
@@ -301,22 +307,25 @@ def _pool_kernel(facts_ref, kv_hbm, score_hbm, ape_ref, skv_hbm, sscore_hbm, wei
 
 def pool_call(facts, kv, score, ape, state: vc.CompressorState, *, ratio: int,
               vmem_limit_bytes: int | None, interpret, norm_weight=None, cos=None, sin=None,
-              eps: float = vc.NORM_EPS, precision: str = "f32") -> jax.Array:
+              eps: float = vc.NORM_EPS, precision: str = "f32", rope_rows=None) -> jax.Array:
     """The pool ``pallas_call`` (``_pool_kernel``): ``f32[E, d]``, zero rows for unused slots.
     ``facts`` from ``entry_facts``; ``kv``, ``score f32[T, W]``; ``ape f32[r, W]``. With
     ``norm_weight f32[d]`` and the RoPE tables ``cos`` / ``sin f32[P, h]`` given and
     ``finish.fusable(d, h)``, the rows are finished (``finish_entries``' norm and RoPE at
-    ``eps`` and ``precision``), else pooled only."""
+    ``eps`` and ``precision``), else pooled only; ``rope_rows f32[P, 128]`` (``finish.rope_rows``
+    of the tables, optional): the kernel reads its rows instead of the tables' tiles."""
     num_rows, width = kv.shape
     coff = vc.compressor_coff(ratio)
     rows, d = vc.state_rows(ratio), width // coff
     fused = norm_weight is not None and finish.fusable(d, cos.shape[1])
     half = cos.shape[1] if fused else 0
+    row_half = half if rope_rows is not None else 0
     slots = facts.shape[0] // ENTRY_WORDS
     c = traffic.worst_counts(num_rows, slots - num_rows // ratio, ratio)  # E = T // r + S
     window = blocks.uses_window(ratio, num_rows, tpu.device_chip())
     wshape = (2, rows + blocks.WINDOW_PAD, width) if window else (2, tpu.SUBLANES, tpu.LANES)
-    tshape = (2, half, finish.TILE) if fused else (2, tpu.SUBLANES, tpu.LANES)
+    tshape = ((1, 1, tpu.LANES) if row_half else (2, half, finish.TILE) if fused
+              else (2, tpu.SUBLANES, tpu.LANES))
     const = lambda e, *_: (0, 0)  # noqa: E731
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -334,20 +343,23 @@ def pool_call(facts, kv, score, ape, state: vc.CompressorState, *, ratio: int,
                         pltpu.SemaphoreType.DMA((1,)), pltpu.SMEM((1,), jnp.int32)])
     call = pl.pallas_call(
         functools.partial(_pool_kernel, ratio=ratio, window=window, fused=fused, eps=eps,
-                          precision=precision), grid_spec=grid_spec,
+                          precision=precision, row_half=row_half), grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((slots, d), jnp.float32),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",),
             vmem_limit_bytes=tpu.vmem_limit(
-                traffic.vmem_bytes(ratio=ratio, d=d, window=window, half=half),
+                traffic.vmem_bytes(ratio=ratio, d=d, window=window, half=half,
+                                   row_table=bool(row_half)),
                 tpu.device_chip(), vmem_limit_bytes)),
         cost_estimate=pl.CostEstimate(
             flops=6 * slots * rows * d, transcendentals=slots * rows * d,
-            bytes_accessed=traffic.pool_bytes(c, ratio=ratio, d=d, half=half)),
+            bytes_accessed=traffic.pool_bytes(c, ratio=ratio, d=d, half=half,
+                                              row_table=bool(row_half))),
         interpret=tpu.interpret_params(interpret), name="v4_compressor_pool")
     ape_tile = jnp.tile(ape, (coff, 1))  # row k = ape[k % r]: f32[R, W], 32 KB at most x 8
-    tables = ((finish.table_view(cos), finish.table_view(sin)) if fused
-              else (jnp.zeros((tpu.SUBLANES, tpu.LANES), jnp.float32),) * 2)
+    dummy = jnp.zeros((tpu.SUBLANES, tpu.LANES), jnp.float32)
+    tables = ((rope_rows, dummy) if row_half
+              else (finish.table_view(cos), finish.table_view(sin)) if fused else (dummy,) * 2)
     weight = norm_weight.reshape(1, d) if fused else jnp.zeros((1, d), jnp.float32)
     return call(facts, tpu.in_hbm(kv), tpu.in_hbm(score), ape_tile, tpu.in_hbm(state.kv),
                 tpu.in_hbm(state.score), weight, *(tpu.in_hbm(t) for t in tables))
@@ -433,7 +445,7 @@ def state_call(facts, kv, score, ape, dep, state: vc.CompressorState, *, ratio: 
 @functools.partial(jax.jit, static_argnames=("ratio", "eps", "precision", "vmem_limit_bytes",
                                              "interpret"))
 def _compress(kv, score, ape, norm_weight, cos, sin, state, state_slots, kv_lens, cu_q_lens,
-              distribution, *, ratio, eps, precision, vmem_limit_bytes, interpret):
+              distribution, rope_rows, *, ratio, eps, precision, vmem_limit_bytes, interpret):
     num_rows, num_seqs = kv.shape[0], kv_lens.shape[0]
     s = vc.seq_facts(kv_lens, cu_q_lens, distribution, state_slots, num_rows, state.kv.shape[0])
     seq, entry, valid, onehot = enumerate_slots(s, vc.max_entries(num_rows, num_seqs, ratio),
@@ -441,7 +453,7 @@ def _compress(kv, score, ape, norm_weight, cos, sin, state, state_slots, kv_lens
     knobs = dict(ratio=ratio, vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
     facts = entry_facts(s, seq, entry, valid, ratio, onehot)
     pooled = pool_call(facts, kv, score, ape, state, norm_weight=norm_weight, cos=cos, sin=sin,
-                       eps=eps, precision=precision, **knobs)
+                       eps=eps, precision=precision, rope_rows=rope_rows, **knobs)
     new_state = state_call(write_facts(s, ratio), kv, score, ape, pooled, state, **knobs)
     if finish.fusable(norm_weight.shape[0], cos.shape[1]):  # finished by the kernel
         entries = vc.CompressedEntries(pooled, jnp.where(valid, seq, -1),
@@ -470,6 +482,7 @@ def compress_step(
     vmem_limit_bytes: int | None = None,
     interpret=False,
     precision: str = "f32",
+    rope_rows=None,  # f32[num_positions, 128]: finish.rope_rows(cos, sin), optional
 ) -> tuple[vc.CompressedEntries, vc.CompressorState]:
     """One step of the V4 compressor (``reference.v4_compressor.compress_step``'s arguments and
     results; module docstring for the kernels).
@@ -478,7 +491,11 @@ def compress_step(
     glue after the kernels). Args beyond the reference's: ``vmem_limit_bytes`` overrides the
     scoped VMEM limit (``pallas_kernels.tpu.vmem_limit``); ``interpret``: False compiles with
     Mosaic, True runs the strict interpreter (``pallas_kernels.tpu.interpret_params``), or a
-    ``pltpu.InterpretParams``.
+    ``pltpu.InterpretParams``; ``rope_rows``: the tables in the kernel's row layout
+    (``finish.rope_rows(cos, sin)``, ``f32[P, 128]``; a model constant built once), read one
+    512-B row per completing entry instead of two 16-KB tiles of the tables (``cos`` / ``sin``
+    must still be given: the reference's checks and, when the kernel does not finish the rows,
+    the glue read them); ``None``: the tables' tiles.
 
     Returns ``(CompressedEntries rows f32[E, d], seq / entry i32[E]; CompressorState)`` with
     ``E = max_entries(T, S, ratio)``; the pool is updated in place when the caller's jit
@@ -489,8 +506,16 @@ def compress_step(
                        cu_q_lens, distribution, ratio)
     tpu.check_vmem_limit(vmem_limit_bytes)
     f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    if rope_rows is not None:
+        want = (cos.shape[0], tpu.LANES)
+        if tuple(rope_rows.shape) != want:
+            raise ValueError(f"rope_rows shape {tuple(rope_rows.shape)} != {want} (cos "
+                             f"{tuple(cos.shape)}: finish.rope_rows)")
+        if 4 * cos.shape[1] > tpu.LANES:
+            raise ValueError(f"rope_rows needs 4 * h <= {tpu.LANES}: cos width h {cos.shape[1]}")
+        rope_rows = f32(rope_rows)
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     return _compress(f32(kv), f32(score), f32(ape), f32(norm_weight), f32(cos), f32(sin), state,
                      i32(state_slots), i32(kv_lens), i32(cu_q_lens), i32(distribution),
-                     ratio=ratio, eps=float(eps), precision=precision,
+                     rope_rows, ratio=ratio, eps=float(eps), precision=precision,
                      vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)

@@ -8,8 +8,9 @@ Counts (all rows f32, ``W = coff * d`` wide, ``R = coff * r`` slots per entry):
   precedes the step, its whole ring slot (``R`` rows), each kv and score, whole rows (``W``);
   every output slot writes its row (``d``); the ``[R, W]`` ape tile once; the 128-position
   tile of each RoPE table that holds a completing entry's position (``[h, 128]``, read through
-  the tables' transposed view: ``finish``), once per run of entries in one tile, and the norm
-  weight once;
+  the tables' transposed view: ``finish``), once per run of entries in one tile, or, given the
+  tables in the row layout (``row_table``: ``finish.rope_rows``), the entry's 512-B row (once per
+  run of entries at one position), and the norm weight once;
 - moved, state call: per state row written, this step's kv row copied HBM to HBM (read + write)
   and its score row read, ``+ ape``, written; ape ``[r, W]`` once;
 - minimum: this step's kv and score rows read once (``step_rows``), the old ring slots the
@@ -37,6 +38,7 @@ from reference import v4_compressor as vc
 F32 = 4
 HALF = vc.ROPE_DIM // 2  # the RoPE tables' width (cos / sin f32[P, HALF])
 TABLE_TILE = tpu.LANES  # positions per table DMA (``finish.TILE``)
+TABLE_ROW_BYTES = tpu.LANES * F32  # one position's row of ``finish.rope_rows``
 # The window path (``uses_window``, ``WINDOW_MIN_ROWS``, ``WINDOW_PAD``) is the block table's:
 # ``pallas_kernels.v4_compressor.blocks``.
 @dataclass(frozen=True)
@@ -49,7 +51,8 @@ class StepCounts:
     per array (kv, score) each: a row alone, an aligned run of ``R`` rows or a window (summed
     over entries; ``None``: one per chunk row, every row alone); ``table_tiles`` RoPE table
     tiles loaded (a completing entry whose position lies in the tile the previous one loaded
-    reuses it)."""
+    reuses it); ``table_rows`` ``rope_rows`` rows loaded (one per completing entry whose
+    position differs from the previous one's)."""
 
     slots: int
     entries: int
@@ -60,6 +63,7 @@ class StepCounts:
     state_rows: int
     chunk_runs: int | None = None
     table_tiles: int = 0
+    table_rows: int = 0
 
     @property
     def runs(self) -> int:
@@ -74,7 +78,7 @@ def decode_counts(seqs: int, ratio: int, *, complete: bool = True) -> StepCounts
     done = seqs if complete else 0
     return StepCounts(slots=vc.max_entries(seqs, seqs, ratio), entries=done, chunk_rows=done,
                       ring_entries=done, old_slots=done * (rows - 1), step_rows=seqs,
-                      state_rows=seqs, table_tiles=done)
+                      state_rows=seqs, table_tiles=done, table_rows=done)
 
 
 def prefill_counts(tokens: int, ratio: int, first_row: int = 0) -> StepCounts:
@@ -94,7 +98,8 @@ def prefill_counts(tokens: int, ratio: int, first_row: int = 0) -> StepCounts:
                       state_rows=min(tokens, rows),
                       chunk_runs=sum(_prefill_runs(j, tokens, ratio, first_row)
                                      for j in range(entries)),
-                      table_tiles=(entries - 1) * ratio // TABLE_TILE + 1 if entries else 0)
+                      table_tiles=(entries - 1) * ratio // TABLE_TILE + 1 if entries else 0,
+                      table_rows=entries)
 
 
 def _prefill_runs(j: int, tokens: int, ratio: int, first_row: int) -> int:
@@ -132,16 +137,30 @@ def worst_counts(num_rows: int, num_seqs: int, ratio: int) -> StepCounts:
                       ring_entries=ring, old_slots=ring * (rows - 1), step_rows=num_rows,
                       state_rows=min(num_rows, num_seqs * rows),
                       chunk_runs=min(slots * rows, coff * num_rows),
-                      table_tiles=min(slots, slots * ratio // TABLE_TILE + 2 * num_seqs))
+                      table_tiles=min(slots, slots * ratio // TABLE_TILE + 2 * num_seqs),
+                      table_rows=slots)
 
 
-def pool_bytes(c: StepCounts, *, ratio: int, d: int, half: int = HALF) -> int:
+def table_bytes(c: StepCounts, *, half: int = HALF, row_table: bool = False) -> int:
+    """HBM bytes of the RoPE table reads: per tile loaded ``2 x [h, 128]`` f32, or
+    (``row_table``) per row loaded ``TABLE_ROW_BYTES``; 0 when the glue finishes the rows
+    (``half`` 0)."""
+    if not half:
+        return 0
+    if row_table:
+        return c.table_rows * TABLE_ROW_BYTES
+    return c.table_tiles * 2 * half * TABLE_TILE * F32
+
+
+def pool_bytes(c: StepCounts, *, ratio: int, d: int, half: int = HALF,
+               row_table: bool = False) -> int:
     """HBM bytes the pooling call moves (module docstring); ``half``: the RoPE tables' width
-    when the kernel finishes the rows (``finish.fusable``; 0 when the glue does)."""
+    when the kernel finishes the rows (``finish.fusable``; 0 when the glue does); ``row_table``:
+    the tables given as ``finish.rope_rows``."""
     coff, rows = vc.compressor_coff(ratio), vc.state_rows(ratio)
     width = coff * d
     gathered = (c.chunk_rows + c.ring_entries * rows) * 2 * width * F32
-    tables = c.table_tiles * 2 * half * TABLE_TILE * F32 + (d * F32 if half else 0)
+    tables = table_bytes(c, half=half, row_table=row_table) + (d * F32 if half else 0)
     return gathered + c.slots * d * F32 + rows * width * F32 + tables
 
 
@@ -151,12 +170,13 @@ def state_bytes(c: StepCounts, *, ratio: int, d: int) -> int:
     return c.state_rows * 4 * width * F32 + ratio * width * F32
 
 
-def pool_dmas(c: StepCounts, *, half: int = HALF) -> int:
+def pool_dmas(c: StepCounts, *, half: int = HALF, row_table: bool = False) -> int:
     """DMA descriptors of the pooling call: per chunk run and per ring slot read, one DMA each
-    for kv and score; per RoPE table tile loaded, one each for cos and sin; each output slot's
-    row; pipeline block copies: the ape tile once and (``half``: the kernel finishes the rows)
-    the norm weight once."""
-    return 2 * (c.runs + c.ring_entries + c.table_tiles) + 1 + c.slots + bool(half)
+    for kv and score; per RoPE table tile loaded, one each for cos and sin (``row_table``: one
+    per ``rope_rows`` row loaded); each output slot's row; pipeline block copies: the ape tile once
+    and (``half``: the kernel finishes the rows) the norm weight once."""
+    tables = (c.table_rows if row_table else 2 * c.table_tiles) if half else 0
+    return 2 * (c.runs + c.ring_entries) + tables + 1 + c.slots + bool(half)
 
 
 def state_dmas(c: StepCounts) -> int:
@@ -165,23 +185,26 @@ def state_dmas(c: StepCounts) -> int:
     return 3 * c.state_rows + 1
 
 
-def compressor_traffic(c: StepCounts, *, ratio: int, d: int) -> aot.Traffic:
+def compressor_traffic(c: StepCounts, *, ratio: int, d: int,
+                       row_table: bool = False) -> aot.Traffic:
     """Both calls of one step against the minimum (module docstring); flops: the pooling's
     ~6 flops per pooled slot channel; VMEM: ``vmem_bytes``; DMA descriptors: ``pool_dmas`` +
     ``state_dmas`` (a decode step where every sequence completes an entry: 7 per sequence and
-    one output row per slot, plus 2 per RoPE table tile loaded, the two ape blocks and the norm
-    weight)."""
+    one output row per slot, plus 2 per RoPE table tile loaded (``row_table``: 1 per table row),
+    the two ape blocks and the norm weight)."""
     width = vc.compressor_coff(ratio) * d
     rows = vc.state_rows(ratio)
-    moved = pool_bytes(c, ratio=ratio, d=d) + state_bytes(c, ratio=ratio, d=d)
+    moved = pool_bytes(c, ratio=ratio, d=d, row_table=row_table) + state_bytes(c, ratio=ratio, d=d)
     minimum = (c.step_rows * 2 * width + c.old_slots * 2 * d + c.state_rows * 2 * width
                + c.entries * (d + 2 * HALF)) * F32
     return aot.Traffic(int(moved), int(minimum), int(6 * c.entries * rows * d),
-                       vmem_bytes(ratio=ratio, d=d, window=uses_window(ratio, c.step_rows)),
-                       dmas=pool_dmas(c) + state_dmas(c))
+                       vmem_bytes(ratio=ratio, d=d, window=uses_window(ratio, c.step_rows),
+                                  row_table=row_table),
+                       dmas=pool_dmas(c, row_table=row_table) + state_dmas(c))
 
 
-def vmem_bytes(*, ratio: int, d: int, window: bool = False, half: int = HALF) -> int:
+def vmem_bytes(*, ratio: int, d: int, window: bool = False, half: int = HALF,
+               row_table: bool = False) -> int:
     """The larger of the two calls' VMEM (each buffer padded to (8, 128) tiles); ``half`` as
     ``pool_bytes``'."""
     coff, rows = vc.compressor_coff(ratio), vc.state_rows(ratio)
@@ -192,7 +215,8 @@ def vmem_bytes(*, ratio: int, d: int, window: bool = False, half: int = HALF) ->
             + 2 * tpu.tile_bytes(1, d, F32)  # the pooled row block, double-buffered
             + 2 * (tpu.tile_bytes(rows + WINDOW_PAD, width, F32) if window  # the windows
                    else tpu.tile_bytes(tpu.SUBLANES, tpu.LANES, F32))
-            + 2 * tpu.tile_bytes(max(half, tpu.SUBLANES), TABLE_TILE, F32)  # the table tiles
+            + (tpu.tile_bytes(1, tpu.LANES, F32) if row_table and half  # the table row
+               else 2 * tpu.tile_bytes(max(half, tpu.SUBLANES), TABLE_TILE, F32))  # the tiles
             + 2 * tpu.tile_bytes(1, d, F32))  # the norm weight, double-buffered
     state = slot + 2 * tpu.tile_bytes(ratio, width, F32)  # score rows; ape [r, W] x 2
     return max(pool, state)
