@@ -50,3 +50,18 @@ __all__ = [
     "v41_tiny",
     "window_kv_bytes",
 ]
+
+# per-row candidate selection (issue 31, Deliver 4; docs/v41.md "Candidate selection")
+from reference.v41.candidates import (  # noqa: E402
+    candidate_blocks,
+    candidate_mask,
+    restricted_topk,
+    sort_key,
+)
+
+__all__ += [
+    "candidate_blocks",
+    "candidate_mask",
+    "restricted_topk",
+    "sort_key",
+]
