@@ -22,7 +22,7 @@ def _rank(value: float, index: int) -> tuple:
 def oracle_blocks(scores, lens, num_blocks, block):
     """Kept block ids per row (ascending), from the definition."""
     out = []
-    for row, length in zip(np.asarray(scores, np.float64), lens):
+    for row, length in zip(np.asarray(scores, np.float64), lens, strict=True):
         nb = -(-len(row) // block)
         pooled = []
         for b in range(nb):
@@ -45,7 +45,7 @@ def oracle_blocks(scores, lens, num_blocks, block):
 def oracle_topk(scores, lens, cands, k, block):
     """Top-k entries per row among visible entries in the row's candidate blocks."""
     out = []
-    for t, (row, length) in enumerate(zip(np.asarray(scores, np.float64), lens)):
+    for t, (row, length) in enumerate(zip(np.asarray(scores, np.float64), lens, strict=True)):
         allowed = None if cands is None else {int(b) for b in cands[t] if b >= 0}
         pool = [j for j in range(len(row)) if j < length and float(row[j]) != -INF
                 and (allowed is None or j // block in allowed)]
