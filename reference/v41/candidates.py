@@ -12,13 +12,13 @@ Two levels over one index-score row per query (``T`` rows, ``N`` compressed entr
 Official rule (DeepSeek-V4.1-Flash ``inference/model.py``, ``select_candidate_blocks`` about
 l.583-610 and ``Indexer.forward`` about l.563-578). The release file itself was not found in the
 code index; read instead: public restatements there (one citing ``model.py:583-610``, an HF-style
-port ``modeling_deepseek_v41.py``, a harness re-running ``Indexer.forward`` with its line
-comments, sglang-style ``dsv41`` indexers), all agreeing on this rule: scores past the row's
-visible length ``compress_lens`` are ``-inf``; blocks are padded with ``-inf`` to a multiple of
-``block`` and max-pooled (``amax``: NaN propagates); the block ``(compress_lens - 1) // block`` is filled with
-``+inf`` (a row with length 0 has block -1: nothing forced); ``topk(min(blocks, num_blocks))``
-and a block is kept iff its top-k value ``> -inf``. Consumers mask non-candidate entries to
-``-inf`` and take ``topk(min(index_topk, len))``.
+port ``modeling_deepseek_v41.py``, a harness re-running ``Indexer.forward`` with its line comments,
+sglang-style ``dsv41`` indexers), all agreeing on this rule: scores past the row's visible length
+``compress_lens`` are ``-inf``; blocks are padded with ``-inf`` to a multiple of ``block`` and
+max-pooled (``amax``: NaN propagates); the block ``(compress_lens - 1) // block`` is filled with
+``+inf`` (a row with length 0 has block -1: nothing forced); ``topk(min(blocks, num_blocks))`` and
+a block is kept iff its top-k value ``> -inf``. Consumers mask non-candidate entries to ``-inf``
+and take ``topk(min(index_topk, len))``.
 
 Rules this module fixes (``docs/v41.md``, "Candidate selection"):
 
