@@ -1,7 +1,8 @@
 """DeepSeek-V4.1 (issue 31), reference side: the per-layer resolution map (``config``: modes, KV
 and index sources, candidate use, validated) and the cache quantizers as stored formats
-(``formats``: window fp8 / ue8m0-32, compressed fp4 / e4m3-16, index fp4 / ue8m0-32). Imports only
-``reference.core``, ``reference.quant`` and ``reference.formats``; ``docs/v41.md`` states both."""
+(``formats``: window fp8 / ue8m0-32, compressed fp4 / e4m3-16, index fp4 / ue8m0-32), and per-row
+candidate selection (``candidates``). Imports only ``reference.core``, ``reference.quant``,
+``reference.formats`` and ``reference.indexer``; ``docs/v41.md`` states them."""
 
 from reference.v41.config import (
     CandidateUse,
@@ -49,4 +50,19 @@ __all__ = [
     "v41_flash",
     "v41_tiny",
     "window_kv_bytes",
+]
+
+# per-row candidate selection (issue 31, Deliver 4; docs/v41.md "Candidate selection")
+from reference.v41.candidates import (  # noqa: E402
+    candidate_blocks,
+    candidate_mask,
+    restricted_topk,
+    sort_key,
+)
+
+__all__ += [
+    "candidate_blocks",
+    "candidate_mask",
+    "restricted_topk",
+    "sort_key",
 ]
