@@ -50,3 +50,24 @@ __all__ = [
     "v41_tiny",
     "window_kv_bytes",
 ]
+
+# The ratio-1 / ratio-2 compressors (reference.v41.compressor).
+from reference.v41.compressor import (  # noqa: E402
+    OUTPUTS,
+    RATIOS,
+    compress_step,
+    compressed_rope_tables,
+    init_compressor_state,
+    max_entries,
+    visible_entries,
+)
+
+__all__ += [
+    "OUTPUTS",
+    "RATIOS",
+    "compress_step",
+    "compressed_rope_tables",
+    "init_compressor_state",
+    "max_entries",
+    "visible_entries",
+]
