@@ -109,7 +109,7 @@ def test_ratio2_casts_pooled_to_bf16_and_ropes_at_2j():
     score = np.repeat(rng.standard_normal((4, 1, D)).astype(np.float32), 2, 1).reshape(8, D)
     mid = np.float32(0.5) * kv[0::2] + np.float32(0.5) * kv[1::2]
     stream = np.repeat(mid, 2, 0)
-    for out in C.OUTPUTS:
+    for out in ("roped",):  # the latent's bits and the position 2 j: roped rows carry both
         two = _entries(_one_seq(kv, score, weight, 2, C.init_compressor_state(1, D), 0,
                                 output=out)[0])
         one = _entries(_one_seq(stream, None, weight, 1, None, 0, output=out)[0])
@@ -169,3 +169,35 @@ def test_visibility_rule_and_bad_arguments():
         _one_seq(kv, score, weight, 2, C.init_compressor_state(1, D), 0, output="bytes")
     with pytest.raises(ValueError, match=r"f32\(1, 2, 128\)"):
         _one_seq(kv, score, weight, 2, C.init_compressor_state(1, 64), 0)
+
+
+def test_ragged_batch_two_sequences_and_an_inactive_one():
+    """Two sequences share each step (slots 2 and 0 of a NaN pool; chunk borders at odd and
+    even positions) and a third, inactive, holds NaN rows: every entry equals its sequence's
+    one-prefill entry bit for bit."""
+    rng = np.random.default_rng(7)
+    streams = [_inputs(rng, 8) for _ in range(2)]
+    weight = streams[0][2]
+    whole = [_run_split(kv, sc, weight, 2, [8], nan_state=False)[0] for kv, sc, _ in streams]
+    cos, sin = C.compressed_rope_tables(NUM_POS)
+    state = C.init_compressor_state(3, D)
+    state = type(state)(state.kv * np.nan, state.score * np.nan)
+    got, done = [{}, {}], [0, 0]
+    for lens in ([3, 5], [5, 3]):
+        parts = [(kv[done[i]:done[i] + n], sc[done[i]:done[i] + n])
+                 for i, ((kv, sc, _), n) in enumerate(zip(streams, lens, strict=True))]
+        nan = np.full((2, D), np.nan, np.float32)
+        kv = np.concatenate([p[0] for p in parts] + [nan])
+        sc = np.concatenate([p[1] for p in parts] + [nan])
+        done = [d + n for d, n in zip(done, lens, strict=True)]
+        cu = np.array([0, lens[0], lens[0] + lens[1], lens[0] + lens[1] + 2])
+        e, state = C.compress_step(kv, sc, weight, cos, sin, state, np.array([2, 0, 1]),
+                                   np.array(done + [2]), cu, np.array([0, 2, 2]), ratio=2)
+        rows, seq, entry = (np.asarray(a) for a in e)
+        assert set(seq[seq >= 0]) <= {0, 1}
+        for i in np.flatnonzero(seq >= 0):
+            got[seq[i]][int(entry[i])] = rows[i]
+    for s in range(2):
+        assert sorted(got[s]) == sorted(whole[s]) == [0, 1, 2, 3]
+        for j in whole[s]:
+            np.testing.assert_array_equal(got[s][j], whole[s][j], err_msg=f"seq {s} entry {j}")
