@@ -201,3 +201,20 @@ def test_ragged_batch_two_sequences_and_an_inactive_one():
         assert sorted(got[s]) == sorted(whole[s]) == [0, 1, 2, 3]
         for j in whole[s]:
             np.testing.assert_array_equal(got[s][j], whole[s][j], err_msg=f"seq {s} entry {j}")
+
+
+def test_write_compressed_entries_stores_the_fp4_bytes_in_pages():
+    kv, score, weight = _inputs(np.random.default_rng(5), 9)
+    e, _ = _one_seq(kv, score, weight, 2, C.init_compressor_state(1, D), 0, output="roped")
+    width = 9 * D // 16
+    cache = np.full((6, 2, width), 0xAB, np.uint8)
+    out = np.asarray(C.write_compressed_entries(cache, e, np.array([5, 1, 3]), np.array([0, 6]),
+                                                pages_per_seq=3))
+    rows = _entries(e)
+    want = cache.copy()
+    for j, (page, off) in enumerate([(5, 0), (5, 1), (1, 0), (1, 1)]):
+        want[page, off] = np.asarray(encode_compressed_kv(rows[j]))
+    np.testing.assert_array_equal(out, want)
+    with pytest.raises(ValueError, match="70 bytes"):
+        C.write_compressed_entries(cache[..., :70], e, np.array([5]), np.array([0, 2]),
+                                   pages_per_seq=1)

@@ -60,6 +60,7 @@ from reference.v41.compressor import (  # noqa: E402
     init_compressor_state,
     max_entries,
     visible_entries,
+    write_compressed_entries,
 )
 
 __all__ += [
@@ -70,4 +71,5 @@ __all__ += [
     "init_compressor_state",
     "max_entries",
     "visible_entries",
+    "write_compressed_entries",
 ]

@@ -69,11 +69,15 @@ from reference.core import checks as _checks
 from reference.quant.bf16 import round_bf16
 from reference.v4_compressor import ref as v4
 from reference.v41.config import V41Config, v41_flash
-from reference.v41.formats import decode_compressed_kv, encode_compressed_kv
+from reference.v41.formats import (
+    compressed_kv_bytes,
+    decode_compressed_kv,
+    encode_compressed_kv,
+)
 
 __all__ = [
     "OUTPUTS", "RATIOS", "compress_step", "compressed_rope_tables", "init_compressor_state",
-    "max_entries", "visible_entries",
+    "max_entries", "visible_entries", "write_compressed_entries",
 ]
 
 RATIOS = (1, 2)
@@ -93,9 +97,9 @@ def max_entries(num_rows: int, num_seqs: int, ratio: int) -> int:
     return num_rows // _ratio(ratio) + num_seqs
 
 
-def visible_entries(pos, ratio: int):
+def visible_entries(pos: jax.Array | int, ratio: int) -> jax.Array | int:
     """Entries a query at absolute position ``pos`` (i32, any shape) may see: ``(pos + 1) //
-    ratio`` (entry ``j`` visible iff ``j < `` this)."""
+    ratio`` (entry ``j`` visible iff ``j < `` this), same shape."""
     return batch.entries_of_tokens(pos + 1, _ratio(ratio))
 
 
@@ -275,3 +279,33 @@ def compress_step(
     return _compress(f32(kv), None if score is None else f32(score), f32(norm_weight), f32(cos),
                      f32(sin), state, i32(state_slots), i32(kv_lens), i32(cu_q_lens),
                      i32(distribution), ratio=ratio, eps=float(eps), output=output)
+
+
+# ---------------------------------------------------------------------------------------------
+# The stored compressed cache.
+
+def write_compressed_entries(cache, entries: v4.CompressedEntries, page_indices, cu_lens, *,
+                             pages_per_seq: int, layer: int | None = None) -> jax.Array:
+    """Store ``entries`` (``output="roped"`` rows) as V4.1 compressed-kv bytes
+    (``encode_compressed_kv``: fp4 / e4m3-16, ``9 d / 16`` bytes a row) in a paged cache
+    ``u8[P, page_size, 9 d / 16]`` (or stacked ``u8[L, P, page_size, 9 d / 16]`` with
+    ``layer``) and return it. Slots: ``reference.v4_compressor.entry_slots`` (``cu_lens i32[S +
+    1]`` in entries, ``page_indices i32[N]``; dropped entries write nothing)."""
+    pages_per_seq = _checks.positive_int("pages_per_seq", pages_per_seq)
+    want_rank = 3 if layer is None else 4
+    _checks.rank("cache", cache, want_rank)
+    if jnp.result_type(cache) != jnp.uint8:
+        raise ValueError(f"cache must have dtype uint8, got {jnp.result_type(cache)}")
+    for name, x in (("page_indices", page_indices), ("cu_lens", cu_lens)):
+        _checks.rank(name, x, 1)
+        _checks.integer(name, x)
+    num_pages, page_size, width = np.shape(cache)[-3:]
+    d = int(np.shape(entries.rows)[-1])
+    if width != compressed_kv_bytes(d):
+        raise ValueError(f"cache rows are {width} bytes but entries of d = {d} take "
+                         f"compressed_kv_bytes({d}) = {compressed_kv_bytes(d)}")
+    page_id, offset = v4.entry_slots(entries, jnp.asarray(page_indices, jnp.int32),
+                                     jnp.asarray(cu_lens, jnp.int32), page_size=int(page_size),
+                                     pages_per_seq=pages_per_seq, num_pages=int(num_pages))
+    at = (page_id, offset) if layer is None else (layer, page_id, offset)
+    return jnp.asarray(cache).at[at].set(encode_compressed_kv(entries.rows), mode="drop")
