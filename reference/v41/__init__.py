@@ -1,7 +1,9 @@
 """DeepSeek-V4.1 (issue 31), reference side: the per-layer resolution map (``config``: modes, KV
 and index sources, candidate use, validated) and the cache quantizers as stored formats
-(``formats``: window fp8 / ue8m0-32, compressed fp4 / e4m3-16, index fp4 / ue8m0-32). Imports only
-``reference.core``, ``reference.quant`` and ``reference.formats``; ``docs/v41.md`` states both."""
+(``formats``: window fp8 / ue8m0-32, compressed fp4 / e4m3-16, index fp4 / ue8m0-32) and the
+ratio-1 / ratio-2 compressors (``compressor``). Imports only ``reference.core``,
+``reference.quant``, ``reference.formats`` and ``reference.v4_compressor``; ``docs/v41.md`` states
+them."""
 
 from reference.v41.config import (
     CandidateUse,
