@@ -51,7 +51,7 @@ REFERENCE_LAYERS = {
     # imports the other
     "statements": {"core", "quant", "formats", "witnesses", "indexer", "mla", "v4_compressor"},
     "v4_attention": {"core", "quant", "formats", "witnesses", "indexer", "mla", "v4_compressor"},
-    "v41": {"core", "quant", "formats", "indexer"},
+    "v41": {"core", "quant", "formats", "indexer", "v4_compressor"},
 }
 # The old module paths, kept as shims that re-export from the new homes so old imports work.
 REFERENCE_SHIMS = {

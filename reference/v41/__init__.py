@@ -1,8 +1,9 @@
 """DeepSeek-V4.1 (issue 31), reference side: the per-layer resolution map (``config``: modes, KV
 and index sources, candidate use, validated) and the cache quantizers as stored formats
-(``formats``: window fp8 / ue8m0-32, compressed fp4 / e4m3-16, index fp4 / ue8m0-32), and per-row
-candidate selection (``candidates``). Imports only ``reference.core``, ``reference.quant``,
-``reference.formats`` and ``reference.indexer``; ``docs/v41.md`` states them."""
+(``formats``: window fp8 / ue8m0-32, compressed fp4 / e4m3-16, index fp4 / ue8m0-32), per-row
+candidate selection (``candidates``) and the ratio-1 / ratio-2 compressors (``compressor``).
+Imports only ``reference.core``, ``reference.quant``, ``reference.formats``,
+``reference.indexer`` and ``reference.v4_compressor``; ``docs/v41.md`` states them."""
 
 from reference.v41.config import (
     CandidateUse,
@@ -65,4 +66,27 @@ __all__ += [
     "candidate_mask",
     "restricted_topk",
     "sort_key",
+]
+
+# The ratio-1 / ratio-2 compressors (reference.v41.compressor).
+from reference.v41.compressor import (  # noqa: E402
+    OUTPUTS,
+    RATIOS,
+    compress_step,
+    compressed_rope_tables,
+    init_compressor_state,
+    max_entries,
+    visible_entries,
+    write_compressed_entries,
+)
+
+__all__ += [
+    "OUTPUTS",
+    "RATIOS",
+    "compress_step",
+    "compressed_rope_tables",
+    "init_compressor_state",
+    "max_entries",
+    "visible_entries",
+    "write_compressed_entries",
 ]
