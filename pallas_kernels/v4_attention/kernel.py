@@ -107,6 +107,7 @@ from pallas_kernels.v4_attention.walk import (  # noqa: F401 (the row_info field
     _live,
     _units,
     _walk,
+    walk_order,
 )
 from reference import v4_attention as v4
 from reference.core import batch
@@ -317,7 +318,8 @@ def _kernel(info_ref, wtab_ref, ctab_ref, layer_ref, q_ref, sink_ref, ent_hbm, *
         cur2, n2 = jax.lax.cond(cur < total, more, last)
         ns = runs[b, 2 * (block // seg)]  # segments: 0 unless page runs are on
         formats.wait(fmt, w_src, bufs, sems, b, n - ns * seg, ns, seg if runs_on else 1,
-                     runs, walk_statics["run_grain"])
+                     runs, walk_statics["run_grain"],
+                     shared=runs[b, 2 * (block // seg) + 1])  # listed rows sharing a rope row
         live = _live(runs, b, (block, 1), 0, seg)
         cols = _live(runs, b, (q_ref.shape[1], block), 1, seg)
         ops = formats.operands(fmt, bufs, b, live, cdt, ns * seg)
@@ -343,7 +345,8 @@ def _scratch(fmt: str, block: int, w_parts, heads: int, dim: int, k: int, seg: i
         pltpu.SemaphoreType.DMA((2, 2)), pltpu.SemaphoreType.DMA((1,)),
         pltpu.SMEM((4,), jnp.int32),  # the walk's state across rows
         pltpu.VMEM((heads, dim), jnp.float32),  # accumulator
-        pltpu.SMEM((2, 2 * (block // seg) + 1), jnp.int32)]  # per buffer: slots' lo, hi; runs
+        pltpu.SMEM((2, 2 * (block // seg) + 2), jnp.int32)]  # per buffer: slots' lo, hi;
+    # then the segments issued and the listed rows sharing a rope row (walk._walk)
 
 
 def _state_io(state, return_state: bool, acc_dtype, q, row_block):
@@ -470,6 +473,8 @@ def fused_rows(q, window: v4.PagedKV, kv_lens, cu_q_lens, distribution, *, compr
     w_read, c_read, w_cache, c_cache = check_fused_args(
         q, window, kv_lens, cu_q_lens, distribution, compressed, compressed_indices, attn_sink,
         block=block, layer=layer, precision=precision, **statics)
+    if statics["compress_ratio"] == 4 and formats.kernel_format(w_cache) in formats.FP8_FORMATS:
+        compressed_indices = walk_order(compressed_indices)  # shared rope rows, record runs
     rows = batch.row_facts(q.shape[0], kv_lens, cu_q_lens, distribution)
     wb = batch.RaggedBatch.of(w_read.one, kv_lens, window.page_indices, cu_q_lens,
                               window.cu_lens, distribution,
