@@ -7,7 +7,8 @@ matmul operands in q's feature order. Five formats (``kernel_format``):
 - ``"plain"``: ``f32[L, P, ps, 512]``; one 2 KB row DMA per token.
 - ``"fp8"``: MODEL1 ``Fp8V4Cache`` (``reference.formats.model1``: ``nope u32[L, P, ps, 128]``,
   ``rope u32[L, P, ceil(ps / 4), 128]``); per token its 512 B nope record and the 512 B rope row
-  it shares with 3 tokens (two DMAs), plus its quarter ``off % 4`` in a VMEM side buffer.
+  it shares with 3 tokens (two DMAs), plus its quarter ``off % 4`` in a VMEM side buffer;
+  listed entries fewer (``issue_listed``: record runs, shared rope rows).
 - ``"csa"``: tokamax's ``CsaCache`` (``reference.formats.tokamax_v4``: ``nope i32[L, P, ps,
   128]``, ``rope i32[L, P, ps // 4, 128]``): MODEL1's DMAs and byte placement, read as i32 and
   bitcast to u32 in VMEM; only the scales differ: 64 lane-periodic ue8m0 scales, byte 3 of

@@ -38,13 +38,18 @@ block b+1 is issued before block b is attended, and a row's last block issues th
 first block (after loading that row's list), so DMA round trips overlap compute across blocks
 and rows (grid steps run in order). Not measured on a TPU (none here): per decode row at
 V4-Flash (window 128, pages of 64) the window is 2 or 3 DMAs instead of 128, the 64 HCA
-entries 1 instead of 64, a CSA list still one per entry.
+entries 1 instead of 64, a CSA list one per entry packed (fp8 / CSA: fewer, below).
 
 fp8 caches: a run segment is two DMAs, its wanted tokens' nope records and the rope rows they
 touch (rows ``lo // 4 .. (hi - 1) // 4``), the rope rows expanded to one per token by 4 stride-4
-sublane stores (quarter ``r % 4``); a listed entry two whole-row DMAs, its 512 B record (row
-``off`` of its page) and the 512 B rope row it shares with 3 tokens (row ``off // 4``), plus its
-quarter ``off % 4`` in a VMEM side buffer by one ``(1, 128)`` vector store. Decoded in VMEM
+sublane stores (quarter ``r % 4``). Listed entries (lists in entry order, ``walk_order``):
+its 512 B record (row ``off``) and the 512 B rope row it shares with 3 tokens (row ``off //
+4``), plus its quarter ``off % 4`` by one ``(1, 128)`` vector store; list neighbours at
+adjacent slots of a page are ONE records DMA, and a rope row the previous row already fetched
+is not fetched again (copied in VMEM: ``walk._listed``, ``formats.issue_listed``; packed rows
+stay one DMA per entry: Mosaic moves 256-word rows only singly or in aligned 8-row tiles,
+``measure.dma_probe``). Random top-512 of 2048: ~1.44 DMAs, ~863 B per entry (model:
+``traffic.listed_reads``); at worst 2 DMAs, 1024 B, the static bound. Decoded in VMEM
 exactly (``formats._decode_fp8``): byte plane ``j`` of the record is q's features ``128 j ..``
 (e4m3 upcast, times the power-of-two ue8m0 scale: exact in bf16 and f32), the rope quarter is
 selected by lanes and its bf16 halves land on plane 3's lanes 64..127, so one ``[block, 512]``
@@ -58,7 +63,7 @@ tokens at pages of 64, each of its wanted rows only: packed / f32 widened to 8-r
 most 136 rows for 128 tokens; 1024 B per packed / plane row, fp8 / CSA a 512 B record and the
 rope rows the run touches: at most 33 for 128 tokens, <= 644 B per token,
 ``traffic.run_rope_bound``), the selected CSA entries (1024 B each; fp8 / CSA: by 2 DMAs
-against 640 B stored), q read once, out written once,
+against 640 B stored, at most), q read once, out written once,
 ``4 k`` bytes of the row's list into SMEM, the tables once (a state read and written: its acc,
 l and m, ``state``). Versus the two-pass path (``two_pass``, ``fused=False``): q is not read
 twice, and no partial outputs are written, read back and merged.

@@ -9,7 +9,9 @@ per segment per cache part, a dynamic start and a dynamic number of rows: only t
 wanted rows, ``formats.issue_run``; packed / f32 rows widened to 8-row tiles,
 ``formats.run_align``, or with ``run_grain="exact"`` moved exactly, ragged ends a row a DMA):
 ``run_reads`` / ``run_rope_rows`` count them exactly per
-row, ``run_bound`` / ``run_rope_bound`` bound them from shapes (the AOT cases' static model)."""
+row, ``run_bound`` / ``run_rope_bound`` bound them from shapes (the AOT cases' static model).
+fp8 / CSA listed (CSA-selected) entries: ``listed_reads`` counts their record runs and shared
+rope rows exactly from the lists; the static model keeps the worst case (2 DMAs, 1024 B each)."""
 
 from __future__ import annotations
 
