@@ -42,14 +42,13 @@ entries 1 instead of 64, a CSA list one per entry packed (fp8 / CSA: fewer, belo
 
 fp8 caches: a run segment is two DMAs, its wanted tokens' nope records and the rope rows they
 touch (rows ``lo // 4 .. (hi - 1) // 4``), the rope rows expanded to one per token by 4 stride-4
-sublane stores (quarter ``r % 4``). Listed entries (lists in entry order, ``walk_order``):
-its 512 B record (row ``off``) and the 512 B rope row it shares with 3 tokens (row ``off //
-4``), plus its quarter ``off % 4`` by one ``(1, 128)`` vector store; list neighbours at
-adjacent slots of a page are ONE records DMA, and a rope row the previous row already fetched
-is not fetched again (copied in VMEM: ``walk._listed``, ``formats.issue_listed``; packed rows
-stay one DMA per entry: Mosaic moves 256-word rows only singly or in aligned 8-row tiles,
-``measure.dma_probe``). Random top-512 of 2048: ~1.44 DMAs, ~863 B per entry (model:
-``traffic.listed_reads``); at worst 2 DMAs, 1024 B, the static bound. Decoded in VMEM
+sublane stores (quarter ``r % 4``). A listed entry (lists in entry order, ``walk_order``):
+its 512 B record (row ``off``), the 512 B rope row it shares with 3 tokens (row ``off // 4``)
+and its quarter ``off % 4`` (one vector store); adjacent slots of a page are ONE records DMA,
+a rope row the previous row fetched is copied in VMEM (``walk._listed``; packed: one DMA per
+entry, Mosaic moves 256-word rows singly or in aligned 8-row tiles, ``measure.dma_probe``).
+Random top-512 of 2048: ~1.44 DMAs, ~863 B per entry (``traffic.listed_reads``; at worst 2,
+1024 B: the static bound). Decoded in VMEM
 exactly (``formats._decode_fp8``): byte plane ``j`` of the record is q's features ``128 j ..``
 (e4m3 upcast, times the power-of-two ue8m0 scale: exact in bf16 and f32), the rope quarter is
 selected by lanes and its bf16 halves land on plane 3's lanes 64..127, so one ``[block, 512]``
@@ -323,8 +322,7 @@ def _kernel(info_ref, wtab_ref, ctab_ref, layer_ref, q_ref, sink_ref, ent_hbm, *
         cur2, n2 = jax.lax.cond(cur < total, more, last)
         ns = runs[b, 2 * (block // seg)]  # segments: 0 unless page runs are on
         formats.wait(fmt, w_src, bufs, sems, b, n - ns * seg, ns, seg if runs_on else 1,
-                     runs, walk_statics["run_grain"],
-                     shared=runs[b, 2 * (block // seg) + 1])  # listed rows sharing a rope row
+                     runs, walk_statics["run_grain"], shared=runs[b, 2 * (block // seg) + 1])
         live = _live(runs, b, (block, 1), 0, seg)
         cols = _live(runs, b, (q_ref.shape[1], block), 1, seg)
         ops = formats.operands(fmt, bufs, b, live, cdt, ns * seg)
@@ -350,8 +348,7 @@ def _scratch(fmt: str, block: int, w_parts, heads: int, dim: int, k: int, seg: i
         pltpu.SemaphoreType.DMA((2, 2)), pltpu.SemaphoreType.DMA((1,)),
         pltpu.SMEM((4,), jnp.int32),  # the walk's state across rows
         pltpu.VMEM((heads, dim), jnp.float32),  # accumulator
-        pltpu.SMEM((2, 2 * (block // seg) + 2), jnp.int32)]  # per buffer: slots' lo, hi;
-    # then the segments issued and the listed rows sharing a rope row (walk._walk)
+        pltpu.SMEM((2, 2 * (block // seg) + 2), jnp.int32)]  # slots' lo, hi; runs; shared
 
 
 def _state_io(state, return_state: bool, acc_dtype, q, row_block):
