@@ -31,7 +31,7 @@ from oracle import row_sequences, token_keys
 from v4_batches import make_v4_batch
 
 from pallas_kernels import tpu
-from pallas_kernels.v4_attention import formats, kernel
+from pallas_kernels.v4_attention import formats, kernel, traffic, walk
 from pallas_kernels.v4_attention import v4_attention as v4_pallas
 from pallas_kernels.v4_attention.state import (
     FlashState,
@@ -487,19 +487,30 @@ def test_counted_bytes_equal_the_model(case):
             interpret=ip))
         fmt, gathered, k, tables = "csa", 8, 8, 1 + len(b.compressed[1])
         acc_in, acc_out = 2, 0
+    # csa: adjacent listed entries share rope rows and record DMAs (traffic.listed_reads: the
+    # exact count; each read its 512 B record, each rope DMA a 512 B row)
+    reads, records, ropes = (traffic.listed_reads(
+        walk.walk_order(b.compressed_indices), [99, 99], page=4, block=BLOCK)
+        if fmt == "csa" else (0, 0, 0))
+    listed = dict(read_rows=0, run_rows=reads, run_row_bytes=formats.run_row_bytes(fmt),
+                  run_rope_rows=ropes, gather_dmas=records + ropes) if fmt == "csa" else {}
     model = kernel.fused_traffic(rows=t, heads=h, gathered_rows=gathered, meta_words=k,
                                  table_words=tables, block=BLOCK, q_itemsize=2,
                                  row_bytes=formats.row_bytes(fmt),
                                  min_row_bytes=formats.stored_bytes(fmt),
                                  fp8=fmt == "csa", acc_in_itemsize=acc_in,
                                  acc_out_itemsize=acc_out,
-                                 written_rows=t * writes)
+                                 written_rows=t * writes, **listed)
     prefetch = 4 * (t * (kernel.INFO_WORDS + writes) + tables)  # + the rows' write positions
     written = n.select("hbm", "hbm", "dma")  # a write's 1 KB read and 1 KB written: one copy
     assert [c.nbytes for c in written] == [1024] * t * writes
     assert n.bytes(lane_padded=False) + 1024 * len(written) == (
         model.bytes_moved - prefetch + 4 * h), n.table()
-    per_token = {"plane": 1024, "csa": 1024}[fmt]
     gathers = n.select("hbm", "vmem", "dma")
-    assert sum(c.nbytes for c in gathers) == t * gathered * per_token
-    assert len(gathers) == t * gathered * (2 if fmt == "csa" else 1)
+    if fmt == "csa":  # entries 3 .. 10 and 1 .. 8: one record DMA per page, shared rope rows
+        assert (reads, records, ropes) == (t * gathered, 3 + 3, 3 + 3)
+        assert sum(c.nbytes for c in gathers) == 512 * (reads + ropes)
+        assert len(gathers) == records + ropes
+    else:
+        assert sum(c.nbytes for c in gathers) == t * gathered * 1024
+        assert len(gathers) == t * gathered

@@ -7,7 +7,8 @@ matmul operands in q's feature order. Five formats (``kernel_format``):
 - ``"plain"``: ``f32[L, P, ps, 512]``; one 2 KB row DMA per token.
 - ``"fp8"``: MODEL1 ``Fp8V4Cache`` (``reference.formats.model1``: ``nope u32[L, P, ps, 128]``,
   ``rope u32[L, P, ceil(ps / 4), 128]``); per token its 512 B nope record and the 512 B rope row
-  it shares with 3 tokens (two DMAs), plus its quarter ``off % 4`` in a VMEM side buffer.
+  it shares with 3 tokens (two DMAs), plus its quarter ``off % 4`` in a VMEM side buffer;
+  listed entries fewer (``issue_listed``: record runs, shared rope rows).
 - ``"csa"``: tokamax's ``CsaCache`` (``reference.formats.tokamax_v4``: ``nope i32[L, P, ps,
   128]``, ``rope i32[L, P, ps // 4, 128]``): MODEL1's DMAs and byte placement, read as i32 and
   bitcast to u32 in VMEM; only the scales differ: 64 lane-periodic ue8m0 scales, byte 3 of
@@ -228,6 +229,27 @@ def issue(fmt: str, src, bufs, sems, layer, pid, off, b, n, rows: int = 1):
         bufs[2][b, pl.ds(n, 1), :] = jnp.full((1, LANES), off % quarters, jnp.int32)
 
 
+def issue_listed(src, bufs, sems, layer, pid, off, b, n, records, shared):
+    """fp8 / CSA: a listed (CSA-selected) entry at in-page slot ``off`` of page ``pid`` into row
+    ``n`` of gather buffer ``b`` (``walk._listed``): ``records`` > 0 (dynamic) starts ONE DMA of
+    the 128-lane nope records of the ``records`` entries at slots ``off ..`` (a coalesced run:
+    the next ``records - 1`` listed entries, adjacent slots of this page, take rows ``n + 1 ..``
+    and issue no record DMA); ``shared`` (dynamic bool): its rope row is the previous row's
+    (same page, same ``off // 4``), so no rope DMA: its quarter word carries ``QUARTERS`` more
+    and ``operands`` copies the previous row's rope to it (``_fill_shared``). Mosaic compiles
+    a DMA of a dynamic number of 128-lane rows at a dynamic row (``measure.dma_probe``)."""
+    @pl.when(records > 0)
+    def _():
+        _copy(src[0], bufs[0], sems, 0, layer, pid, off, b, n, records).start()
+
+    @pl.when(jnp.logical_not(shared))
+    def _():
+        _copy(src[1], bufs[1], sems, 1, layer, pid, off // QUARTERS, b, n).start()
+
+    word = off % QUARTERS + QUARTERS * shared.astype(jnp.int32)
+    bufs[2][b, pl.ds(n, 1), :] = jnp.full((1, LANES), word, jnp.int32)
+
+
 def run_align(fmt: str, width: int = WORDS) -> int:
     """The row tile of a page run's DMA: 1 (any rows, one DMA) for rows of 128 lanes (fp8 /
     CSA records and rope rows, plane rows); else (packed 256 words, f32 512) 8, the sublane
@@ -317,12 +339,14 @@ def issue_run(fmt: str, src, bufs, sems, layer, pid, off, b, n, lo, hi, seg: int
 
 
 def wait(fmt: str, src, bufs, sems, b, n, runs=0, seg: int = 1, slots=None,
-         run_grain: str = "tiles"):
+         run_grain: str = "tiles", shared=0):
     """Wait for the DMAs into gather buffer ``b``: ``n`` single tokens and ``runs`` segments
-    (one semaphore per part counts their bytes; each wait takes one copy's bytes of that part).
-    A segment's DMAs move its slot's wanted rows (``issue_run`` with ``run_grain``), re-derived
-    from ``slots`` (SMEM ``i32[2, >= 2 runs]``: slot ``j``'s ``lo, hi`` at ``[b, 2 j]``,
-    ``[b, 2 j + 1]``); ``slots`` None: every segment whole (``seg`` rows)."""
+    (one semaphore per part counts their bytes; each wait takes one copy's bytes of that part:
+    a coalesced run of listed records, ``issue_listed``, is waited row by row; ``shared`` of
+    the ``n`` tokens issued no rope DMA). A segment's DMAs move its slot's wanted rows
+    (``issue_run`` with ``run_grain``), re-derived from ``slots`` (SMEM ``i32[2, >= 2 runs]``:
+    slot ``j``'s ``lo, hi`` at ``[b, 2 j]``, ``[b, 2 j + 1]``); ``slots`` None: every segment
+    whole (``seg`` rows)."""
     rows = PLANE_ROWS if fmt == "plane" else 1
     for part in range(len(src)):
         copy = _copy(src[part], bufs[part], sems, part, 0, 0, 0, b, 0, rows)
@@ -331,7 +355,7 @@ def wait(fmt: str, src, bufs, sems, b, n, runs=0, seg: int = 1, slots=None,
             copy.wait()
             return c
 
-        jax.lax.fori_loop(0, n, body, 0)
+        jax.lax.fori_loop(0, n - shared if part == 1 else n, body, 0)
     if seg <= 1:
         return
 
@@ -436,16 +460,28 @@ def _run_rope(bufs, b, run_rows):
     row ``r // 4`` (expanded by 4 stride-4 sublane stores) and quarter ``r % 4``; the others
     their own row and stored quarter (selects: a stale row cannot leak)."""
     rbuf, qbuf = bufs[1], bufs[2]
+    own, quarter = _fill_shared(rbuf[b], qbuf[b][:, :1])
     if len(bufs) == 3:
-        return rbuf[b], qbuf[b][:, :1]
+        return own, quarter
     run_rope, side = bufs[3], bufs[4]
     block = side.shape[0]
     for q in range(QUARTERS):
         side[pl.ds(q, block // QUARTERS, stride=QUARTERS), :] = run_rope[b]
     r = jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0)
     in_run = r < run_rows
-    return (jnp.where(in_run, side[...], rbuf[b]),
-            jnp.where(in_run, r % QUARTERS, qbuf[b][:, :1]))
+    return (jnp.where(in_run, side[...], own), jnp.where(in_run, r % QUARTERS, quarter))
+
+
+def _fill_shared(rope, word):
+    """Per-row rope rows ``[block, 128]`` and quarter words ``i32[block, 1]`` -> the rope rows
+    with each shared row (word ``>= QUARTERS``: ``issue_listed`` issued no rope DMA for it)
+    replaced by the previous row's, and the quarters ``word % QUARTERS``. A shared group is
+    at most ``QUARTERS`` rows (``walk._listed``), so ``QUARTERS - 1`` selects of a one-row
+    sublane roll fill it (selects: a stale row cannot leak)."""
+    shared = word >= QUARTERS
+    for _ in range(QUARTERS - 1):
+        rope = jnp.where(shared, pltpu.roll(rope, 1, 0), rope)
+    return rope, word % QUARTERS
 
 
 def operands(fmt: str, bufs, b, live, cdt, run_rows=0):

@@ -38,13 +38,17 @@ block b+1 is issued before block b is attended, and a row's last block issues th
 first block (after loading that row's list), so DMA round trips overlap compute across blocks
 and rows (grid steps run in order). Not measured on a TPU (none here): per decode row at
 V4-Flash (window 128, pages of 64) the window is 2 or 3 DMAs instead of 128, the 64 HCA
-entries 1 instead of 64, a CSA list still one per entry.
+entries 1 instead of 64, a CSA list one per entry packed (fp8 / CSA: fewer, below).
 
 fp8 caches: a run segment is two DMAs, its wanted tokens' nope records and the rope rows they
 touch (rows ``lo // 4 .. (hi - 1) // 4``), the rope rows expanded to one per token by 4 stride-4
-sublane stores (quarter ``r % 4``); a listed entry two whole-row DMAs, its 512 B record (row
-``off`` of its page) and the 512 B rope row it shares with 3 tokens (row ``off // 4``), plus its
-quarter ``off % 4`` in a VMEM side buffer by one ``(1, 128)`` vector store. Decoded in VMEM
+sublane stores (quarter ``r % 4``). A listed entry (lists in entry order, ``walk_order``):
+its 512 B record (row ``off``), the 512 B rope row it shares with 3 tokens (row ``off // 4``)
+and its quarter ``off % 4`` (one vector store); adjacent slots of a page are ONE records DMA,
+a rope row the previous row fetched is copied in VMEM (``walk._listed``; packed: one DMA per
+entry, Mosaic moves 256-word rows singly or in aligned 8-row tiles, ``measure.dma_probe``).
+Random top-512 of 2048: ~1.44 DMAs, ~863 B per entry (``traffic.listed_reads``; at worst 2,
+1024 B: the static bound). Decoded in VMEM
 exactly (``formats._decode_fp8``): byte plane ``j`` of the record is q's features ``128 j ..``
 (e4m3 upcast, times the power-of-two ue8m0 scale: exact in bf16 and f32), the rope quarter is
 selected by lanes and its bf16 halves land on plane 3's lanes 64..127, so one ``[block, 512]``
@@ -58,7 +62,7 @@ tokens at pages of 64, each of its wanted rows only: packed / f32 widened to 8-r
 most 136 rows for 128 tokens; 1024 B per packed / plane row, fp8 / CSA a 512 B record and the
 rope rows the run touches: at most 33 for 128 tokens, <= 644 B per token,
 ``traffic.run_rope_bound``), the selected CSA entries (1024 B each; fp8 / CSA: by 2 DMAs
-against 640 B stored), q read once, out written once,
+against 640 B stored, at most), q read once, out written once,
 ``4 k`` bytes of the row's list into SMEM, the tables once (a state read and written: its acc,
 l and m, ``state``). Versus the two-pass path (``two_pass``, ``fused=False``): q is not read
 twice, and no partial outputs are written, read back and merged.
@@ -107,6 +111,7 @@ from pallas_kernels.v4_attention.walk import (  # noqa: F401 (the row_info field
     _live,
     _units,
     _walk,
+    walk_order,
 )
 from reference import v4_attention as v4
 from reference.core import batch
@@ -317,7 +322,7 @@ def _kernel(info_ref, wtab_ref, ctab_ref, layer_ref, q_ref, sink_ref, ent_hbm, *
         cur2, n2 = jax.lax.cond(cur < total, more, last)
         ns = runs[b, 2 * (block // seg)]  # segments: 0 unless page runs are on
         formats.wait(fmt, w_src, bufs, sems, b, n - ns * seg, ns, seg if runs_on else 1,
-                     runs, walk_statics["run_grain"])
+                     runs, walk_statics["run_grain"], shared=runs[b, 2 * (block // seg) + 1])
         live = _live(runs, b, (block, 1), 0, seg)
         cols = _live(runs, b, (q_ref.shape[1], block), 1, seg)
         ops = formats.operands(fmt, bufs, b, live, cdt, ns * seg)
@@ -343,7 +348,7 @@ def _scratch(fmt: str, block: int, w_parts, heads: int, dim: int, k: int, seg: i
         pltpu.SemaphoreType.DMA((2, 2)), pltpu.SemaphoreType.DMA((1,)),
         pltpu.SMEM((4,), jnp.int32),  # the walk's state across rows
         pltpu.VMEM((heads, dim), jnp.float32),  # accumulator
-        pltpu.SMEM((2, 2 * (block // seg) + 1), jnp.int32)]  # per buffer: slots' lo, hi; runs
+        pltpu.SMEM((2, 2 * (block // seg) + 2), jnp.int32)]  # slots' lo, hi; runs; shared
 
 
 def _state_io(state, return_state: bool, acc_dtype, q, row_block):
@@ -471,6 +476,8 @@ def fused_rows(q, window: v4.PagedKV, kv_lens, cu_q_lens, distribution, *, compr
     w_read, c_read, w_cache, c_cache = check_fused_args(
         q, window, kv_lens, cu_q_lens, distribution, compressed, compressed_indices, attn_sink,
         block=block, layer=layer, precision=precision, **statics)
+    if statics["compress_ratio"] == 4 and formats.kernel_format(w_cache) in formats.FP8_FORMATS:
+        compressed_indices = walk_order(compressed_indices)  # shared rope rows, record runs
     rows = batch.row_facts(q.shape[0], kv_lens, cu_q_lens, distribution)
     wb = batch.RaggedBatch.of(w_read.one, kv_lens, window.page_indices, cu_q_lens,
                               window.cu_lens, distribution,

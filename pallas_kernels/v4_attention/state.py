@@ -251,8 +251,10 @@ def v4_entries_from_state(q: jax.Array, compressed: v4.PagedKV, cu_q_lens: jax.A
     cb = batch.RaggedBatch.of(read.one, jnp.zeros((num_seqs,), jnp.int32),
                               compressed.page_indices, cu_q_lens, compressed.cu_lens,
                               distribution, pages_per_seq=compressed_pages_per_seq)
-    info = entries_info(rows, cb, compressed_indices)
     cache = formats.kernel_cache(read.stacked)
+    if formats.kernel_format(cache) in formats.FP8_FORMATS:  # shared rope rows, record runs
+        compressed_indices = kernel.walk_order(compressed_indices)
+    info = entries_info(rows, cb, compressed_indices)
     q_in = q.astype(jnp.bfloat16) if precision == "bf16" else q
     res = kernel.fused_call(q_in, cache, cache, read.layer, compressed_indices, info,
                             jnp.full((1,), -1, jnp.int32), compressed.page_indices, attn_sink,

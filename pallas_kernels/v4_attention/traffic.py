@@ -9,7 +9,9 @@ per segment per cache part, a dynamic start and a dynamic number of rows: only t
 wanted rows, ``formats.issue_run``; packed / f32 rows widened to 8-row tiles,
 ``formats.run_align``, or with ``run_grain="exact"`` moved exactly, ragged ends a row a DMA):
 ``run_reads`` / ``run_rope_rows`` count them exactly per
-row, ``run_bound`` / ``run_rope_bound`` bound them from shapes (the AOT cases' static model)."""
+row, ``run_bound`` / ``run_rope_bound`` bound them from shapes (the AOT cases' static model).
+fp8 / CSA listed (CSA-selected) entries: ``listed_reads`` counts their record runs and shared
+rope rows exactly from the lists; the static model keeps the worst case (2 DMAs, 1024 B each)."""
 
 from __future__ import annotations
 
@@ -145,6 +147,50 @@ def run_rope_bound(*, window: int, entries: int, window_runs: bool,
     """``run_rope_rows`` for one query row at most: ``window`` tokens anywhere touch
     ``ceil((W - 1) / 4) + 1`` rope rows, ``entries`` from 0 ``ceil(entries / 4)``."""
     return _touched_bound(window, entries, QUARTERS, window_runs, compressed_runs)
+
+
+def listed_reads(entries, c_limit, *, page: int, block: int, start_rows=0
+                 ) -> tuple[int, int, int]:
+    """fp8 / CSA, exact: ``(entries read, record DMAs, rope-row DMAs)`` of the listed (CSA)
+    entries of query rows with lists ``entries`` (``i32[T, k]`` in walk order:
+    ``walk.walk_order``'s) and entry limits ``c_limit`` (``i32[T]``), every page present, the
+    row's window filling ``start_rows[t]`` rows of its blocks first (``block``-row blocks):
+    ``walk._listed``'s rule. A record DMA covers a run of list neighbours ``e, e + 1, ..`` on
+    one page of ``page`` entries, cut at the block's end; a rope DMA is skipped for an entry
+    whose previous row in the block is a listed entry of the same page and rope row (``e //
+    4`` of the page), the group under ``QUARTERS`` rows. Each read moves its 512 B record; each
+    rope DMA one 512 B rope row. Worst case (no two entries adjacent or sharing): 2 DMAs and
+    1024 B per entry, ``row_bytes``."""
+    entries = np.asarray(entries, np.int64)
+    c_limit = np.broadcast_to(np.asarray(c_limit, np.int64), entries.shape[:1])
+    start_rows = np.broadcast_to(np.asarray(start_rows, np.int64), entries.shape[:1])
+    reads = records = ropes = 0
+    for ent, limit, n in zip(entries, c_limit, start_rows % block, strict=True):
+        ok = (ent >= 0) & (ent < limit)
+        walk = int(np.max(np.where(ok, np.arange(1, len(ent) + 1), 0), initial=0))
+        left = group = 0
+        key = None
+        for j in range(walk):
+            e = int(ent[j])
+            if not ok[j]:
+                continue
+            if n == block:  # the next block: nothing carries over
+                n, left, key = 0, 0, None
+            if left:
+                left -= 1
+            else:
+                cap = min(block - n, page - e % page, limit - e, walk - j)
+                length = 1
+                while length < cap and ent[j + length] == e + length:
+                    length += 1
+                records, left = records + 1, length - 1
+            here = (e // page, e % page // QUARTERS)
+            if key == here and group < QUARTERS:
+                group += 1
+            else:
+                key, group, ropes = here, 1, ropes + 1
+            reads, n = reads + 1, n + 1
+    return reads, records, ropes
 
 
 def fused_traffic(*, rows: int, heads: int, gathered_rows: int, meta_words: int,

@@ -49,12 +49,13 @@ def _walk(refs, row, lslot, b, cur, *, fmt, listed, block, w_page, c_page, w_pag
     c_slot0, c_limit = info_ref[at + _CSLOT0], info_ref[at + _CLIMIT]
     w_units, c_units = _units(info_ref, row, seg, window_runs, compressed_runs)
     nslots = block // seg
-    for j in range(2 * nslots + 1):
+    for j in range(2 * nslots + 2):
         runs[b, j] = jnp.int32(0)
     w_rows, c_rows = (seg if window_runs else 1), (seg if compressed_runs else 1)
+    gather = listed and fmt in formats.FP8_FORMATS  # coalesced records, shared rope rows
 
     def body(c):
-        pos, n, ns = c
+        pos, n, ns, lst = c
         in_window = pos < w_units
         j = pos - w_units
         if window_runs:
@@ -76,13 +77,20 @@ def _walk(refs, row, lslot, b, cur, *, fmt, listed, block, w_page, c_page, w_pag
         w_pid, w_ok = batch.lookup_page(wtab_ref, slot, w_pages)
         c_pid, c_ok = batch.lookup_page(ctab_ref, slot, c_pages)
         ok = jnp.where(in_window, w_ok, e_ok & c_ok) & layer_ok
-        for src, pid, here, rows, lo, hi in ((w_src, w_pid, in_window, w_rows, w_lo, w_hi),
-                                             (c_src, c_pid, ~in_window, c_rows, c_lo, c_hi)):
+        if gather:
+            records, shared, lst = _listed(lst, ent_smem, lslot, j, e, c_pid, ok & ~in_window,
+                                           ok & in_window, c_page, c_limit, c_units, block - n)
+        for comp, (src, pid, here, rows, lo, hi) in enumerate((
+                (w_src, w_pid, in_window, w_rows, w_lo, w_hi),
+                (c_src, c_pid, ~in_window, c_rows, c_lo, c_hi))):
             @pl.when(ok & here)
-            def _(src=src, pid=pid, rows=rows, lo=lo, hi=hi):
+            def _(src=src, pid=pid, rows=rows, lo=lo, hi=hi, comp=comp):
                 if rows > 1:  # a segment: its wanted rows only
                     formats.issue_run(fmt, src, bufs, sems, layer, pid, unit % psize, b, n,
                                       lo, hi, rows, run_grain)
+                elif gather and comp:  # a listed entry
+                    formats.issue_listed(src, bufs, sems, layer, pid, unit % psize, b, n,
+                                         records, shared)
                 else:
                     formats.issue(fmt, src, bufs, sems, layer, pid, unit % psize, b, n)
 
@@ -94,12 +102,59 @@ def _walk(refs, row, lslot, b, cur, *, fmt, listed, block, w_page, c_page, w_pag
         size = jnp.where(in_window, w_rows, c_rows)
         is_run = jnp.where(in_window, window_runs, compressed_runs)
         return (pos + 1, n + ok.astype(jnp.int32) * size,
-                ns + (ok & is_run).astype(jnp.int32))
+                ns + (ok & is_run).astype(jnp.int32), lst)
 
-    cur, n, ns = jax.lax.while_loop(lambda c: (c[1] < block) & (c[0] < w_units + c_units),
-                                    body, (cur, jnp.int32(0), jnp.int32(0)))
+    lst0 = (jnp.int32(0),) * 4 + (jnp.int32(-1),)  # shared, left, group, page, rope row
+    cur, n, ns, lst = jax.lax.while_loop(
+        lambda c: (c[1] < block) & (c[0] < w_units + c_units), body,
+        (cur, jnp.int32(0), jnp.int32(0), lst0))
     runs[b, 2 * nslots] = ns
+    runs[b, 2 * nslots + 1] = lst[0]
     return cur, n
+
+
+def _listed(lst, ent_smem, lslot, j, e, pid, listed_ok, window_ok, c_page, c_limit, c_units,
+            room):
+    """fp8 / CSA, list position ``j`` (entry ``e`` on page ``pid``; issued if ``listed_ok``):
+    ``(records, shared, lst)`` for ``formats.issue_listed``. ``lst`` = (rows of this block
+    that share the previous row's rope row, rows left of the current record run, rows in the
+    current rope group, its page, its rope row). An entry a run does not cover starts one:
+    the list's next positions holding ``e + 1, e + 2, ..`` on the same page, within the walk
+    (``c_units``), the limit and the block's ``room`` (``traffic.listed_reads`` counts the
+    same). It shares the previous issued row's rope row iff that row is a listed entry of the
+    same page and rope row and the group has fewer than ``QUARTERS`` rows."""
+    shared_n, left, group, g_pid, g_row = lst
+    off = e % c_page
+    row = off // formats.QUARTERS
+    covered = left > 0
+    cap = jnp.where(listed_ok & ~covered, jnp.minimum(
+        jnp.minimum(room, c_page - off), jnp.minimum(c_limit - e, c_units - j)), 0)
+    last = ent_smem.shape[1] - 1
+
+    def grows(i):
+        return (i < cap) & (ent_smem[lslot, jnp.clip(j + i, 0, last)] == e + i)
+
+    length = jax.lax.while_loop(grows, lambda i: i + 1, jnp.int32(1))
+    records = jnp.where(listed_ok & ~covered, length, 0)
+    shared = listed_ok & (g_pid == pid) & (g_row == row) & (group < formats.QUARTERS)
+    i32 = jnp.int32
+    lst = (shared_n + shared.astype(i32),
+           jnp.where(listed_ok, jnp.where(covered, left - 1, records - 1), left),
+           jnp.where(listed_ok, jnp.where(shared, group + 1, 1), group),
+           jnp.where(listed_ok, pid, jnp.where(window_ok, -1, g_pid)),
+           jnp.where(listed_ok, row, jnp.where(window_ok, -1, g_row)))
+    return records, shared, lst
+
+
+def walk_order(entries: jax.Array) -> jax.Array:
+    """``i32[T, k]`` CSA top-k lists (by score; -1 = none) -> each row's entries in ascending
+    entry order, the negatives last (one XLA sort of the lists as u32). The fp8 / CSA gather
+    (``_listed``) then meets adjacent entries next to each other: a rope row shared by up to 4
+    selected entries is fetched once, and runs of adjacent slots of a page are one records
+    DMA. Attention is order-invariant (up to f32 summation order); ``list_walk_end`` of the
+    sorted lists stops after their last valid entry."""
+    words = jax.lax.bitcast_convert_type(jnp.asarray(entries, jnp.int32), jnp.uint32)
+    return jax.lax.bitcast_convert_type(jax.lax.sort(words, dimension=1), jnp.int32)
 
 
 def _live(runs, b, shape, axis: int, seg: int):
