@@ -7,13 +7,12 @@ visible compressed entries, K = V = the 512-dim row; the sink applied at the end
 in the kernel, on its sink-free LSE by ``reference.sinks``' rule).
 
 Shapes: ``q bf16|f32[T, H, 512]``; both caches in one format (``formats``): packed bf16 words
-``u32[P, ps, 256]`` (``reference.packed_cache``: word ``j`` holds features ``j`` (low half) and
-``j + 256`` (high half)), ``f32[P, ps, 512]``, fp8 MODEL1 ``Fp8V4Cache`` (``reference.v4_cache``:
-``nope u32[P, ps, 128]``, ``rope u32[P, ceil(ps / 4), 128]``), or tokamax's ``CsaCache`` /
+``u32[P, ps, 256]`` (``reference.packed_cache``: word ``j`` holds features ``j`` and ``j + 256``
+in its low / high half), ``f32[P, ps, 512]``, fp8 MODEL1 ``Fp8V4Cache`` (``reference.v4_cache``:
+``nope u32[P, ps, 128]``, ``rope u32[P, ceil(ps / 4), 128]``), tokamax's ``CsaCache`` /
 ``PlaneCache`` (``reference.formats.tokamax_v4``), stacked ``[L, ...]`` read in place at
-``layer``; mixed formats raise NotImplementedError (the reference serves them mixed); ``entries
-i32[T, k]`` the ratio-4 row lists (ratio 128 walks an implicit iota, no list). Out ``q.dtype[T,
-H, 512]`` and ``f32[T, H, 1]`` LSE (natural log, ``-inf`` for an empty row).
+``layer`` (mixed formats: NotImplementedError); ``entries i32[T, k]`` the ratio-4 lists. Out
+``q.dtype[T, H, 512]``, ``f32[T, H, 1]`` LSE (natural log, ``-inf`` for an empty row).
 The flash-state protocol (``state``, tokamax's ``mla_swa`` / ``sparse_mla``): a row may start
 from an external state and return its state instead of its output (module ``state``); a call
 may first write this step's rows into its window cache in place (``writes``).
