@@ -55,6 +55,7 @@ def build(rng, s: dict, q_lens, kv_lens, spec: bool = False, *, window_format: s
     import numpy as np
 
     from dsa_jax import v4_model as v4m
+    from pallas_kernels.v4_compressor import rope_rows
     from reference import v4_compressor as vc
     from reference.formats import fp8_cache
     from reference.formats import model1 as v4_cache
@@ -93,7 +94,8 @@ def build(rng, s: dict, q_lens, kv_lens, spec: bool = False, *, window_format: s
     ones = lambda *shape: np.ones(shape, np.float32)  # noqa: E731
     params = v4m.V4StepParams(cos, sin, opt(lc, f32(lc, 4, 1024)), opt(lc, ones(lc, 512)),
                               opt(lc, f32(lc, 4, 256)), opt(lc, ones(lc, 128)),
-                              opt(lh, f32(lh, 128, 512)), opt(lh, ones(lh, 512)))
+                              opt(lh, f32(lh, 128, 512)), opt(lh, ones(lh, 512)),
+                              rope_rows=np.asarray(rope_rows(cos, sin)))
     wp = tables[0][2]
 
     def cache(c, p, w=512, fmt="plain"):

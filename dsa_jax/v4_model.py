@@ -143,7 +143,11 @@ class V4StepParams(NamedTuple):
     ``csa_ape f32[Lc, 4, 1024]``, ``csa_norm f32[Lc, 512]``, ``index_ape f32[Lc, 4, 256]``,
     ``index_norm f32[Lc, 128]``, ``hca_ape f32[Lh, 128, 512]``, ``hca_norm f32[Lh, 512]``, and
     the compressed entries' RoPE tables ``cos, sin f32[positions, 32]``
-    (``reference.v4_compressor.rope_tables``: theta 160000, YaRN)."""
+    (``reference.v4_compressor.rope_tables``: theta 160000, YaRN); ``rope_rows f32[positions,
+    128]``: optional, the same tables in the Pallas compressor's row layout
+    (``pallas_kernels.v4_compressor.rope_rows(cos, sin)``, built once with the tables: the
+    kernel then reads one 512-B row per completing entry instead of two 16-KB table tiles; the
+    reference ignores it)."""
 
     cos: jax.Array
     sin: jax.Array
@@ -153,6 +157,7 @@ class V4StepParams(NamedTuple):
     index_norm: jax.Array | None = None
     hca_ape: jax.Array | None = None
     hca_norm: jax.Array | None = None
+    rope_rows: jax.Array | None = None
 
 
 class V4Caches(NamedTuple):

@@ -118,17 +118,19 @@ def _index_fp4(rows, rb=lambda x: x):
 
 def _compress_family(cache, state, kv, score, ape, norm, cos, sin, meta: V4BatchMeta, *,
                      ratio: int, num_slots: int, table, pages_per_seq: int, fmt: str, finish,
-                     compress):
+                     compress, rope_rows=None):
     """Run the compressor ``compress`` (a ``compress_step``) of every layer of one family
     (stacked inputs ``[Lx, ...]``) and store the completed entries in layer ``s`` of ``cache``;
-    the state pool is updated in place (layer ``s`` owns slots ``s * num_slots + i``). Returns
-    ``(cache, state)``."""
+    the state pool is updated in place (layer ``s`` owns slots ``s * num_slots + i``);
+    ``rope_rows``: the tables in the Pallas kernel's row layout (``V4StepParams.rope_rows``).
+    Returns ``(cache, state)``."""
     ok = (meta.state_slots >= 0) & (meta.state_slots < num_slots)
     page_indices, cu_lens = table
     for s in range(kv.shape[0]):
         slots = jnp.where(ok, meta.state_slots + s * num_slots, -1).astype(jnp.int32)
         entries, state = compress(kv[s], score[s], ape[s], norm[s], cos, sin, state, slots,
-                                  meta.kv_lens, meta.cu_q_lens, meta.distribution, ratio=ratio)
+                                  meta.kv_lens, meta.cu_q_lens, meta.distribution, ratio=ratio,
+                                  rope_rows=rope_rows)
         entries = entries._replace(rows=finish(entries.rows))
         if fmt == "packed":
             page_id, offset = vc.entry_slots(entries, page_indices, cu_lens,
@@ -152,7 +154,7 @@ def compress_all(caches, states, inputs, params, meta, layout, num_slots, qat, c
     if layout.count(4):
         table = (meta.csa_page_indices, meta.csa_cu_lens)
         kw = dict(ratio=4, num_slots=num_slots, table=table, compress=compress,
-                  pages_per_seq=layout.csa_pages_per_seq)
+                  pages_per_seq=layout.csa_pages_per_seq, rope_rows=params.rope_rows)
         comp, st = _compress_family(caches.csa_compressed, states.csa, inputs.csa_kv,
                                     inputs.csa_score, params.csa_ape, params.csa_norm,
                                     params.cos, params.sin, meta, fmt=fmt,
@@ -171,7 +173,7 @@ def compress_all(caches, states, inputs, params, meta, layout, num_slots, qat, c
             params.hca_norm, params.cos, params.sin, meta, ratio=128, num_slots=num_slots,
             table=(meta.hca_page_indices, meta.hca_cu_lens),
             pages_per_seq=layout.hca_pages_per_seq, fmt=fmt,
-            finish=_nope_fp8 if qat else ident, compress=compress)
+            finish=_nope_fp8 if qat else ident, compress=compress, rope_rows=params.rope_rows)
         caches = caches._replace(hca_compressed=comp)
         states = states._replace(hca=st)
     return caches, states

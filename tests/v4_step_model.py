@@ -17,6 +17,7 @@ from dsa_jax.v4_step import (
     V4StepParams,
     init_v4_states,
 )
+from pallas_kernels.v4_compressor import rope_rows
 from reference import deepseek_v4 as dv4
 from reference import v4_compressor as vc
 
@@ -41,7 +42,8 @@ def finish(params, o, pos, cfg, max_seq_len, precision="f32"):
 
 
 def step_params(cfgs, params, max_seq_len) -> V4StepParams:
-    """The compressor params of each family, stacked in layer order, and the entry tables."""
+    """The compressor params of each family, stacked in layer order, and the entry tables
+    (also in the Pallas compressor's row layout, as a model keeps them)."""
     def stack(ratio, name):
         xs = [params[i][name] for i, c in enumerate(cfgs) if c.compress_ratio == ratio]
         return jnp.stack(xs) if xs else None
@@ -49,7 +51,8 @@ def step_params(cfgs, params, max_seq_len) -> V4StepParams:
     return V4StepParams(cos, sin, stack(4, "compressor.ape"), stack(4, "compressor.norm.weight"),
                         stack(4, "indexer.compressor.ape"),
                         stack(4, "indexer.compressor.norm.weight"),
-                        stack(128, "compressor.ape"), stack(128, "compressor.norm.weight"))
+                        stack(128, "compressor.ape"), stack(128, "compressor.norm.weight"),
+                        rope_rows(cos, sin))  # the Pallas compressor's row layout
 
 
 def step_inputs(cfgs, per_layer, attn_sink) -> V4StepInputs:
