@@ -70,8 +70,8 @@ __all__ += [
 
 # The ratio-1 / ratio-2 compressors (reference.v41.compressor).
 from reference.v41.compressor import (  # noqa: E402
+    COMPRESSED_RATIOS,
     OUTPUTS,
-    RATIOS,
     compress_step,
     compressed_rope_tables,
     init_compressor_state,
@@ -81,8 +81,8 @@ from reference.v41.compressor import (  # noqa: E402
 )
 
 __all__ += [
+    "COMPRESSED_RATIOS",
     "OUTPUTS",
-    "RATIOS",
     "compress_step",
     "compressed_rope_tables",
     "init_compressor_state",

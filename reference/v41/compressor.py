@@ -68,7 +68,7 @@ from reference.core import batch
 from reference.core import checks as _checks
 from reference.quant.bf16 import round_bf16
 from reference.v4_compressor import ref as v4
-from reference.v41.config import V41Config, v41_flash
+from reference.v41.config import RATIOS, V41Config, v41_flash
 from reference.v41.formats import (
     compressed_kv_bytes,
     decode_compressed_kv,
@@ -76,18 +76,19 @@ from reference.v41.formats import (
 )
 
 __all__ = [
-    "OUTPUTS", "RATIOS", "compress_step", "compressed_rope_tables", "init_compressor_state",
-    "max_entries", "visible_entries", "write_compressed_entries",
+    "COMPRESSED_RATIOS", "OUTPUTS", "compress_step", "compressed_rope_tables",
+    "init_compressor_state", "max_entries", "visible_entries", "write_compressed_entries",
 ]
 
-RATIOS = (1, 2)
+COMPRESSED_RATIOS = tuple(r for r in RATIOS if r)  # (1, 2): the ratios that compress
 OUTPUTS = ("latent", "roped", "cache")
 _FLASH = v41_flash()
 
 
 def _ratio(ratio) -> int:
-    if isinstance(ratio, bool) or ratio not in RATIOS:
-        raise ValueError(f"V4.1 compression ratio must be one of {RATIOS}, got ratio={ratio!r}")
+    if isinstance(ratio, bool) or ratio not in COMPRESSED_RATIOS:
+        raise ValueError(f"V4.1 compression ratio must be one of {COMPRESSED_RATIOS}, got "
+                         f"ratio={ratio!r}")
     return int(ratio)
 
 
