@@ -47,7 +47,11 @@ from pallas_kernels.v4 import compile_cases as v4cases
 from pallas_kernels.v4.fused import INFO_WORDS
 from pallas_kernels.v4_attention import blocks as v4_blocks
 from pallas_kernels.v4_attention import formats, traffic
-from pallas_kernels.v4_attention.compile_cases import bf16_regime_cases, exact_run_cases
+from pallas_kernels.v4_attention.compile_cases import (
+    bf16_regime_cases,
+    exact_run_cases,
+    plane_run_cases,
+)
 from pallas_kernels.v4_compressor import compile_cases as v4ccases
 from pallas_kernels.v4_compressor import traffic as v4ctraffic
 from reference import v4_compressor as vc
@@ -63,12 +67,17 @@ CASES += [(case, chip) for case in bf16_regime_cases() for chip in aot.CHIPS]
 # run_grain="exact": each shape on one chip (every chip once; Mosaic's answer on 256-word rows
 # is the same on all three: tests/test_dma_probe.py)
 CASES += list(zip(exact_run_cases(), sorted(aot.CHIPS), strict=True))
+# bf16 in 128-word plane rows: each shape on one chip (the chips in another order)
+CASES += list(zip(plane_run_cases(), sorted(aot.CHIPS, reverse=True), strict=True))
 # the model's bytes per decode row over the minimum, per path and shape (module docstring)
 MAX_RATIO = {"v4_attention": {"flash_csa": 1.45, "flash_hca": 2.05, "pro_csa": 1.5},
              "v4_attention_fused": {"flash_csa": 1.014, "flash_hca": 1.027, "pro_csa": 1.009},
              # run_grain="exact": every wanted row once, 1.00348x / 1.00172x / 1.00332x (the
              # bytes of one DMA per token, before page runs), in <= 8 more DMAs per decode row
              "v4_attention_fused_exact": {"flash_csa": 1.00349, "flash_hca": 1.00173,
+                                          "pro_csa": 1.00333},
+             # plane rows (128 words): the exact bytes at the tiles' descriptors
+             "v4_attention_fused_plane": {"flash_csa": 1.00349, "flash_hca": 1.00173,
                                           "pro_csa": 1.00333},
              "v4_attention_fused_fp8": {"flash_csa": 1.37, "flash_hca": 1.005, "pro_csa": 1.40},
              "v4_attention_fused_packed_precision_bf16": {"flash_csa": 1.014},
@@ -153,6 +162,23 @@ def test_exact_runs_dma_descriptors_per_decode_row(chip):
         _, w_rows, w_dmas = traffic.run_bound(**window, exact=True)
         assert w_rows == v4cases.WINDOW and w_dmas == 11 <= 3 + 14
         assert exact.traffic(chip).dmas - tiles.traffic(chip).dmas == rows * (11 - 3)
+
+
+@pytest.mark.parametrize("chip", sorted(aot.CHIPS))
+def test_plane_rows_meet_both_window_bounds(chip):
+    """Issue 30's two window bounds at once, where the rows are 128 words: on bf16 plane rows
+    (``plane_run_cases``) a 128-token window anywhere is <= ceil(128 / 64) + 1 = 3 DMAs of
+    exactly its 256 plane rows (2 per token), and every shape's call moves ``"exact"``'s bytes
+    (1 KB per gathered token, as one DMA per token did) in the tiles' DMA count."""
+    for tiles, exact, plane in zip(v4cases.compile_cases(True, "packed"), exact_run_cases(),
+                                   plane_run_cases(), strict=True):
+        block = v4_blocks.block(chip, "plane", plane.specs[0].shape[1])
+        seg, w_runs, _ = traffic.segment_plan("plane", block, v4cases.PAGE, v4cases.PAGE, True)
+        window = dict(window=v4cases.WINDOW, entries=0, seg=seg, window_runs=w_runs,
+                      compressed_runs=False, align=formats.run_align("plane"))
+        assert traffic.run_bound(**window) == (0, v4cases.WINDOW, 3)
+        t_plane, t_tiles, t_exact = (c.traffic(chip) for c in (plane, tiles, exact))
+        assert t_plane.dmas == t_tiles.dmas and t_plane.bytes_moved == t_exact.bytes_moved
 
 
 def test_compressor_model_of_an_unaligned_hca_prefill():

@@ -211,6 +211,18 @@ def exact_run_cases() -> list[aot.CompileCase]:
             for name, rows, context, heads, ratio, k in SHAPES]
 
 
+def plane_run_cases() -> list[aot.CompileCase]:
+    """The fused kernel on bf16 rows stored as two 128-word rows per token (tokamax's
+    ``PlaneCache``, both caches) at every ``SHAPES`` row, kernel ``"v4_attention_fused_plane"``:
+    128-lane rows, so each page run moves exactly its wanted rows in ONE DMA (Mosaic takes any
+    dynamic row and length of 128-lane rows; 256-word rows only at 8-row tiles:
+    ``tests/test_dma_probe.py``): the exact run's bytes at the tiles' descriptor count."""
+    return [_case("v4_attention_fused_plane", name,
+                  dict(rows=rows, context=context, heads=heads, ratio=ratio, k=k), fused=True,
+                  fmt="plane")
+            for name, rows, context, heads, ratio, k in SHAPES]
+
+
 def bf16_regime_cases() -> list[aot.CompileCase]:
     """The fused kernel with ``precision="bf16"`` (the official ``sparse_attn`` rounding) at the
     V4-Flash CSA decode shape (``SHAPES[0]``, bf16 q), one case per ``BF16_REGIME_FORMATS``:
