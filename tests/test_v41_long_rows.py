@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 
+from pallas_kernels import aot
 from pallas_kernels.indexer import compile_cases as icases
 from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES
 from scripts.cost import v41_long_rows as lr
@@ -25,12 +26,13 @@ pytestmark = pytest.mark.kernel_gate  # also run on the newest jax (README)
 K = icases.v41_flash().index_topk
 SMALL_CHUNK = 4 * lr.MiB
 
-# (chip, shape name, key format, score_chunk_bytes or None for the default)
-GATES = [
-    ("v5e", "V4.1 decode 4x1048576", "bf16", None),
-    ("v6e", "V4.1 decode 4x1048576", "fp8 pages", SMALL_CHUNK),
-    ("tpu7x", "V4.1 prefill 1024@131072", "bf16", None),
+# (shape name, key format, score_chunk_bytes or None for the default), one chip each, in turn
+_GATES = [
+    ("V4.1 decode 4x1048576", "bf16", None),
+    ("V4.1 decode 4x1048576", "fp8 pages", SMALL_CHUNK),
+    ("V4.1 prefill 1024@131072", "bf16", None),
 ]
+GATES = [(list(aot.CHIPS)[i % len(aot.CHIPS)], *g) for i, g in enumerate(_GATES)]
 
 
 @pytest.mark.parametrize("chip,name,key_format,chunk", GATES,
