@@ -12,12 +12,14 @@ What bounds the memory (``pallas_kernels.indexer.scoring``): the kernel writes o
 ``C`` rows of f32 scores ``[C, N]`` with ``C * N * 4 <= SCORE_CHUNK_BYTES`` (64 MiB; at least
 one row block), then the selection (XLA) reduces the chunk to ``[C, k]``; longer batches loop
 over chunks (``fori_loop``). So the program's temporaries are the chunk (once for the
-approximate top-k; the exact ``lax.top_k`` keeps about two more chunk-sized buffers) plus
-``O(T * k)``: ``temp_bound``. XLA may place a small chunk in VMEM (``S(1)``) instead of HBM: the
-memory analysis' temp bytes are HBM only, so the largest XLA array and the XLA arrays in VMEM are
-read from the compiled HLO too (``xla_arrays``; their sum over-counts buffers XLA reuses,
-so it is an upper bound). The jnp reference path (``implementation=
-"xla"``) is compiled beside it for contrast.
+approximate top-k; the exact ``lax.top_k``, a tiled sort, up to 7 chunk-sized arrays:
+``CHUNK_COPIES``) plus ``O(T * k)``: ``temp_bound``. Two kernel buffers are NOT bounded by the
+chunk and grow with ``N``: its VMEM score rows ``f32[2, L, N]`` (``chunk_score_bytes``) and
+the page table it scalar-prefetches into SMEM (``i32[S * N / page]``). XLA may place a small
+chunk in VMEM (``S(1)``) instead of HBM: the memory analysis' temp bytes are HBM only, so the
+largest XLA array and the XLA arrays in VMEM are read from the compiled HLO too
+(``xla_arrays``; their sum, capped at the chip's VMEM, is an upper bound: XLA reuses buffers).
+The jnp reference path (``implementation="xla"``) is compiled beside it for contrast.
 
 Nothing here is a TPU time; every number is XLA's compile-time memory analysis or a model.
 
@@ -35,17 +37,19 @@ from dataclasses import dataclass
 
 import jax.numpy as jnp
 
-from pallas_kernels import aot
+from pallas_kernels import aot, tpu
 from pallas_kernels.indexer import compile_cases as icases
 from pallas_kernels.indexer.blocks import resolve_blocks
 from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, chunk_rows
 from pallas_kernels.measure.hlo import shape_bytes
 
 MiB = 2 ** 20
-# The exact top-k (``lax.top_k`` over a chunk) keeps the masked chunk and about one more
-# chunk-sized buffer besides the scores (measured: 2.03 chunks at 1024 x 128K on v6e); the
-# approximate top-k (``approx_max_k``) reduces the scores chunk in place.
-CHUNK_COPIES = {False: 1, True: 3}
+# Chunk-sized XLA arrays of the selection. The approximate top-k (``approx_max_k``) reads the
+# scores chunk and its masked copy (fused into its input): 1 chunk live. The exact top-k
+# (``lax.top_k`` over a chunk) is a tiled sort on TPU: the scores, the masked scores, the values
+# tiled [512, N * C / 512] and their copies, an iota of indices and its copy, 7 chunk-sized
+# arrays in the compiled HLO (4 x 1M on every chip): 8 allows for one more.
+CHUNK_COPIES = {False: 1, True: 8}
 # Beyond the chunks: the work list, page-table copies and the selection's per-row candidates
 # (``approx_max_k`` aggregates to at most 4 * k per row before its sort), with room to spare.
 FIXED_SLACK_BYTES = 4 * MiB
@@ -88,8 +92,11 @@ def xla_arrays(hlo_text: str) -> list[XlaArray]:
     return sorted(out, key=lambda a: -a.bytes)
 
 
-def chunk_score_bytes(case: aot.CompileCase, chip: str, chunk_bytes: int) -> tuple[int, int]:
-    """``(C, C * N * 4)``: rows and f32 bytes of one score chunk of ``case`` on ``chip``."""
+def chunk_score_bytes(case: aot.CompileCase, chip: str,
+                      chunk_bytes: int) -> tuple[int, int, int]:
+    """``(C, C * N * 4, 2 * L * N * 4)``: rows and f32 bytes of one score chunk of ``case`` on
+    ``chip``, and the kernel's double-buffered VMEM score rows ``f32[2, L, N]`` (``L``: the top
+    of the row-block ladder, capped at ``C``): the one kernel buffer that grows with ``N``."""
     q, cache = case.specs[0], case.specs[2]
     rows, pps = q.shape[0], case.specs[4].shape[0] // case.specs[3].shape[0]
     page = _page_size(cache)
@@ -100,7 +107,8 @@ def chunk_score_bytes(case: aot.CompileCase, chip: str, chunk_bytes: int) -> tup
                             page_mode=False, mosaic=True)
     width = pps * page
     c = chunk_rows(rows, width, blocks.block_rows, chunk_bytes)
-    return c, c * width * 4
+    top = 1 if otp else min(blocks.block_rows, c)
+    return c, c * width * 4, 2 * top * width * 4
 
 
 def _page_size(cache) -> int:
@@ -136,9 +144,11 @@ def measure(case: aot.CompileCase, chip: str, *, k: int, exact: bool,
     row["compile_s"] = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     arrays = xla_arrays(compiled.as_text())
-    c, chunk = chunk_score_bytes(case, chip, chunk_bytes)
+    c, chunk, row_buffer = chunk_score_bytes(case, chip, chunk_bytes)
     model = case.traffic(chip)
-    vmem_xla = sum(a.bytes for a in arrays if a.vmem)
+    # XLA reuses buffers: the sum of the arrays it places in VMEM over-counts; the chip never
+    # holds more than its VMEM at once
+    vmem_xla = min(sum(a.bytes for a in arrays if a.vmem), tpu.chip_vmem(chip))
     bound = temp_bound(chunk, rows, k, exact)
     largest = arrays[0] if arrays else XlaArray("-", "-", 0, False)
     return row | {
@@ -147,6 +157,7 @@ def measure(case: aot.CompileCase, chip: str, *, k: int, exact: bool,
         "chunk_rows": c, "chunk_bytes": chunk, "bound": bound,
         "bounded": mem.temp_size_in_bytes + vmem_xla <= bound and largest.bytes <= chunk,
         "full_scores": rows * width * 4, "kernel_vmem": model.vmem_bytes,
+        "row_buffer": row_buffer,
         "hbm_per_row": model.bytes_moved / rows, "dmas": model.dmas}
 
 
@@ -173,12 +184,13 @@ def markdown(rows: list[dict]) -> str:
     """One table row per chip x case."""
     head = ("| chip | case | compile s | XLA temp MiB | XLA arrays in VMEM MiB | largest XLA "
             "array | score chunk (rows, MiB) | bound MiB | bounded | rows x N x 4 MiB | kernel "
-            "VMEM MiB (model) | HBM MB/row (model) | jnp reference temp MiB |")
-    lines = [head, "|" + "---|" * 13]
+            "VMEM MiB (model) | kernel score rows f32[2, L, N] MiB | HBM MB/row (model) | jnp "
+            "reference temp MiB |")
+    lines = [head, "|" + "---|" * 14]
     for r in rows:
         if not r["ok"]:
             lines.append(f"| {r['chip']} | {r['case']} | {r['compile_s']:.1f} | refused: "
-                         f"{r['error']} |" + " |" * 9)
+                         f"{r['error']} |" + " |" * 10)
             continue
         big = r["largest"]
         lines.append(
@@ -186,7 +198,8 @@ def markdown(rows: list[dict]) -> str:
             f"{_mib(r['xla_vmem'])} | {big.shape} {'VMEM' if big.vmem else 'HBM'} | "
             f"{r['chunk_rows']}, {_mib(r['chunk_bytes'])} | {_mib(r['bound'])} | "
             f"{'yes' if r['bounded'] else 'NO'} | {_mib(r['full_scores'])} | "
-            f"{_mib(r['kernel_vmem'])} | {r['hbm_per_row'] / 1e6:.1f} | "
+            f"{_mib(r['kernel_vmem'])} | {_mib(r['row_buffer'])} | "
+            f"{r['hbm_per_row'] / 1e6:.1f} | "
             f"{_mib(r.get('reference_temp', '-'))} |")
     return "\n".join(lines)
 
@@ -228,7 +241,8 @@ def _summary(r: dict) -> str:
             f"{' (VMEM)' if r['largest'].vmem else ''}, chunk {r['chunk_rows']} rows "
             f"{_mib(r['chunk_bytes'])} MiB, bound {_mib(r['bound'])} MiB "
             f"{'bounded' if r['bounded'] else 'NOT BOUNDED'}, rows x N x 4 "
-            f"{_mib(r['full_scores'])} MiB, kernel VMEM {_mib(r['kernel_vmem'])} MiB, "
+            f"{_mib(r['full_scores'])} MiB, kernel VMEM {_mib(r['kernel_vmem'])} MiB (model), "
+            f"kernel score rows f32[2, L, N] {_mib(r['row_buffer'])} MiB, "
             f"HBM {r['hbm_per_row'] / 1e6:.1f} MB/row, dmas {r['dmas']}, reference temp "
             f"{_mib(r.get('reference_temp', '-'))} MiB")
 
