@@ -15,13 +15,16 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import aot
+from pallas_kernels.indexer import fp8_pages_topk
 from pallas_kernels.indexer.blocks import resolve_blocks
 from pallas_kernels.indexer.kernel import compute_dtypes
 from pallas_kernels.indexer.page import streamindex_page_topk
+from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES
 from pallas_kernels.indexer.token import streamindex_topk
 from pallas_kernels.indexer.traffic import traffic
-from reference.formats import fp8_cache
+from reference.formats import fp8_cache, fp8_index_pages
 from reference.quant import fp8
+from reference.v41.config import v41_flash
 
 # name -> (q_lens, kv_lens, one_token_per_seq); DeepSeek-V3.2 indexer: H=64, D=128, page 64.
 GATE_SHAPES = {
@@ -195,6 +198,87 @@ def v4_cases(quick: bool) -> list[aot.CompileCase]:
     return cases
 
 
+# DeepSeek-V4.1's long rows (issue 31, Deliver 6): at ratio 1 a context of N tokens is an
+# N-entry indexer row. V4.1's indexer dims (``reference.v41.v41_flash``: 32 heads x 128,
+# top-512), pages of ``GATE_PAGE`` entries. Keys as this package stores them: bf16, or the fp8
+# index pages ``u8[P, G, 4, 128]`` (V4.1's own fp4 index format is not read by the kernel yet).
+# Two shapes record refusals (``scripts/cost/v41_long_rows.py``): 32 x 1M at pages of 64 (the
+# page table i32[32 * 16384], 2 MiB, is scalar-prefetched into 1 MiB of SMEM; pages of
+# ``V41_WIDE_PAGE`` compile) and a 1M prefill at the table's block rows (the kernel's row
+# buffer f32[2, 16, 1M] is 128 MiB of VMEM; 4 block rows compile).
+# name -> (q_lens, kv_lens in tokens, one_token_per_seq, page_size, quick, block_rows)
+V41_WIDE_PAGE = 4 * GATE_PAGE
+V41_LONG_SHAPES = {
+    "V4.1 decode 4x131072": ([1] * 4, [131072] * 4, True, GATE_PAGE, False, None),
+    "V4.1 decode 32x131072": ([1] * 32, [131072] * 32, True, GATE_PAGE, False, None),
+    "V4.1 decode 4x1048576": ([1] * 4, [1048576] * 4, True, GATE_PAGE, True, None),
+    "V4.1 decode 32x1048576": ([1] * 32, [1048576] * 32, True, GATE_PAGE, False, None),
+    "V4.1 decode 32x1048576 pages of 256":
+        ([1] * 32, [1048576] * 32, True, V41_WIDE_PAGE, False, None),
+    "V4.1 prefill 1024@131072": ([1024], [131072], False, GATE_PAGE, False, None),
+    "V4.1 prefill 64@1048576": ([64], [1048576], False, GATE_PAGE, False, None),
+    "V4.1 prefill 64@1048576 block_rows=4": ([64], [1048576], False, GATE_PAGE, False, 4),
+}
+V41_KEY_FORMATS = ("bf16", "fp8 pages")
+
+
+def v41_long_case(name: str, key_format: str = "bf16", *, exact: bool = False,
+                  score_chunk_bytes: int | None = None,
+                  shape: tuple | None = None) -> aot.CompileCase:
+    """One V4.1 long-row case: ``streamindex_topk`` (bf16 keys) or
+    ``streamindex_topk_fp8_pages`` (``key_format="fp8 pages"``) at ``V41_LONG_SHAPES[name]``
+    (or ``shape``: ``(q_lens, kv_lens, one_token_per_seq, page_size[, quick, block_rows])``),
+    ratio 1, V4.1's indexer dims; ``exact``: ``lax.top_k`` (the official ``torch.topk``'s
+    exact set) instead of the default approximate top-k; ``score_chunk_bytes``: the entry's
+    knob (``None``: its default ``SCORE_CHUNK_BYTES``)."""
+    if key_format not in V41_KEY_FORMATS:
+        raise ValueError(f"key_format must be one of {V41_KEY_FORMATS}, got {key_format!r}")
+    cfg = v41_flash()
+    heads, dim, k = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+    q_lens, kv_lens, otp, page, *rest = shape if shape is not None else V41_LONG_SHAPES[name]
+    block_rows = rest[1] if len(rest) > 1 else None
+    specs, pps = gate_specs(q_lens, kv_lens, heads=heads, dim=dim, page_size=page)
+    pages = key_format == "fp8 pages"
+    if pages:
+        specs[2] = jax.ShapeDtypeStruct(
+            (specs[2].shape[0], fp8_index_pages.page_groups(page), fp8_index_pages.PACK,
+             fp8_index_pages.LANES), jnp.uint8)
+    entry = fp8_pages_topk.streamindex_topk_fp8_pages if pages else streamindex_topk
+    knobs = {} if score_chunk_bytes is None else {"score_chunk_bytes": score_chunk_bytes}
+    if block_rows is not None:
+        knobs["block_rows"] = block_rows
+    chunk = SCORE_CHUNK_BYTES if score_chunk_bytes is None else score_chunk_bytes
+
+    def fn_for_chip(chip):
+        return functools.partial(entry, k=k, pages_per_seq=pps, one_token_per_seq=otp,
+                                 exact=exact, chip=chip, **knobs)
+
+    def model(chip):
+        blocks = resolve_blocks(None, block_rows=block_rows, block_pages=None, chip=chip,
+                                one_token_per_seq=otp, pages_per_seq=pps, page_size=page,
+                                page_mode=False, mosaic=True)
+        if pages:
+            return fp8_pages_topk.traffic(q_lens, kv_lens, heads=heads, page_size=page,
+                                          pages_per_seq=pps, q_itemsize=2, blocks=blocks,
+                                          one_token_per_seq=otp, chunk_bytes=chunk)
+        return traffic(q_lens, kv_lens, heads=heads, dim=dim, page_size=page,
+                       pages_per_seq=pps, key_itemsize=2, q_itemsize=2, blocks=blocks,
+                       page_mode=False, one_token_per_seq=otp, chunk_bytes=chunk)
+
+    tags = ("v41", "long", "decode" if otp else "prefill") + (("exact",) if exact else ())
+    label = f"{name} {key_format} keys k={k}" + (" exact" if exact else "")
+    return aot.CompileCase("streamindex_topk V4.1 r=1", label, fn_for_chip, specs, model, tags)
+
+
+def v41_long_cases(quick: bool) -> list[aot.CompileCase]:
+    """``V41_LONG_SHAPES`` x ``V41_KEY_FORMATS`` (approximate top-k; quick: the 4 x 1M decode
+    with bf16 keys alone)."""
+    return [v41_long_case(name, fmt) for name, v in V41_LONG_SHAPES.items()
+            for fmt in V41_KEY_FORMATS if not quick or (v[4] and fmt == "bf16")]
+
+
 def compile_cases(quick: bool) -> list[aot.CompileCase]:
-    """Every indexer compile case: token then page top-k, then the V4 compressed-key indexer."""
+    """Every indexer compile case: token then page top-k, then the V4 compressed-key indexer
+    (the V4.1 long rows, ``v41_long_cases``, are compiled by ``scripts/cost/v41_long_rows.py``
+    and ``tests/test_v41_long_rows.py``, not here: 1M-entry rows)."""
     return token_cases(quick) + page_cases(quick) + v4_cases(quick)

@@ -1,0 +1,52 @@
+"""DeepSeek-V4.1's long indexer rows (issue 31, Deliver 6): AOT compiles (libtpu on CPU) of the
+package's token top-k at ratio 1 and V4.1's indexer dims (32 heads x 128, top-512) with rows of
+1M entries, and the bound on its XLA temporaries: score chunks and k, not rows x context
+(``scripts/cost/v41_long_rows.py`` has every shape, chip and key format; the numbers are in
+``docs/v41.md``).
+
+Three compiles, one chip each: a 4 x 1M decode with bf16 keys (one chunk of 4 rows, 16 MiB);
+the same decode over fp8 index pages with a 4 MiB score chunk (4 chunks of 1 row in a loop: the
+bound is a quarter of the 16 MiB of all rows' scores, so it holds only if the chunks are not
+materialised together); and a 1024-row prefill chunk at 128K (8 chunks of 128 rows, 64 MiB
+each, against 512 MiB of all rows' scores). Not gated here: the 32 x 1M decode at pages of 64
+(refused: its page table outgrows SMEM) and a 1M prefill at the table's block rows (refused: the
+kernel's score row buffer ``f32[2, 16, 1M]`` outgrows VMEM); the script records both."""
+
+from __future__ import annotations
+
+import pytest
+
+from pallas_kernels import aot
+from pallas_kernels.indexer import compile_cases as icases
+from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES
+from scripts.cost import v41_long_rows as lr
+
+pytestmark = pytest.mark.kernel_gate  # also run on the newest jax (README)
+
+K = icases.v41_flash().index_topk
+SMALL_CHUNK = 4 * lr.MiB
+
+# (shape name, key format, score_chunk_bytes or None for the default), one chip each, in turn
+_GATES = [
+    ("V4.1 decode 4x1048576", "bf16", None),
+    ("V4.1 decode 4x1048576", "fp8 pages", SMALL_CHUNK),
+    ("V4.1 prefill 1024@131072", "bf16", None),
+]
+GATES = [(list(aot.CHIPS)[i % len(aot.CHIPS)], *g) for i, g in enumerate(_GATES)]
+
+
+@pytest.mark.parametrize("chip,name,key_format,chunk", GATES,
+                         ids=[f"{c}-{n.split(' ', 1)[1]}-{f}" for c, n, f, _ in GATES])
+def test_long_row_top_k_compiles_with_bounded_temporaries(chip, name, key_format, chunk):
+    case = icases.v41_long_case(name, key_format, score_chunk_bytes=chunk)
+    r = lr.measure(case, chip, k=K, exact=False,
+                   chunk_bytes=SCORE_CHUNK_BYTES if chunk is None else chunk)
+    assert r["ok"], r.get("error")
+    assert r["N"] == icases.V41_LONG_SHAPES[name][1][0]  # ratio 1: one entry per token
+    # the declared bound: score chunks and k, not the context
+    assert r["chunk_bytes"] <= (SCORE_CHUNK_BYTES if chunk is None else chunk)
+    assert r["bound"] == lr.temp_bound(r["chunk_bytes"], r["rows"], K, False)
+    assert r["temp"] + r["xla_vmem"] <= r["bound"], r
+    assert r["largest"].bytes <= r["chunk_bytes"], r["largest"]
+    if r["chunk_rows"] < r["rows"]:  # chunked: the bound is below all rows' scores
+        assert r["bound"] < r["full_scores"], r
