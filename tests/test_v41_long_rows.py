@@ -8,9 +8,11 @@ Three compiles, one chip each: a 4 x 1M decode with bf16 keys (one chunk of 4 ro
 the same decode over fp8 index pages with a 4 MiB score chunk (4 chunks of 1 row in a loop: the
 bound is a quarter of the 16 MiB of all rows' scores, so it holds only if the chunks are not
 materialised together); and a 1024-row prefill chunk at 128K (8 chunks of 128 rows, 64 MiB
-each, against 512 MiB of all rows' scores). Not gated here: the 32 x 1M decode at pages of 64
-(refused: its page table outgrows SMEM) and a 1M prefill at the table's block rows (refused: the
-kernel's score row buffer ``f32[2, 16, 1M]`` outgrows VMEM); the script records both."""
+each, against 512 MiB of all rows' scores). A 1M prefill at the table's block rows (16: the
+kernel's score row buffers ``f32[2, 16, 1M]``, 128 MiB, outgrow VMEM) now compiles because the
+entry cuts the row block to fit (``blocks.resolve_blocks``): gated on tpu7x, the chip with the
+least VMEM. Not gated: the 32 x 1M decode at pages of 64 (refused: its page table outgrows SMEM;
+the script records it)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ _GATES = [
     ("V4.1 prefill 1024@131072", "bf16", None),
 ]
 GATES = [(list(aot.CHIPS)[i % len(aot.CHIPS)], *g) for i, g in enumerate(_GATES)]
+GATES.append(("tpu7x", "V4.1 prefill 64@1048576", "bf16", None))  # the row block cut to fit
 
 
 @pytest.mark.parametrize("chip,name,key_format,chunk", GATES,
@@ -50,3 +53,21 @@ def test_long_row_top_k_compiles_with_bounded_temporaries(chip, name, key_format
     assert r["largest"].bytes <= r["chunk_bytes"], r["largest"]
     if r["chunk_rows"] < r["rows"]:  # chunked: the bound is below all rows' scores
         assert r["bound"] < r["full_scores"], r
+
+
+def test_the_row_block_is_cut_to_fit_the_score_rows_in_vmem():
+    """When compiling, the token-mode row block is cut by the ladder's step (4) until its two
+    f32 score-row buffers fit the chip's VMEM budget: a 1M-entry prefill on every chip (16 rows
+    at 128K stay 16); interpreting, nothing is cut."""
+    from pallas_kernels.indexer import blocks
+
+    for chip in sorted(aot.CHIPS):
+        kw = dict(block_rows=None, block_pages=None, chip=chip, one_token_per_seq=False,
+                  page_size=64)
+        assert blocks.resolve_blocks(None, pages_per_seq=2048, mosaic=True, **kw).block_rows == 16
+        b = blocks.resolve_blocks(None, pages_per_seq=16384, mosaic=True, **kw)
+        assert b.block_rows < 16
+        assert blocks.row_buffer_bytes(b.block_rows, b.block_pages, 64, 16384) <= \
+            blocks.vmem_budget(chip) or b.block_rows == 1
+        assert blocks.resolve_blocks(None, pages_per_seq=16384, mosaic=False,
+                                     **kw).block_rows == 16

@@ -131,8 +131,8 @@ def vmem_estimate(*, block_rows: int, block_pages: int, num_heads: int, dim: int
     if page_mode:
         pages_pad = -(-num_blocks * block_pages // LANES) * LANES
         total += 2 * tile_bytes(block_rows, pages_pad, 4)  # page scores out block, 2 buffers
-    else:
-        total += 2 * tile_bytes(block_rows, num_blocks * nb, 4)  # row scores, 2 out buffers
+    else:  # row scores, 2 out buffers
+        total += row_buffer_bytes(block_rows, block_pages, page_size, pages_per_seq)
     return total
 
 
@@ -156,7 +156,10 @@ def resolve_blocks(blocks: IndexerBlocks | None, *, block_rows: int | None,
     stage compiled). So ``P`` is doubled until it is: pages past an item's need are never
     fetched (their scores are ``-inf``), so a wider stage costs MXU work on at most 127
     tokens per item and no HBM traffic. Page mode stores per-page maxima into aligned 128-lane
-    groups and needs no widening."""
+    groups and needs no widening. Also when compiling, in token mode, ``block_rows`` is cut by
+    4 (the row ladder's step) while the two f32 row-score buffers ``[R, capacity]`` exceed
+    ``vmem_budget(chip)`` (``row_buffer_bytes``): a 1M-entry prefill row block of 16 needs
+    128 MiB and Mosaic refuses it on every chip; 4 compiles (``docs/v41.md``, "Long rows")."""
     if blocks is not None and not isinstance(blocks, IndexerBlocks):
         raise TypeError(f"blocks must be an IndexerBlocks, got {type(blocks).__name__}")
     base = default_blocks(chip, one_token_per_seq=one_token_per_seq, page_size=page_size)
@@ -167,7 +170,19 @@ def resolve_blocks(blocks: IndexerBlocks | None, *, block_rows: int | None,
             raise ValueError("resolve_blocks(mosaic=True) needs page_size")
         while (p * page_size) % LANES and p < LANES:  # p = 128 always works
             p *= 2
-    return IndexerBlocks(picked.block_rows, p)
+    rows, budget = picked.block_rows, vmem_budget(chip)
+    if mosaic and not page_mode and budget:
+        while rows > 1 and row_buffer_bytes(rows, p, page_size, pages_per_seq) > budget:
+            rows = max(1, rows // 4)
+    return IndexerBlocks(rows, p)
+
+
+def row_buffer_bytes(block_rows: int, block_pages: int, page_size: int,
+                     pages_per_seq: int) -> int:
+    """VMEM of the token-mode kernel's two f32 row-score buffers ``[block_rows, capacity]``
+    (``vmem_estimate``'s last term), ``capacity`` the stages' whole pages of a sequence."""
+    stages = -(-pages_per_seq // block_pages)
+    return 2 * tile_bytes(block_rows, stages * block_pages * page_size, 4)
 
 
 def check_kernel_knobs(score_chunk_bytes, vmem_limit_bytes) -> None:
