@@ -156,24 +156,8 @@ def _check_args(kv, score, norm_weight, cos, sin, state, state_slots, kv_lens, c
             if tuple(np.shape(x)) != want or jnp.result_type(x) != jnp.float32:
                 raise ValueError(f"{name} must be f32[num_slots, ratio, d] = f32{want}, got "
                                  f"{jnp.result_type(x)}{tuple(np.shape(x))}")
-    for name, x in (("cos", cos), ("sin", sin)):
-        _checks.rank(name, x, 2)
-        _checks.floating(name, x)
-    if np.shape(cos) != np.shape(sin) or not 0 < 2 * np.shape(cos)[1] <= d:
-        raise ValueError(f"cos and sin must share one shape [positions, rope_dim // 2] with "
-                         f"rope_dim in [2, d = {d}], got {tuple(np.shape(cos))} and "
-                         f"{tuple(np.shape(sin))}")
-    _checks.rank("kv_lens", kv_lens, 1)
-    num_seqs = int(np.shape(kv_lens)[0])
-    if num_seqs < 1:
-        raise ValueError(f"kv_lens must hold at least one sequence, got shape {np.shape(kv_lens)}")
-    for name, x, n, why in (("kv_lens", kv_lens, num_seqs, "S"),
-                            ("state_slots", state_slots, num_seqs, "len(kv_lens)"),
-                            ("cu_q_lens", cu_q_lens, num_seqs + 1, "len(kv_lens) + 1"),
-                            ("distribution", distribution, 3, "3")):
-        _checks.rank(name, x, 1)
-        _checks.integer(name, x)
-        _checks.dim(name, x, 0, n, why)
+    v4.check_rope_tables(cos, sin, d)
+    v4.check_batch_vectors(kv_lens, state_slots, cu_q_lens, distribution)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -248,15 +248,7 @@ def check_step_args(kv, score, ape, norm_weight, cos, sin, state, state_slots, k
     _float_2d("score", score, width, f"kv's shape: this step's rows x {why}")
     _float_2d("ape", ape, (ratio, coff * d), f"ratio x {why}")
     _checks.floating("norm_weight", norm_weight)
-    for name, x in (("cos", cos), ("sin", sin)):
-        _checks.rank(name, x, 2)
-        _checks.floating(name, x)
-    if np.shape(cos) != np.shape(sin):
-        raise ValueError(f"cos and sin must have one shape [positions, rope_dim // 2], got "
-                         f"{tuple(np.shape(cos))} and {tuple(np.shape(sin))}")
-    if not 0 < 2 * np.shape(cos)[1] <= d:
-        raise ValueError(f"the RoPE tables rotate rope_dim = 2 * cos.shape[1] = "
-                         f"{2 * np.shape(cos)[1]} dims, which must lie in [2, d = {d}]")
+    check_rope_tables(cos, sin, d)
     if not isinstance(state, CompressorState):
         raise TypeError(f"state must be a CompressorState, got {type(state).__name__}")
     _checks.rank("state.kv", state.kv, 3)
@@ -266,6 +258,27 @@ def check_step_args(kv, score, ape, norm_weight, cos, sin, state, state_slots, k
             raise ValueError(f"{name} must be f32[num_slots, coff * ratio, coff * d] = f32{want}"
                              f" for ratio {ratio}, d {d}, got {jnp.result_type(x)}"
                              f"{tuple(np.shape(x))}")
+    check_batch_vectors(kv_lens, state_slots, cu_q_lens, distribution)
+    return num_rows, d, coff
+
+
+def check_rope_tables(cos, sin, d: int) -> None:
+    """``cos`` / ``sin``: one floating shape ``[positions, rope_dim // 2]`` with ``rope_dim``
+    in ``[2, d]`` (``ValueError`` / ``TypeError`` naming them and the numbers)."""
+    for name, x in (("cos", cos), ("sin", sin)):
+        _checks.rank(name, x, 2)
+        _checks.floating(name, x)
+    if np.shape(cos) != np.shape(sin):
+        raise ValueError(f"cos and sin must have one shape [positions, rope_dim // 2], got "
+                         f"{tuple(np.shape(cos))} and {tuple(np.shape(sin))}")
+    if not 0 < 2 * np.shape(cos)[1] <= d:
+        raise ValueError(f"the RoPE tables rotate rope_dim = 2 * cos.shape[1] = "
+                         f"{2 * np.shape(cos)[1]} dims, which must lie in [2, d = {d}]")
+
+
+def check_batch_vectors(kv_lens, state_slots, cu_q_lens, distribution) -> int:
+    """The compressor step's ragged batch: ``kv_lens i32[S >= 1]``, ``state_slots i32[S]``,
+    ``cu_q_lens i32[S + 1]``, ``distribution i32[3]``; returns ``S``."""
     _checks.rank("kv_lens", kv_lens, 1)
     num_seqs = int(np.shape(kv_lens)[0])
     if num_seqs < 1:
@@ -275,7 +288,7 @@ def check_step_args(kv, score, ape, norm_weight, cos, sin, state, state_slots, k
     _check_int_vector("state_slots", state_slots, num_seqs, "len(kv_lens)")
     _check_int_vector("cu_q_lens", cu_q_lens, num_seqs + 1, "len(kv_lens) + 1")
     _check_int_vector("distribution", distribution, 3, "3 (decode_end, prefill_end, num_seqs)")
-    return num_rows, d, coff
+    return num_seqs
 
 
 # ---------------------------------------------------------------------------------------------
