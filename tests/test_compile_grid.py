@@ -10,6 +10,7 @@ import pytest
 
 from pallas_kernels import chips
 from scripts.cost import compile_grid as grid_mod
+from tests.chip_turns import on_every_chip
 
 pytestmark = pytest.mark.kernel_gate  # also run on the newest jax (README)
 
@@ -18,8 +19,7 @@ CHIPS = chips.NAMES
 SAMPLE = 3  # combinations per kernel and chip in CI (the seed picks them; compiles ~1-2 s each)
 
 
-@pytest.mark.parametrize("kernel", grid_mod.KERNELS)
-@pytest.mark.parametrize("chip", CHIPS)
+@pytest.mark.parametrize("kernel,chip", on_every_chip(grid_mod.KERNELS, str))
 def test_every_accepted_combination_in_a_seeded_sample_compiles(kernel, chip):
     seed = CHIPS.index(chip) * 17 + grid_mod.KERNELS.index(kernel)
     combos = grid_mod.grid(kernel, False, SAMPLE, seed)

@@ -27,6 +27,7 @@ from pallas_kernels.indexer.page import streamindex_page_topk
 from pallas_kernels.indexer.token import streamindex_scores
 from pallas_kernels.measure import xla_cost
 from tests import glue_gates
+from tests.chip_turns import on_every_chip
 
 pytestmark = pytest.mark.kernel_gate  # also run on the newest jax (README)
 
@@ -72,8 +73,7 @@ def test_every_variant_without_a_base_case_compiles_whole():
     assert {c.kernel for c in CASES if not _scores_only(c)} == {c.kernel for c in CASES}
 
 
-@pytest.mark.parametrize("chip", sorted(aot.CHIPS))
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.kernel}[{c.shape}]")
+@pytest.mark.parametrize("case,chip", on_every_chip(CASES, lambda c: f"{c.kernel}[{c.shape}]"))
 def test_compiles_for_tpu(case, chip):
     try:
         compiled = compile_gate(case, chip)
@@ -157,9 +157,9 @@ def test_compile_error_names_chip_shape_and_mosaic_message():
 SMALL_PAGES = [(8, None), (16, None), (16, 2), (32, 1), (64, 1)]
 
 
-@pytest.mark.parametrize("chip", sorted(aot.CHIPS))
-@pytest.mark.parametrize("page_size,block_pages", SMALL_PAGES)
-def test_token_topk_with_small_pages_compiles_on_a_mixed_batch(chip, page_size, block_pages):
+@pytest.mark.parametrize("pages,chip", on_every_chip(SMALL_PAGES, lambda p: f"{p[0]}-{p[1]}"))
+def test_token_topk_with_small_pages_compiles_on_a_mixed_batch(chip, pages):
+    page_size, block_pages = pages
     q_lens, kv_lens = [1, 1, 1, 32], [300, 77, 512, 512]
     specs, pps = icases.gate_specs(q_lens, kv_lens, heads=8, page_size=page_size)
     assert pps * page_size == 512

@@ -10,6 +10,7 @@ import pytest
 
 from pallas_kernels import aot
 from pallas_kernels.mla import compile_cases as mcases
+from tests.chip_turns import on_every_chip
 
 pytestmark = pytest.mark.kernel_gate  # also run on the newest jax (README)
 
@@ -17,12 +18,10 @@ pytestmark = pytest.mark.kernel_gate  # also run on the newest jax (README)
 # without this libtpu refuses all but the first ("multi-process lockfile").
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-CASES = [(case, chip) for case in mcases.compile_cases(quick=True)
-         for chip in aot.CHIPS]
+CASES = on_every_chip(mcases.compile_cases(quick=True), lambda c: f"{c.kernel}-{c.shape}")
 
 
-@pytest.mark.parametrize("case,chip", CASES,
-                         ids=[f"{c.kernel}-{c.shape}-{chip}" for c, chip in CASES])
+@pytest.mark.parametrize("case,chip", CASES)
 def test_compiles(case, chip):
     case.compile(chip)  # raises CompileError naming chip, shape and Mosaic's message
     t = case.traffic(chip)

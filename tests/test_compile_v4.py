@@ -56,19 +56,23 @@ from pallas_kernels.v4_compressor import compile_cases as v4ccases
 from pallas_kernels.v4_compressor import traffic as v4ctraffic
 from reference import v4_compressor as vc
 from tests import glue_gates
+from tests.chip_turns import on_every_chip
 
 pytestmark = pytest.mark.kernel_gate
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-CASES = [(case, chip) for fused, fmt in ((False, "packed"), (True, "packed"), (True, "fp8"))
-         for case in v4cases.compile_cases(fused, fmt) for chip in aot.CHIPS]
-CASES += [(case, chip) for case in bf16_regime_cases() for chip in aot.CHIPS]
+_NAME = lambda c: f"{c.kernel}-{c.shape}"  # noqa: E731
+CASES = on_every_chip([case for fused, fmt in ((False, "packed"), (True, "packed"), (True, "fp8"))
+                       for case in v4cases.compile_cases(fused, fmt)] + bf16_regime_cases(),
+                      _NAME)
 # run_grain="exact": each shape on one chip (every chip once; Mosaic's answer on 256-word rows
 # is the same on all three: tests/test_dma_probe.py)
-CASES += list(zip(exact_run_cases(), sorted(aot.CHIPS), strict=True))
+CASES += [pytest.param(c, chip, id=f"{_NAME(c)}-{chip}")
+          for c, chip in zip(exact_run_cases(), sorted(aot.CHIPS), strict=True)]
 # bf16 in 128-word plane rows: each shape on one chip (the chips in another order)
-CASES += list(zip(plane_run_cases(), sorted(aot.CHIPS, reverse=True), strict=True))
+CASES += [pytest.param(c, chip, id=f"{_NAME(c)}-{chip}")
+          for c, chip in zip(plane_run_cases(), sorted(aot.CHIPS, reverse=True), strict=True)]
 # the model's bytes per decode row over the minimum, per path and shape (module docstring)
 MAX_RATIO = {"v4_attention": {"flash_csa": 1.45, "flash_hca": 2.05, "pro_csa": 1.5},
              "v4_attention_fused": {"flash_csa": 1.014, "flash_hca": 1.027, "pro_csa": 1.009},
@@ -84,8 +88,7 @@ MAX_RATIO = {"v4_attention": {"flash_csa": 1.45, "flash_hca": 2.05, "pro_csa": 1
              "v4_attention_fused_f32_precision_bf16": {"flash_csa": 1.86}}
 
 
-@pytest.mark.parametrize("case,chip", CASES,
-                         ids=[f"{c.kernel}-{c.shape}-{chip}" for c, chip in CASES])
+@pytest.mark.parametrize("case,chip", CASES)
 def test_compiles_without_per_element_glue_and_within_the_traffic_bound(case, chip):
     cost = xla_cost.analyze(case.compile(chip))  # CompileError names chip, shape, Mosaic's text
     t = assert_gate(case, chip, cost, MAX_RATIO[case.kernel][case.shape.split("_decode")[0]])
@@ -112,6 +115,7 @@ def assert_gate(case, chip: str, cost, max_ratio: float):
 # ----------------------------------------------------------------------------- the compressor
 
 COMPRESSOR_CASES = [(case, chip) for case in v4ccases.compile_cases() for chip in aot.CHIPS]
+COMPRESSOR_PARAMS = on_every_chip(v4ccases.compile_cases(), lambda c: c.shape)
 # the model's bytes over the minimum (pallas_kernels.v4_compressor.traffic): ratio 4 moves each
 # chunk row whole to both entries that pool it and once more to the ring, and its ring slot
 # whole (both halves): 1.98x decode, 1.94x prefill; ratio 128 moves its old ring slot whole
@@ -189,8 +193,7 @@ def test_compressor_model_of_an_unaligned_hca_prefill():
     assert 1.14 < t.ratio < 1.16
 
 
-@pytest.mark.parametrize("case,chip", COMPRESSOR_CASES,
-                         ids=[f"{c.shape}-{chip}" for c, chip in COMPRESSOR_CASES])
+@pytest.mark.parametrize("case,chip", COMPRESSOR_PARAMS)
 def test_compressor_compiles_in_place_without_per_element_glue(case, chip):
     """The Pallas compressor at the V4 dims (pool donated): compiles; the glue has no loop, no
     per-element gather/scatter and no copy of the pool (the state call writes it in place);
@@ -221,8 +224,7 @@ def test_compressor_compiles_in_place_without_per_element_glue(case, chip):
     assert t.ratio <= COMPRESSOR_MAX_RATIO[case.shape], (case.shape, t)
 
 
-@pytest.mark.parametrize("case,chip", COMPRESSOR_CASES,
-                         ids=[f"{c.shape}-{chip}" for c, chip in COMPRESSOR_CASES])
+@pytest.mark.parametrize("case,chip", COMPRESSOR_PARAMS)
 def test_compressor_dma_descriptors(case, chip):
     """The compressor model's DMA descriptors (``traffic.pool_dmas`` + ``state_dmas``, equal
     to the interpreter's count in ``tests/test_hbm_traffic.py``): a decode step, per sequence

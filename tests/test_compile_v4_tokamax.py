@@ -30,6 +30,7 @@ from pallas_kernels import aot, xla_cost
 from pallas_kernels.measure import hlo
 from pallas_kernels.v4_attention.compile_cases import tokamax_cases
 from pallas_kernels.v4_attention.kernel import INFO_WORDS
+from tests.chip_turns import on_every_chip
 
 pytestmark = pytest.mark.kernel_gate
 
@@ -49,15 +50,14 @@ def _compile(case, chip, donate=()):
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-CASES = [(case, chip) for case in tokamax_cases() for chip in aot.CHIPS]
+CASES = on_every_chip(tokamax_cases(), lambda c: f"{c.kernel}-{c.shape}")
 # At 65536 tokens the page tables (read whole into SMEM, 4 B per page) add 1.6% to the window
 # pass and 0.04% to the CSA pass: the bounds hold for both context lengths.
 MAX_RATIO = {"v4_tokamax_window_writes_state_plane": 1.02,
              "v4_tokamax_entries_from_state_csa": 1.385, "v4_tokamax_hca_plane": 1.02}
 
 
-@pytest.mark.parametrize("case,chip", CASES,
-                         ids=[f"{c.kernel}-{c.shape}-{chip}" for c, chip in CASES])
+@pytest.mark.parametrize("case,chip", CASES)
 def test_compiles_without_per_element_glue_and_within_the_traffic_bound(case, chip):
     writes = "writes" in case.kernel
     compiled = _compile(case, chip, donate=(1,) if writes else ())
