@@ -113,6 +113,12 @@ class V41Config:
     original_seq_len: int = 65536
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    # the projections around attention (V4.1-Flash: hidden_size 5120, q_lora_rank 1280,
+    # o_groups 8, o_lora_rank 1024): read by the layer statement (reference.statements)
+    dim: int = 5120
+    q_lora_rank: int = 1280
+    o_groups: int = 8
+    o_lora_rank: int = 1024
 
     def __post_init__(self) -> None:
         for name in ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids"):
@@ -127,8 +133,12 @@ class V41Config:
         _int("n_mtp_layers", self.n_mtp_layers, 0)
         for name in ("candidate_topk_blocks", "candidate_block_size", "n_heads", "head_dim",
                      "rope_head_dim", "window_size", "index_n_heads", "index_head_dim",
-                     "index_topk", "original_seq_len"):
+                     "index_topk", "original_seq_len", "dim", "q_lora_rank", "o_groups",
+                     "o_lora_rank"):
             _int(name, getattr(self, name), 1)
+        if self.n_heads % self.o_groups:
+            raise ValueError(f"V41Config.o_groups={self.o_groups} must divide n_heads="
+                             f"{self.n_heads} (each output group projects whole heads)")
         resolve_layers(self)
 
 
@@ -151,7 +161,7 @@ def v41_tiny() -> V41Config:
         kv_source_layer_ids=(1, 3), index_source_layer_ids=(1, 3, 5),
         candidate_source_layer_id=3, candidate_topk_blocks=2, candidate_block_size=4,
         n_heads=2, head_dim=64, rope_head_dim=16, window_size=8, index_n_heads=2,
-        index_head_dim=32, index_topk=4)
+        index_head_dim=32, index_topk=4, dim=32, q_lora_rank=16, o_groups=2, o_lora_rank=8)
 
 
 def _check_entries(c: V41Config) -> None:
