@@ -3,7 +3,8 @@ serving path. Every op is jittable with static shapes.
 
 One folder per op family, imports flowing one way (tests/test_lint.py checks it):
 
-- ``statements`` (the dense DeepSeek-V4 layer statement), ``v4_attention`` (the paged V4 step);
+- ``statements`` (the dense DeepSeek-V4 layer and V4.1 stack statements), ``v4_attention`` (the
+  paged V4 step);
   neither imports the other;
 - ``indexer`` (top-k, page top-k, scores, selection, index share), ``mla`` (sparse MLA, page
   sparse MLA, the gather, sinks), ``v4_compressor``;

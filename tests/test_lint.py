@@ -48,8 +48,9 @@ REFERENCE_LAYERS = {
     "mla": {"core", "quant", "formats"},
     "v4_compressor": {"core", "quant", "formats"},
     # the layer statement is the independent definition v4_attention is checked against: neither
-    # imports the other
-    "statements": {"core", "quant", "formats", "witnesses", "indexer", "mla", "v4_compressor"},
+    # imports the other; the V4.1 stack statement reads v41's map, formats and candidate selection
+    "statements": {"core", "quant", "formats", "witnesses", "indexer", "mla", "v4_compressor",
+                   "v41"},
     "v4_attention": {"core", "quant", "formats", "witnesses", "indexer", "mla", "v4_compressor"},
     "v41": {"core", "quant", "formats", "indexer", "v4_compressor"},
 }
