@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from reference.v41 import Mode, resolve_layers
-from tests.v4_bf16_oracle import _out_row, _pow2_ceil, bf, rms, rope
+from tests.v4_bf16_oracle import _out_row, _pow2_ceil, attend_row, bf, rms, rope
 
 # The release's bf16 (or fp8, bf16-exact) Linear weights; the ratio-1 compressor's wkv too.
 BF16_WEIGHTS = ("wq_a.weight", "wq_b.weight", "wkv.weight", "wo_a.weight", "wo_b.weight",
@@ -162,11 +162,8 @@ def stack(params, xs, c, tables):
             keys = kv[max(0, t - c.window_size + 1):t + 1]
             if plan.mode is not Mode.SWA:
                 keys = np.concatenate([keys, pub["pool"][list(pub["picks"][t])]])
-            logits = q[t] @ keys.T * c.head_dim ** -0.5
-            m = logits.max(-1, keepdims=True)
-            e = np.exp(logits - m)
-            den = e.sum(-1, keepdims=True) + np.exp(p["attn_sink"][:, None] - m)
-            rows.append(_out_row(bf(bf(e) @ keys / den), t, p, c, cos, sin))
+            rows.append(_out_row(attend_row(q[t], keys, p["attn_sink"], c.head_dim), t, p, c,
+                                 cos, sin))
         out["out"] = np.array(rows)
         res.append(out)
     return res

@@ -127,6 +127,16 @@ def _indexer(p, x, qr, c, cos, sin, qat):
     return keys, np.where(visible, scores, -np.inf)
 
 
+def attend_row(q, keys, sink, head_dim):
+    """One query row ``q [H, D]`` over ``keys [N, D]`` (K = V) with the sink: f64 logits times
+    ``head_dim**-0.5``, the probabilities rounded before ``P @ V``, the output rounded."""
+    logits = q @ keys.T * head_dim ** -0.5
+    m = logits.max(-1, keepdims=True)
+    e = np.exp(logits - m)
+    den = e.sum(-1, keepdims=True) + np.exp(sink[:, None] - m)
+    return bf(bf(e) @ keys / den)
+
+
 def _out_row(o, t, p, c, cos, sin):
     o = bf(rope(o, cos[t], -sin[t])).reshape(c.o_groups, -1)
     wo_a = p["wo_a.weight"].reshape(c.o_groups, c.o_lora_rank, -1)
@@ -165,11 +175,8 @@ def layer(params, x, c, cos, sin, *, qat, picks=None):
     for t in range(n):
         pick = list(picks[t]) if r == 4 else list(range((t + 1) // r if r else 0))
         keys = np.concatenate([kv[max(0, t - c.window_size + 1):t + 1], res["comp"][pick]])
-        logits = q[t] @ keys.T * c.head_dim ** -0.5
-        m = logits.max(-1, keepdims=True)
-        e = np.exp(logits - m)
-        den = e.sum(-1, keepdims=True) + np.exp(p["attn_sink"][:, None] - m)
-        out.append(_out_row(bf(bf(e) @ keys / den), t, p, c, cos, sin))
+        out.append(_out_row(attend_row(q[t], keys, p["attn_sink"], c.head_dim), t, p, c, cos,
+                            sin))
     res["out"] = np.array(out)
     return res
 

@@ -58,7 +58,6 @@ takes its partner from the state and the split of the tokens into chunks changes
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -68,9 +67,11 @@ import numpy as np
 from reference.core import checks as _checks
 from reference.quant.bf16 import V4_DEFAULT_PRECISION, check_precision, rounding
 from reference.statements.deepseek_v4 import _attend, _index_score
+from reference.statements.deepseek_v4_config import random_params
 from reference.v4_compressor import ref as vc
 from reference.v41 import formats
 from reference.v41.candidates import candidate_blocks, restricted_topk
+from reference.v41.compressor import compressed_rope_tables
 from reference.v41.config import CandidateUse, LayerPlan, Mode, V41Config, resolve_layers
 
 __all__ = ["BF16_WEIGHTS", "V41Selection", "V41State", "attention_stack", "init_params",
@@ -144,18 +145,8 @@ def init_params(config: V41Config, seed: int = 0) -> list[dict[str, jax.Array]]:
     """Random f32 parameters of every layer (``param_shapes``) for tests: weights ``N(0, 1 /
     in)``, norm weights ``1 + N(0, 0.1)``, ``attn_sink`` ``N(0, 1)``."""
     rng = np.random.default_rng(seed)
-    out = []
-    for layer in range(len(config.compress_ratios)):
-        params = {}
-        for name, shape in sorted(param_shapes(config, layer).items()):
-            z = rng.standard_normal(shape, dtype=np.float32)
-            if name.endswith("norm.weight"):
-                z = 1 + np.float32(0.1) * z
-            elif name.endswith(".weight"):
-                z = z / np.float32(math.sqrt(shape[1]))
-            params[name] = jnp.asarray(z)
-        out.append(params)
-    return out
+    return [random_params(param_shapes(config, layer), rng)
+            for layer in range(len(config.compress_ratios))]
 
 
 def _state_shapes(config: V41Config, batch: int, max_seq_len: int) -> V41State:
@@ -175,15 +166,12 @@ def init_state(config: V41Config, batch: int, max_seq_len: int) -> V41State:
 
 @functools.lru_cache(maxsize=16)
 def _rope_tables(config: V41Config, ratio: int, max_seq_len: int):
-    c = config
+    """NumPy ``(cos, sin)`` of a compressed layer (``ratio > 0``: theta 160000 with YaRN) or a
+    window-only one (``rope_theta`` without)."""
     with jax.ensure_compile_time_eval():
-        if ratio:
-            t = vc.rope_tables(max_seq_len, c.rope_head_dim, theta=c.compress_rope_theta,
-                               factor=c.rope_factor, original_seq_len=c.original_seq_len,
-                               beta_fast=c.beta_fast, beta_slow=c.beta_slow)
-        else:
-            t = vc.rope_tables(max_seq_len, c.rope_head_dim, theta=c.rope_theta,
-                               original_seq_len=0)
+        t = (compressed_rope_tables(max_seq_len, config) if ratio else
+             vc.rope_tables(max_seq_len, config.rope_head_dim, theta=config.rope_theta,
+                            original_seq_len=0))
     return tuple(np.asarray(x) for x in t)
 
 

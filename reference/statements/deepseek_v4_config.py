@@ -188,9 +188,16 @@ def init_params(config: V4AttentionConfig, seed: int = 0) -> dict[str, jax.Array
     """Random f32 parameters of ``param_shapes(config)`` for tests (NumPy's generator, so no
     per-shape compile): weights ``N(0, 1 / in)``, norm weights ``1 + N(0, 0.1)``, ``ape`` and
     ``attn_sink`` ``N(0, 1)``."""
-    rng = np.random.default_rng(seed)
+    return random_params(param_shapes(config), np.random.default_rng(seed))
+
+
+def random_params(shapes: dict[str, tuple[int, ...]], rng: np.random.Generator
+                  ) -> dict[str, jax.Array]:
+    """f32 arrays of ``shapes`` drawn from ``rng`` in name order: ``*.weight`` ``N(0, 1 / in)``,
+    ``*norm.weight`` ``1 + N(0, 0.1)``, anything else ``N(0, 1)`` (the statements' test
+    parameters)."""
     params = {}
-    for name, shape in sorted(param_shapes(config).items()):
+    for name, shape in sorted(shapes.items()):
         z = rng.standard_normal(shape, dtype=np.float32)
         if name.endswith("norm.weight"):
             z = 1 + np.float32(0.1) * z
