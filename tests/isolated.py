@@ -25,9 +25,12 @@ def run_isolated(fn, *args, timeout: float = 1800.0) -> None:
     """Call ``fn(*args)`` (a module-level function of a ``tests/`` module, picklable-free
     arguments: ``repr`` round-trips them) in a new interpreter with the test environment
     (``tests/conftest.py``), from the repository root; fail the calling test with the child's
-    output tail if it raises, crashes or runs past ``timeout`` seconds."""
+    output tail if it raises, crashes or runs past ``timeout`` seconds (the child dumps its
+    stacks at 95% of it, so a stalled child shows where it stalled)."""
     module = "tests." + Path(inspect.getfile(fn)).stem
-    code = (f"import tests.conftest\nfrom {module} import {fn.__name__}\n"
+    # a child still running near the timeout dumps its stacks first (shown in the failure)
+    code = (f"import faulthandler\nfaulthandler.dump_traceback_later({0.95 * timeout!r})\n"
+            f"import tests.conftest\nfrom {module} import {fn.__name__}\n"
             f"{fn.__name__}(*{args!r})\n")
     try:
         out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,

@@ -125,6 +125,22 @@ def test_run_isolated_runs_the_body_in_its_own_process_and_reports_a_crash(tmp_p
         run_isolated(child_crash)
 
 
+def child_stall() -> None:
+    import time
+
+    time.sleep(60)
+
+
+def test_a_stalled_isolated_child_shows_its_stack():
+    """A child still running at 95% of ``run_isolated``'s timeout dumps its stacks, and the
+    failure shows them: the line it stalled on."""
+    from tests.isolated import run_isolated
+
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)ran past 6.0 s.*Timeout \(0:00:05"
+                                                    r".*in child_stall"):
+        run_isolated(child_stall, timeout=6.0)
+
+
 CRASHING_TESTS = """
 import os, pathlib, signal
 
