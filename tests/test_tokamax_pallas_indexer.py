@@ -25,6 +25,12 @@ D, PS, PPS, H, NUM_PAGES = 128, 8, 3, 2, 10
 NAN_BYTE = 0xFF  # e4m3 NaN code, e8m0 NaN scale
 
 
+def _slots(table, s, n_ent):
+    """The flat record slots of sequence ``s``'s entries ``0 .. n_ent - 1`` (fixed stride
+    ``PPS`` pages a sequence, ``PS`` entries a page)."""
+    return np.array([int(table[s * PPS + j // PS]) * PS + j % PS for j in range(n_ent)], int)
+
+
 def make_case(rng, *, ratio, q_lens, seq_lens, q_dtype=np.float32):
     """Positional arguments of ``lightning_indexer``: a fixed-stride table (a padding sequence
     and a padding row at the end), every record no row may read all NaN bytes."""
@@ -38,7 +44,7 @@ def make_case(rng, *, ratio, q_lens, seq_lens, q_dtype=np.float32):
         used = -(-n_ent // PS)
         table[s * PPS:s * PPS + used] = perm[p_next:p_next + used]
         p_next += used
-        slots = np.array([table[s * PPS + j // PS] * PS + j % PS for j in range(n_ent)], int)
+        slots = _slots(table, s, n_ent)
         if n_ent:
             keys = rng.standard_normal((n_ent, D)) * np.exp(rng.uniform(-3, 3, (n_ent, 1)))
             rec = np.asarray(ti.encode_index_records(keys.astype(np.float32)))
@@ -87,7 +93,7 @@ def _summation_tol(args, ratio):
         n_ent = int(sl[s]) // ratio
         if not n_ent:
             continue
-        slots = [int(table[s * PPS + j // PS]) * PS + j % PS for j in range(n_ent)]
+        slots = _slots(table, s, n_ent)
         keys = np.abs(np.asarray(ti.decode_index_records(flat[slots]), np.float64))
         for r in range(int(cu[s]), int(cu[s + 1])):
             cond = np.abs(w[r]) @ (np.abs(q[r]) @ keys.T)  # [n_ent]
