@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from reference.statements import deepseek_v41 as s41
+from reference.statements.deepseek_v41_layer import rope_tables
 from reference.v41 import CandidateUse, Mode, resolve_layers, v41_tiny
 from tests import v41_bf16_oracle as oracle
 from tests.v4_bf16_oracle import out_error, ulp
@@ -30,7 +31,7 @@ def _inputs(seed, n=N):
 
 def _tables():
     """The statement's RoPE tables per ratio kind (the oracle takes them as given)."""
-    return {r: s41._rope_tables(C, r, M) for r in (0, 1, 2)}
+    return {r: rope_tables(C, r, M) for r in (0, 1, 2)}
 
 
 @pytest.fixture(scope="module")

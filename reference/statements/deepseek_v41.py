@@ -66,21 +66,16 @@ import numpy as np
 
 from reference.core import checks as _checks
 from reference.quant.bf16 import V4_DEFAULT_PRECISION, check_precision, rounding
-from reference.statements.deepseek_v4 import _attend, _index_score
+from reference.statements import deepseek_v41_layer as L
 from reference.statements.deepseek_v4_config import random_params
 from reference.v4_compressor import ref as vc
 from reference.v41 import formats
-from reference.v41.candidates import candidate_blocks, restricted_topk
-from reference.v41.compressor import compressed_rope_tables
-from reference.v41.config import CandidateUse, LayerPlan, Mode, V41Config, resolve_layers
+from reference.v41.config import LayerPlan, Mode, V41Config, resolve_layers
 
 __all__ = ["BF16_WEIGHTS", "V41Selection", "V41State", "attention_stack", "init_params",
            "init_state", "param_shapes"]
 
-# Linear weights the release holds in bf16 or fp8 (bf16-exact values): rounded to bf16 in the
-# bf16 regime. The ratio-2 compressor's wkv / wgate, the norm weights and attn_sink are f32.
-BF16_WEIGHTS = ("wq_a.weight", "wq_b.weight", "wkv.weight", "wo_a.weight", "wo_b.weight",
-                "indexer.wq_b.weight", "indexer.weights_proj.weight", "indexer.wk.weight")
+BF16_WEIGHTS = L.BF16_WEIGHTS  # the weights the bf16 regime rounds (deepseek_v41_layer)
 
 
 class V41State(NamedTuple):
@@ -164,22 +159,6 @@ def init_state(config: V41Config, batch: int, max_seq_len: int) -> V41State:
 # ---------------------------------------------------------------------------------------------
 # The pieces of a layer.
 
-@functools.lru_cache(maxsize=16)
-def _rope_tables(config: V41Config, ratio: int, max_seq_len: int):
-    """NumPy ``(cos, sin)`` of a compressed layer (``ratio > 0``: theta 160000 with YaRN) or a
-    window-only one (``rope_theta`` without)."""
-    with jax.ensure_compile_time_eval():
-        t = (compressed_rope_tables(max_seq_len, config) if ratio else
-             vc.rope_tables(max_seq_len, config.rope_head_dim, theta=config.rope_theta,
-                            original_seq_len=0))
-    return tuple(np.asarray(x) for x in t)
-
-
-def _lin(x, params, name, rb):
-    """``rb(x @ W.T)``: an f32-accumulated matmul, its output rounded once."""
-    return rb(x @ params[name].T)
-
-
 def _fmt(encode, decode):
     return lambda x: decode(encode(x))
 
@@ -201,35 +180,24 @@ def _latents(params, kv, score, ratio, eps, rb):
 
 def _publish(params, latent, ratio, c, cos, sin, rb):
     """The pool and the index keys of the entries ``latent f32[B, E, D]`` (entry ``j`` at
-    position ``j * r``)."""
+    position ``j * r``), as stored (decoded from their formats)."""
     e = latent.shape[1]
-    cos_e, sin_e = cos[: e * ratio: ratio], sin[: e * ratio: ratio]
-    pool = _POOL(rb(vc.apply_rope(latent, cos_e, sin_e)))
-    k = rb(vc.rms_norm(_lin(latent, params, "indexer.wk.weight", rb),
-                       params["indexer.k_norm.weight"], c.rms_norm_eps))
-    keys = _INDEX(rb(vc.apply_rope(k, cos_e, sin_e)))
-    return pool, keys
+    pool, keys = L.entry_rows(params, latent, cos[: e * ratio: ratio], sin[: e * ratio: ratio],
+                              c, rb)
+    return _POOL(pool), _INDEX(keys)
 
 
 def _index(params, x, qr, keys, pos, plan: LayerPlan, c, cos_p, sin_p, cands, rb, precision):
     """This layer's index scores, its top-k and (candidate source) its candidate blocks."""
-    b, s = x.shape[:2]
-    iq = _lin(qr, params, "indexer.wq_b.weight", rb).reshape(b, s, c.index_n_heads,
-                                                               c.index_head_dim)
-    iq = _INDEX(rb(vc.apply_rope(iq, cos_p[:, None], sin_p[:, None])))
-    w = rb(_lin(x, params, "indexer.weights_proj.weight", rb)
-           * jnp.float32(c.index_head_dim ** -0.5 * c.index_n_heads ** -0.5))
+    iq, w = L.index_query(params, x, qr, cos_p, sin_p, c, rb)
     e = keys.shape[1]
     lens = (pos + 1) // plan.ratio  # [S]
-    score = _index_score(iq, keys, w, precision)
+    score = L.index_score(iq, keys, w, precision)
     score = jnp.where(jnp.arange(e)[None, None, :] < lens[None, :, None], score, -jnp.inf)
-    flat, flat_lens = score.reshape(b * s, e), jnp.tile(lens, b)
-    if plan.candidates is CandidateUse.PRODUCES:
-        cands = candidate_blocks(flat, flat_lens, num_blocks=c.candidate_topk_blocks,
-                                 block=c.candidate_block_size).reshape(b, s, -1)
-    use = cands.reshape(b * s, -1) if plan.candidates is CandidateUse.CONSUMES else None
-    top = restricted_topk(flat, flat_lens, use, k=c.index_topk, block=c.candidate_block_size)
-    return score, top.reshape(b, s, -1), cands
+    b, s = x.shape[:2]
+    flat = None if cands is None else cands.reshape(b * s, -1)
+    top, flat = L.select(score.reshape(b * s, e), jnp.tile(lens, b), plan, c, flat)
+    return score, top.reshape(b, s, -1), None if flat is None else flat.reshape(b, s, -1)
 
 
 def _chosen(topk, e):
@@ -240,50 +208,26 @@ def _chosen(topk, e):
     return jnp.zeros((b, s, e + 1), bool).at[bi, si, slot].set(True)[..., :e]
 
 
-def _output(params, o, c, cos_p, sin_p, rb):
-    """Inverse RoPE, the grouped ``wo_a``, ``wo_b``: ``f32[B, S, dim]``."""
-    o = rb(vc.apply_rope(o, cos_p[:, None], -sin_p[:, None]))
-    b, s = o.shape[:2]
-    o = o.reshape(b, s, c.o_groups, -1)
-    wo_a = params["wo_a.weight"].reshape(c.o_groups, c.o_lora_rank, -1)
-    o = rb(jnp.einsum("bsgd,grd->bsgr", o, wo_a)).reshape(b, s, -1)
-    return _lin(o, params, "wo_b.weight", rb)
-
-
 # ---------------------------------------------------------------------------------------------
 # The stack.
-
-def _compress_inputs(params, x, ratio, eps, rb):
-    """A KV source's per-token compressor inputs ``(kv, score) f32[B, S, D]``."""
-    if ratio == 1:  # a bf16 weight in the release (ratio 2: f32, used as given)
-        kv = rb(vc.rms_norm(rb(x @ rb(params["compressor.wkv.weight"]).T),
-                            params["compressor.norm.weight"], eps))
-        return kv, jnp.zeros_like(kv)
-    return x @ params["compressor.wkv.weight"].T, x @ params["compressor.wgate.weight"].T
-
 
 def _layer(params, x, pos, start_pos, state, plan, c, pub, precision):
     """One layer; ``pub``: the runtime (pool, keys, topk, candidates), updated and returned
     with the layer's output, its window rows and (FULL) its compressor history."""
     rb = rounding(precision)
-    params = {k: rb(v) if k in BF16_WEIGHTS else v for k, v in params.items()}
+    params = L.regime_params(params, precision)
     x, (window, kv_hist, score_hist) = rb(x), state
-    cos, sin = _rope_tables(c, plan.ratio, window.shape[1])
+    cos, sin = L.rope_tables(c, plan.ratio, window.shape[1])
     cos_p, sin_p = jnp.take(cos, pos, axis=0), jnp.take(sin, pos, axis=0)
     b, s, _ = x.shape
-    qr = rb(vc.rms_norm(_lin(x, params, "wq_a.weight", rb), params["q_norm.weight"],
-                        c.rms_norm_eps))
-    q = _lin(qr, params, "wq_b.weight", rb).reshape(b, s, c.n_heads, c.head_dim)
-    q = rb(vc.apply_rope(q, cos_p[:, None], sin_p[:, None]))
-    kv = rb(vc.rms_norm(_lin(x, params, "wkv.weight", rb), params["kv_norm.weight"],
-                        c.rms_norm_eps))
+    qr, q, window_row = L.project(params, x, cos_p, sin_p, c, rb)
     window = jax.lax.dynamic_update_slice_in_dim(
-        window, _WINDOW(rb(vc.apply_rope(kv, cos_p, sin_p))), start_pos, axis=1)
+        window, _WINDOW(window_row), start_pos, axis=1)
     j = jnp.arange(window.shape[1])
     key_ok = (j[None, :] <= pos[:, None]) & (j[None, :] > pos[:, None] - c.window_size)
     keys, key_ok = window, jnp.broadcast_to(key_ok[None], (b, s, window.shape[1]))
     if plan.mode is Mode.FULL:
-        k_in, s_in = _compress_inputs(params, x, plan.ratio, c.rms_norm_eps, rb)
+        k_in, s_in = L.compress_inputs(params, x, plan.ratio, c.rms_norm_eps, rb)
         kv_hist = jax.lax.dynamic_update_slice_in_dim(kv_hist, k_in, start_pos, axis=1)
         score_hist = jax.lax.dynamic_update_slice_in_dim(score_hist, s_in, start_pos, axis=1)
         latent = _latents(params, kv_hist, score_hist, plan.ratio, c.rms_norm_eps, rb)
@@ -296,8 +240,8 @@ def _layer(params, x, pos, start_pos, state, plan, c, pub, precision):
     if plan.mode is not Mode.SWA:
         keys = jnp.concatenate([keys, pub["pool"]], axis=1)
         key_ok = jnp.concatenate([key_ok, _chosen(pub["topk"], pub["pool"].shape[1])], axis=2)
-    o = _attend(q, keys, key_ok, params["attn_sink"], c.head_dim ** -0.5, rb)
-    return _output(params, o, c, cos_p, sin_p, rb), window, kv_hist, score_hist, score
+    o = L.attend(q, keys, key_ok, params["attn_sink"], c.head_dim ** -0.5, rb)
+    return L.layer_output(params, o, c, cos_p, sin_p, rb), window, kv_hist, score_hist, score
 
 
 @functools.partial(jax.jit, static_argnames=("config", "precision"))
