@@ -52,7 +52,7 @@ REFERENCE_LAYERS = {
     "statements": {"core", "quant", "formats", "witnesses", "indexer", "mla", "v4_compressor",
                    "v41"},
     "v4_attention": {"core", "quant", "formats", "witnesses", "indexer", "mla", "v4_compressor"},
-    "v41": {"core", "quant", "formats", "indexer", "v4_compressor"},
+    "v41": {"core", "quant", "formats", "indexer", "mla", "v4_compressor"},
 }
 # The old module paths, kept as shims that re-export from the new homes so old imports work.
 REFERENCE_SHIMS = {

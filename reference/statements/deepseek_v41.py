@@ -72,8 +72,8 @@ from reference.v4_compressor import ref as vc
 from reference.v41 import formats
 from reference.v41.config import LayerPlan, Mode, V41Config, resolve_layers
 
-__all__ = ["BF16_WEIGHTS", "V41Selection", "V41State", "attention_stack", "init_params",
-           "init_state", "param_shapes"]
+__all__ = ["BF16_WEIGHTS", "V41Selection", "V41State", "attention_stack", "check_params",
+           "init_params", "init_state", "param_shapes"]
 
 BF16_WEIGHTS = L.BF16_WEIGHTS  # the weights the bf16 regime rounds (deepseek_v41_layer)
 
@@ -289,7 +289,9 @@ def _check_config(c: V41Config, max_seq_len: int) -> None:
         raise ValueError(f"max_seq_len={max_seq_len} must be even: ratio-2 layers pool pairs")
 
 
-def _check_params(params, c: V41Config) -> None:
+def check_params(params, c: V41Config) -> None:
+    """Refuse ``params`` unless a list of one dict per layer with ``param_shapes``' names and
+    shapes (floating), naming the layer, the mode and the numbers."""
     n = len(c.compress_ratios)
     if not isinstance(params, list | tuple) or len(params) != n:
         got = len(params) if isinstance(params, list | tuple) else type(params).__name__
@@ -328,7 +330,7 @@ def attention_stack(params, xs, start_pos, state: V41State, config: V41Config, *
     ValueError naming them; a traced ``start_pos`` out of range gives an unspecified result."""
     check_precision(precision)
     _check_config(config, state.window.shape[2] if isinstance(state, V41State) else 0)
-    _check_params(params, config)
+    check_params(params, config)
     _checks.rank("xs", xs, 4)
     _checks.floating("xs", xs)
     _checks.dim("xs", xs, 0, len(config.compress_ratios), "len(config.compress_ratios)")

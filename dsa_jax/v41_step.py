@@ -1,0 +1,280 @@
+"""One DeepSeek-V4.1 attention step over every layer of a model, on a ragged paged batch (issue
+31, deliverable 5): the paged counterpart of the statement
+``reference.statements.deepseek_v41.attention_stack``, checked against it in lock-step
+(``tests/test_v41_step.py``).
+
+The declarations (layout, caches, states, metadata, result) live in ``dsa_jax.v41_model``. The
+step takes each layer's input ``xs [L, T, dim]`` (after its ``attn_norm``; rows ragged by the
+package's row rule) and runs the layers in ``resolve_layers`` order, threading what sources
+publish (the official ``shared_attn`` runtime: the last KV source's pool and index keys, the last
+index source's top-k, the candidate source's blocks) as the statement does. Per layer:
+
+1. the projections (``reference.statements.deepseek_v41_layer.project``: the statement's own
+   functions), the window row stored in the window stack (fp8 / 32, 528 B) at its token's slot;
+2. a KV source (FULL): ``reference.v41.compress_step`` on its inputs (ratio 2 with its state
+   slot: a chunk starting on an odd position takes its partner from the state), the entries
+   completing this step stored in its pool (fp4 / e4m3-16, 288 B) and its index keys (fp4 /
+   ue8m0-32, 68 B) at ``entry_slots``;
+3. an index source (FULL, REINDEX): its query scores every visible entry of the published keys
+   (read in place from the stack: ``reference.v41.paged.read_rows``), then
+   ``deepseek_v41_layer.select`` (candidate blocks, top-k restricted to them);
+4. attention (``deepseek_v41_layer.attend``: one softmax over the row's window tokens and the
+   published top-k's pool entries, the sink in the denominator), then the output stage.
+
+Every write of a layer comes before its reads, and every cache is read in place at its stack
+row. The output is the layer's ``wo_b`` output (bf16 values under ``"bf16"``), rows outside
+every sequence zeros. ``implementation``: ``"xla"`` (this pure-jnp path, the default); the
+Pallas kernels do not read V4.1's formats yet (``NotImplementedError``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsa_jax.v41_model import (
+    V41Caches,
+    V41Meta,
+    V41StepLayout,
+    V41StepResult,
+    init_v41_caches,
+    init_v41_states,
+    v41_meta,
+)
+from reference.core import batch
+from reference.core import checks as _checks
+from reference.quant.bf16 import V4_DEFAULT_PRECISION, check_precision, rounding
+from reference.statements import deepseek_v41_layer as L
+from reference.v4_compressor.ref import entry_slots
+from reference.v41 import formats
+from reference.v41.compressor import compress_step
+from reference.v41.config import Mode, resolve_layers
+from reference.v41.paged import PagedBytes, ragged, read_rows, token_write_slots, write_rows
+
+__all__ = ["V41Caches", "V41Meta", "V41StepLayout", "V41StepResult", "init_v41_caches",
+           "init_v41_states", "v41_meta", "v41_step"]
+
+IMPLEMENTATIONS = ("xla",)
+
+
+def _paged(layout, caches: V41Caches, meta: V41Meta, name: str, ratio: int):
+    """``(PagedBytes, pages_per_seq)`` of cache field ``name`` (``window``, ``pool{r}``,
+    ``keys{r}``) with its family's page table."""
+    fam = "window" if ratio == 0 else f"r{ratio}"
+    return (PagedBytes(getattr(caches, name), getattr(meta, f"{fam}_page_indices"),
+                       getattr(meta, f"{fam}_cu_lens")), layout.pages_per_seq(ratio))
+
+
+def _compress(params, x, layer, layout, caches, states, meta, rb):
+    """KV source ``layer``'s compressor over this step's rows ``x f32[T, dim]``; the entries
+    completing now stored in its pool and index keys. Returns ``(caches, states)``."""
+    c = layout.config
+    r, k = layout.source_slot(layer)
+    cos, sin = L.rope_tables(c, r, layout.max_seq_len)
+    if r == 1:
+        kv, score, state = x @ rb(params["compressor.wkv.weight"]).T, None, None
+    else:
+        kv, score = L.compress_inputs(params, x, 2, c.rms_norm_eps, rb)
+        state = states[layout.sources[2].index(layer)]
+    entries, state = compress_step(
+        kv, score, params["compressor.norm.weight"], cos, sin, state, meta.state_slots,
+        meta.kv_lens, meta.cu_q_lens, meta.distribution, ratio=r, eps=c.rms_norm_eps,
+        output="latent")
+    pos = jnp.where(entries.entry >= 0, r * entries.entry, 0)
+    pool, keys = L.entry_rows(params, entries.rows, jnp.take(cos, pos, axis=0),
+                              jnp.take(sin, pos, axis=0), c, rb)
+    out = {}
+    for name, rows_u8 in ((f"pool{r}", formats.encode_compressed_kv(pool)),
+                          (f"keys{r}", formats.encode_index_fp4(keys))):
+        kv_paged, per = _paged(layout, caches, meta, name, r)
+        page_id, offset = entry_slots(
+            entries, kv_paged.page_indices, kv_paged.cu_lens, page_size=layout.page_size,
+            pages_per_seq=per, num_pages=int(np.shape(kv_paged.cache)[1]))
+        out[name] = write_rows(kv_paged.cache, k, page_id, offset, rows_u8)
+    if r == 2:
+        i = layout.sources[2].index(layer)
+        states = (*states[:i], state, *states[i + 1:])
+    return caches._replace(**out), states
+
+
+def _select(params, x, qr, cos_p, sin_p, source, plan, layout, caches, meta, rows, cands, rb,
+            precision):
+    """An index source's scores over every visible entry of KV source ``source``'s keys (read
+    in place), then its top-k (and, the candidate source, its candidate blocks)."""
+    c = layout.config
+    r, k = layout.source_slot(source)
+    keys, per = _paged(layout, caches, meta, f"keys{r}", r)
+    b = ragged(keys, meta.kv_lens, meta.cu_q_lens, meta.distribution, pages_per_seq=per,
+               ratio=r)
+    t, e = x.shape[0], per * layout.page_size
+    idx = jnp.broadcast_to(jnp.arange(e, dtype=jnp.int32)[None], (t, e))
+    krows, _ = read_rows(keys, k, idx, b, rows, formats.decode_index_fp4)
+    iq, w = L.index_query(params, x[None], qr[None], cos_p, sin_p, c, rb)
+    score = L.index_score(iq[0][:, None], krows, w[0][:, None], precision)[:, 0]
+    lens = jnp.where(rows.in_seq, (rows.abs_pos + 1) // r, 0)
+    return L.select(score, lens, plan, c, cands)
+
+
+def _attend(q, layer, source, topk, layout, caches, meta, rows, sink, rb):
+    """One softmax per head of ``q f32[T, H, D]`` over each row's window tokens and (``source``
+    not None) the ``topk i32[T, k]`` entries of that KV source's pool; ``f32[T, H, D]``."""
+    c = layout.config
+    window, per = _paged(layout, caches, meta, "window", 0)
+    bw = ragged(window, meta.kv_lens, meta.cu_q_lens, meta.distribution, pages_per_seq=per)
+    idx = rows.abs_pos[:, None] + jnp.arange(1 - c.window_size, 1, dtype=jnp.int32)[None]
+    kv, ok = read_rows(window, layer, jnp.where(idx >= 0, idx, -1), bw, rows,
+                       formats.decode_window_kv)
+    if source is not None:
+        r, k = layout.source_slot(source)
+        pool, per = _paged(layout, caches, meta, f"pool{r}", r)
+        bp = ragged(pool, meta.kv_lens, meta.cu_q_lens, meta.distribution, pages_per_seq=per,
+                    ratio=r)
+        pkv, pok = read_rows(pool, k, topk, bp, rows, formats.decode_compressed_kv)
+        kv, ok = jnp.concatenate([kv, pkv], axis=1), jnp.concatenate([ok, pok], axis=1)
+    ok = ok.at[:, 0].set(ok[:, 0] | ~rows.in_seq)  # a row outside every sequence: finite, zeroed
+    return L.attend(q[:, None], kv, ok[:, None], sink, c.head_dim ** -0.5, rb)[:, 0]
+
+
+def _layer(params, x, plan, layout, caches, states, meta, rows, pub, precision):
+    """One layer on ``x f32[T, dim]``; ``pub`` (source, topk, candidates) updated in place.
+    Returns ``(out f32[T, dim], caches, states)``."""
+    c, rb = layout.config, rounding(precision)
+    params, x = L.regime_params(params, precision), rb(x)
+    cos, sin = L.rope_tables(c, plan.ratio, layout.max_seq_len)
+    pos = jnp.clip(rows.abs_pos, 0, layout.max_seq_len - 1)
+    cos_p, sin_p = jnp.take(cos, pos, axis=0), jnp.take(sin, pos, axis=0)
+    qr, q, window_row = L.project(params, x[None], cos_p, sin_p, c, rb)
+    window, per = _paged(layout, caches, meta, "window", 0)
+    page_id, offset = token_write_slots(
+        ragged(window, meta.kv_lens, meta.cu_q_lens, meta.distribution, pages_per_seq=per),
+        rows)
+    caches = caches._replace(window=write_rows(
+        window.cache, plan.layer, page_id, offset, formats.encode_window_kv(window_row[0])))
+    if plan.mode is Mode.FULL:
+        caches, states = _compress(params, x, plan.layer, layout, caches, states, meta, rb)
+        pub["source"] = plan.layer
+    if plan.mode in (Mode.FULL, Mode.REINDEX):
+        pub["topk"], pub["candidates"] = _select(
+            params, x, qr[0], cos_p, sin_p, pub["source"], plan, layout, caches, meta, rows,
+            pub["candidates"], rb, precision)
+        pub["tops"].append(pub["topk"])
+    source = None if plan.mode is Mode.SWA else pub["source"]
+    o = _attend(q[0], plan.layer, source, pub["topk"], layout, caches, meta, rows,
+                params["attn_sink"], rb)
+    out = L.layer_output(params, o[None], c, cos_p, sin_p, rb)[0]
+    return jnp.where(rows.in_seq[:, None], out, 0.0), caches, states
+
+
+def v41_step_body(params, xs, caches: V41Caches, states: tuple, meta: V41Meta, *,
+                  layout: V41StepLayout, precision: str) -> V41StepResult:
+    """The step, unjitted (``v41_step`` checks and jits it)."""
+    rows = batch.row_facts(xs.shape[1], meta.kv_lens, meta.cu_q_lens, meta.distribution)
+    pub = {"source": None, "topk": None, "candidates": None, "tops": []}
+    outs = []
+    for plan in resolve_layers(layout.config):
+        out, caches, states = _layer(params[plan.layer], xs[plan.layer], plan, layout, caches,
+                                     states, meta, rows, pub, precision)
+        outs.append(out)
+    out = jnp.stack(outs)
+    out = out if precision == "f32" else out.astype(jnp.bfloat16)
+    topk = (jnp.stack(pub["tops"]) if pub["tops"]
+            else jnp.zeros((0, xs.shape[1], layout.config.index_topk), jnp.int32))
+    return V41StepResult(out, topk, pub["candidates"], caches, tuple(states))
+
+
+_v41_step = jax.jit(v41_step_body, static_argnames=("layout", "precision"),
+                    donate_argnames=("caches", "states"))
+
+
+def _check_caches(caches, layout: V41StepLayout, num_seqs: int) -> None:
+    if not isinstance(caches, V41Caches):
+        raise TypeError(f"v41_step: caches must be a V41Caches (init_v41_caches), got "
+                        f"{type(caches).__name__}")
+    want = jax.eval_shape(lambda: init_v41_caches(layout, max(num_seqs, 1)))
+    for name, got, ref in zip(V41Caches._fields, caches, want, strict=True):
+        if (got is None) != (ref is None):
+            raise ValueError(f"v41_step: caches.{name} must be "
+                             f"{'None' if ref is None else 'given'} for this config (KV sources "
+                             f"of each ratio: {layout.sources}), got "
+                             f"{'None' if got is None else 'an array'}")
+        if ref is None:
+            continue
+        shape = tuple(np.shape(got))
+        if len(shape) != 4 or shape[0] != ref.shape[0] or shape[2:] != ref.shape[2:]:
+            raise ValueError(f"v41_step: caches.{name} must have shape [{ref.shape[0]}, P, "
+                             f"{ref.shape[2]}, {ref.shape[3]}] (stack rows, pages, page_size, "
+                             f"bytes per row), got {shape}")
+        if jnp.result_type(got) != jnp.uint8:
+            raise ValueError(f"v41_step: caches.{name} must have dtype uint8, got "
+                             f"{jnp.result_type(got)}")
+
+
+def _check_args(params, xs, caches, states, meta, layout) -> None:
+    from reference.statements.deepseek_v41 import check_params
+
+    if not isinstance(layout, V41StepLayout):
+        raise TypeError(f"v41_step: layout must be a V41StepLayout, got {type(layout).__name__}")
+    c = layout.config
+    check_params(params, c)
+    _checks.rank("xs", xs, 3)
+    _checks.floating("xs", xs)
+    _checks.dim("xs", xs, 0, layout.num_layers, "len(config.compress_ratios)")
+    _checks.dim("xs", xs, 2, c.dim, "config.dim")
+    if not isinstance(meta, V41Meta):
+        raise TypeError(f"v41_step: meta must be a V41Meta (v41_meta), got "
+                        f"{type(meta).__name__}")
+    for name, x in meta._asdict().items():
+        _checks.rank(f"meta.{name}", x, 1)
+        _checks.integer(f"meta.{name}", x)
+    s = int(np.shape(meta.kv_lens)[0])
+    _checks.dim("meta.cu_q_lens", meta.cu_q_lens, 0, s + 1, "len(meta.kv_lens) + 1")
+    _checks.dim("meta.state_slots", meta.state_slots, 0, s, "len(meta.kv_lens)")
+    _check_caches(caches, layout, s)
+    n2 = len(layout.sources[2])
+    if not isinstance(states, tuple) or len(states) != n2:
+        raise ValueError(f"v41_step: states must be a tuple of {n2} compressor states (one per "
+                         f"ratio-2 KV source, init_v41_states), got "
+                         f"{len(states) if isinstance(states, tuple) else type(states).__name__}")
+
+
+def v41_step(params, xs, caches: V41Caches, states: tuple, meta: V41Meta, *,
+             layout: V41StepLayout, precision: str = V4_DEFAULT_PRECISION,
+             implementation: str | None = None) -> V41StepResult:
+    """One DeepSeek-V4.1 attention step over all layers (module docstring); jitted, caches
+    and states donated.
+
+    Args:
+      params: list of per-layer dicts, one per ``compress_ratios`` entry
+        (``reference.statements.deepseek_v41.param_shapes``).
+      xs: ``f32|bf16[L, T, dim]``: each layer's input rows (after its ``attn_norm``).
+      caches: ``V41Caches`` (``init_v41_caches``); states: ``init_v41_states``' tuple.
+      meta: ``V41Meta`` (``v41_meta``): tokens, rows, state slots, each family's page table.
+      layout: ``V41StepLayout`` (every static number).
+      precision: ``"bf16"`` (the official regime, default) or ``"f32"``.
+      implementation: ``"xla"`` or ``None``; anything else ``NotImplementedError`` (no Pallas
+        kernel reads V4.1's formats yet) or ``ValueError`` (unknown name).
+
+    Returns ``V41StepResult(out [L, T, dim], topk [Li, T, index_topk], candidates, caches,
+    states)``. ``T = 0`` is a step that does nothing. Bad shapes, dtypes or a config mismatch
+    raise ``ValueError`` / ``TypeError`` naming the argument and the numbers."""
+    if implementation not in (None, *IMPLEMENTATIONS):
+        if implementation in ("pallas", "pallas_two_pass"):
+            raise NotImplementedError(
+                f"v41_step: implementation={implementation!r}: no Pallas kernel reads V4.1's "
+                f"cache formats (window fp8 / 32, fp4 pools) yet; use 'xla'")
+        raise ValueError(f"v41_step: implementation must be one of {IMPLEMENTATIONS} or None, "
+                         f"got {implementation!r}")
+    precision = check_precision(precision)
+    _check_args(params, xs, caches, states, meta, layout)
+    c, t = layout.config, int(np.shape(xs)[1])
+    if t == 0:
+        nb = c.candidate_topk_blocks
+        has_cands = any(p.candidates.value == "produces" for p in resolve_layers(c))
+        return V41StepResult(
+            jnp.zeros((layout.num_layers, 0, c.dim),
+                      jnp.float32 if precision == "f32" else jnp.bfloat16),
+            jnp.zeros((len(layout.index_layers), 0, c.index_topk), jnp.int32),
+            jnp.zeros((0, nb), jnp.int32) if has_cands else None, caches, states)
+    f32 = [{k: jnp.asarray(v, jnp.float32) for k, v in p.items()} for p in params]
+    return _v41_step(f32, jnp.asarray(xs, jnp.float32), caches, tuple(states), meta,
+                     layout=layout, precision=precision)

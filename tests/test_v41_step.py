@@ -1,0 +1,163 @@
+"""The paged DeepSeek-V4.1 step (``dsa_jax.v41_step``, issue 31 deliverable 5) against the dense
+statement (``reference.statements.deepseek_v41.attention_stack``), in lock-step.
+
+Two sequences in one ragged batch (and a padded third slot, inactive, plus rows outside every
+sequence, all NaN) on the tiny config with every mode (SWA, FULL at ratio 2 and 1, REUSE,
+REINDEX, the candidate source and its consumer): one sequence prefills 23 tokens at once (it ends
+on an odd position: a ratio-2 token parks in the state), the other in chunks of 7 and 13 (the
+second chunk starts on an odd position: it takes its partner from the state), then 260 decodes
+each, crossing every pair, window (8), candidate-block (4 entries) and page (4) boundary many
+times. The statement runs each sequence alone with the same chunks. Unwritten cache bytes are
+0xFF (an fp8 / fp4 row whose scale byte is 0xFF decodes to NaN) and the compressor states start
+NaN, so a read of any slot that must not be read poisons the output; pages are permuted."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsa_jax.v41_step import (
+    V41StepLayout,
+    init_v41_caches,
+    init_v41_states,
+    v41_meta,
+    v41_step,
+)
+from reference.statements import deepseek_v41 as s41
+from reference.v4_compressor.ref import CompressorState
+from reference.v41 import v41_tiny
+from tests.v4_bf16_oracle import out_error
+
+C = v41_tiny()
+PAGE = 4
+DECODES = 260
+MAX_SEQ = 288  # 23 + 1 + 260 = 284 tokens at most, even (ratio-2 pairs), 72 pages of 4
+LAYOUT = V41StepLayout(C, PAGE, MAX_SEQ)
+CHUNKS = ((23,), (7, 13))  # per sequence, then DECODES one-token steps each
+OUTSIDE = 2  # rows after the last sequence's: outside every sequence (NaN inputs)
+# The step's attention sums over each row's window and chosen entries only, the statement's over
+# every token and entry under a mask: the same rounding points, f32 sums in other orders, so a
+# bf16 probability or output can flip by one ulp, carried through wo_a / wo_b (two more bf16
+# roundings). Measured on this run: MEASURED below.
+OUT_ULPS, OUT_MEAN_ULPS = 4.0, 0.5
+
+
+def _poisoned(layout, num_seqs):
+    """Caches of 0xFF bytes (every scale byte NaN) and NaN compressor states."""
+    caches = jax.tree.map(lambda x: jnp.full_like(x, 0xFF), init_v41_caches(layout, num_seqs))
+    states = tuple(CompressorState(jnp.full_like(s.kv, jnp.nan), jnp.full_like(s.score, jnp.nan))
+                   for s in init_v41_states(layout, num_seqs))
+    return caches, states
+
+
+def _page_order(table):
+    """A fixed permutation of every family's pages (sequences' pages interleaved)."""
+    return np.random.default_rng(len(table)).permutation(table)
+
+
+def _schedule():
+    """``[(q_lens, starts)]``: the chunks of both sequences side by side, then the decodes."""
+    steps, starts = [], [0, 0]
+    n = max(len(c) for c in CHUNKS)
+    for i in range(n):
+        q = [c[i] if i < len(c) else 1 for c in CHUNKS]
+        steps.append((q, list(starts)))
+        starts = [s + x for s, x in zip(starts, q, strict=True)]
+    for _ in range(DECODES):
+        steps.append(([1, 1], list(starts)))
+        starts = [s + 1 for s in starts]
+    return steps, starts
+
+
+def _step_inputs(xs_seq, q_lens, starts):
+    """The step's ``xs [L, T, dim]``: both sequences' rows, then ``OUTSIDE`` NaN rows; meta for
+    3 sequence slots, the third inactive."""
+    parts = [x[:, s:s + q] for x, q, s in zip(xs_seq, q_lens, starts, strict=True)]
+    pad = np.full((len(C.compress_ratios), OUTSIDE, C.dim), np.nan, np.float32)
+    kv = [s + q for s, q in zip(starts, q_lens, strict=True)]
+    meta = v41_meta(LAYOUT, [*kv, 5], [*q_lens, 0], num_active=2, page_order=_page_order)
+    return np.concatenate([*parts, pad], axis=1), meta
+
+
+def test_the_step_meets_the_statement_in_lockstep():
+    """Every step: each sequence's outputs on every layer equal the statement's within
+    ``OUT_ULPS`` (max) and ``OUT_MEAN_ULPS`` (mean) bf16 ulps of each row's largest output, its
+    top-k on every FULL and REINDEX layer and its candidate blocks identical; rows outside
+    every sequence zeros."""
+    params = s41.init_params(C, seed=3)
+    rng = np.random.default_rng(7)
+    steps, total = _schedule()
+    xs_seq = [rng.standard_normal((len(C.compress_ratios), n, C.dim), dtype=np.float32)
+              for n in total]
+    caches, states = _poisoned(LAYOUT, 3)
+    ref_states = [s41.init_state(C, 1, MAX_SEQ) for _ in CHUNKS]
+    worst = worst_mean = 0.0
+    for n_step, (q_lens, starts) in enumerate(steps):
+        xs, meta = _step_inputs(xs_seq, q_lens, starts)
+        res = v41_step(params, xs, caches, states, meta, layout=LAYOUT)
+        caches, states = res.caches, res.states
+        out = np.asarray(res.out, np.float32)
+        np.testing.assert_array_equal(out[:, sum(q_lens):], 0.0)
+        off = 0
+        for i, (q, s) in enumerate(zip(q_lens, starts, strict=True)):
+            want, ref_states[i], sel = s41.attention_stack(
+                params, xs_seq[i][:, None, s:s + q], s, ref_states[i], C, return_selection=True)
+            msg = f"step {n_step} seq {i}"
+            top, mean, _ = out_error(out[:, off:off + q], np.asarray(want[:, 0], np.float32))
+            worst, worst_mean = max(worst, top), max(worst_mean, mean)
+            assert top <= OUT_ULPS and mean <= OUT_MEAN_ULPS, (msg, top, mean)
+            for j, layer in enumerate(LAYOUT.index_layers):
+                np.testing.assert_array_equal(
+                    np.sort(np.asarray(res.topk[j, off:off + q]), -1),
+                    np.sort(np.asarray(sel.topk[layer][0]), -1), err_msg=f"{msg} layer {layer}")
+            np.testing.assert_array_equal(np.asarray(res.candidates[off:off + q]),
+                                          np.asarray(sel.candidates[0]), err_msg=msg)
+            off += q
+    assert total == [284, 280]
+    print(f"lock-step: {len(steps)} steps, max {worst:.2f} bf16 ulps, step mean {worst_mean:.3f}")
+
+
+def _one_step(**change):
+    params = s41.init_params(C, seed=0)
+    xs = np.zeros((len(C.compress_ratios), 3, C.dim), np.float32)
+    args = dict(params=params, xs=xs, caches=init_v41_caches(LAYOUT, 1),
+                states=init_v41_states(LAYOUT, 1), meta=v41_meta(LAYOUT, [3], [3]))
+    args.update(change)
+    return v41_step(args.pop("params"), args.pop("xs"), args.pop("caches"), args.pop("states"),
+                    args.pop("meta"), layout=LAYOUT, **args)
+
+
+def test_an_empty_batch_is_a_step_that_does_nothing():
+    res = _one_step(xs=np.zeros((len(C.compress_ratios), 0, C.dim), np.float32))
+    assert res.out.shape == (len(C.compress_ratios), 0, C.dim)
+    assert res.topk.shape == (len(LAYOUT.index_layers), 0, C.index_topk)
+    assert res.candidates.shape == (0, C.candidate_topk_blocks)
+
+
+@pytest.mark.parametrize("change, error, words", [
+    (dict(xs=np.zeros((9, 3, 31), np.float32)), ValueError, ["xs", "31", "32"]),
+    (dict(xs=np.zeros((8, 3, 32), np.float32)), ValueError, ["xs", "8", "9"]),
+    (dict(states=()), ValueError, ["states", "1"]),
+    (dict(implementation="pallas"), NotImplementedError, ["V4.1", "xla"]),
+    (dict(implementation="cuda"), ValueError, ["implementation", "cuda"]),
+    (dict(precision="fp8"), ValueError, ["precision", "fp8"]),
+    (dict(params=[]), ValueError, ["params", "9"]),
+])
+def test_bad_arguments_are_refused_by_name(change, error, words):
+    with pytest.raises(error) as e:
+        _one_step(**change)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_caches_of_the_wrong_shape_or_dtype_are_refused():
+    good = init_v41_caches(LAYOUT, 1)
+    width = good.window.shape[-1]  # window_kv_bytes(64) = 66 on the tiny config
+    with pytest.raises(ValueError, match=rf"caches.window.*{width}\].*{width - 1}\)"):
+        _one_step(caches=good._replace(window=good.window[..., :-1]))
+    with pytest.raises(ValueError, match=r"caches.pool2.*uint8"):
+        _one_step(caches=good._replace(pool2=good.pool2.astype(jnp.int8)))
+    with pytest.raises(ValueError, match=r"caches.keys1 must be given"):
+        _one_step(caches=good._replace(keys1=None))
