@@ -48,6 +48,11 @@ writer, the multi-layer DSA step (IndexShare), opt-in checkify validation, mesh 
   ``V4StepInputs``, ``V4StepParams``, ``V4Caches``, ``V4States``, ``V4BatchMeta``,
   ``V4StepResult``, and ``init_v4_states``), its argument checks (``dsa_jax.v4_step_checks``)
   and cache writes (``dsa_jax.v4_step_writes``), and ``sharded_v4_step`` (data x model mesh).
+- The DeepSeek-V4.1 step (``dsa_jax/v41_step.py``; ``dsa_jax.v41_step`` is the function):
+  ``v41_step`` (every layer of a ``V41Config`` over stacked caches in V4.1's fp8 / fp4 formats,
+  read in place, KV / index / candidate sources threaded through the layers; the jnp path), its
+  declarations in ``dsa_jax.v41_model`` (``V41StepLayout``, ``V41Caches``, ``V41Meta``,
+  ``V41StepResult``, ``init_v41_caches``, ``init_v41_states``, ``v41_meta``).
 - The DeepSeek-V4 layer around the step (``dsa_jax.v4_layer``): ``v4_project`` (one layer's
   step inputs from its tokens ``x [T, dim]`` at ``positions``), ``v4_output`` (the layer output
   from the step's ``out[l]``), ``v4_rope_tables`` (a layer type's RoPE tables); the dense
@@ -82,6 +87,16 @@ from dsa_jax.v4_model import (
     init_v4_states,
 )
 from dsa_jax.v4_step import v4_step
+from dsa_jax.v41_model import (
+    V41Caches,
+    V41Meta,
+    V41StepLayout,
+    V41StepResult,
+    init_v41_caches,
+    init_v41_states,
+    v41_meta,
+)
+from dsa_jax.v41_step import v41_step
 from dsa_jax.validate import check_batch, run_checked
 from pallas_kernels import IndexerBlocks, MlaBlocks, PerformanceWarning
 from reference import build_index_share_map, glm_index_share_pattern
@@ -153,6 +168,10 @@ __all__ = [
     "SegmentsOutOfRange",
     "StepInputs",
     "StepResult",
+    "V41Caches",
+    "V41Meta",
+    "V41StepLayout",
+    "V41StepResult",
     "V4BatchMeta",
     "V4Caches",
     "V4Layout",
@@ -178,6 +197,8 @@ __all__ = [
     "index_cache_from_paged_fp8",
     "index_cache_to_paged_fp8",
     "indexer_topk",
+    "init_v41_caches",
+    "init_v41_states",
     "init_v4_states",
     "latent_cache_from_flashmla",
     "latent_cache_to_flashmla",
@@ -206,6 +227,8 @@ __all__ = [
     "topology_witness_indices",
     "unpack_cache",
     "update_kv_cache",
+    "v41_meta",
+    "v41_step",
     "v4_attention",
     "v4_cache_from_flashmla",
     "v4_cache_to_flashmla",

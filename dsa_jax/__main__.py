@@ -11,7 +11,8 @@ time per backend, and ends with a verdict line and the timings (``dsa_jax.cli_co
 status 0 passed, 1 NaN or Pallas disagrees, 2 bad flags or a combination the layout refuses).
 ``--devices N`` runs the step sharded over N devices (sequences on a data axis, MLA heads on a
 model axis of size ``--tp``); on CPU it asks XLA for N host devices. ``--model v4-flash``:
-``dsa_jax.v4_cli``. The ``--help`` text is plain (``DESCRIPTION``, ``EPILOG``).
+``dsa_jax.v4_cli``; ``--model v4.1-flash``: ``dsa_jax.v41_cli``. The ``--help`` text is plain
+(``DESCRIPTION``, ``EPILOG``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ model run.
   --model v4-flash: the DeepSeek-V4 attention step (dsa_jax.v4_step) at V4-Flash dimensions
       (64 heads x 512, window 128, the 43-layer SWA/CSA/HCA pattern; --layers N runs the
       first N layers).
+  --model v4.1-flash: the DeepSeek-V4.1 step (dsa_jax.v41_step) at V4.1-Flash dimensions
+      (64 heads x 512, dim 5120, indexer 32 x 128, top-512, 2048 candidate blocks of 8) on a
+      9-layer pattern with every mode (SWA, FULL ratio 2 / 1, REUSE, REINDEX, the candidate
+      source and consumer), its caches in V4.1's fp8 / fp4 formats; each sequence checked
+      against the statement (--quick: the tiny config). jnp only (no Pallas path yet).
 
 Every run runs the jnp reference. --dsa-use-pallas also runs the Pallas kernels (off TPU in
 interpret mode: slow, keep the sizes small) and compares them with the reference. The run
@@ -72,11 +78,14 @@ examples:
   python -m dsa_jax run --model v4-flash --quick --dsa-use-pallas \\
       --context 256 --prefill 8 --decode 1 --topk 16
       V4-Flash on both backends, shrunk further (about 1.5 min on 2 CPU cores)
+  python -m dsa_jax run --model v4.1-flash --quick
+      the DeepSeek-V4.1 step, tiny config, against its statement (about 20 s)
 
 exit status:
   0  the run passed: the reference ran without NaN and, with --dsa-use-pallas, Pallas
      agrees with it (same top-k sets, outputs within the tolerance the tests use)
-  1  the run failed: NaN in an output, or Pallas disagrees with the reference
+  1  the run failed: NaN in an output, or Pallas disagrees with the reference (v4.1-flash:
+     or the step disagrees with the statement)
   2  bad flags, or a combination of sizes the step refuses"""
 
 SIZE_FLAGS = {"context": "context", "prefill": "prefill", "heads": "heads", "topk": "k",
@@ -133,9 +142,11 @@ def _parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     table = _size_table()
     g = r.add_argument_group("what to run")
-    g.add_argument("--model", choices=("v3.2", "v4-flash"), default="v3.2",
+    g.add_argument("--model", choices=("v3.2", "v4-flash", "v4.1-flash"), default="v3.2",
                    help="v3.2: the DeepSeek-V3.2 DSA step (default); v4-flash: the "
-                        "DeepSeek-V4 attention step at V4-Flash dimensions")
+                        "DeepSeek-V4 attention step at V4-Flash dimensions; v4.1-flash: the "
+                        "DeepSeek-V4.1 step (every layer mode) at V4.1-Flash dimensions "
+                        "(--quick: a tiny config), checked against its statement")
     g.add_argument("--quick", action="store_true", help=_quick_text(table))
     g.add_argument("--dsa-use-pallas", action="store_true",
                    help="also run the Pallas kernels (interpret mode off TPU) and compare "
@@ -208,7 +219,16 @@ def _check_flags(rp: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
     given = lambda dest: "" if getattr(args, dest) is not None else (  # noqa: E731
         " (the --quick default)" if args.quick else " (the default)")
-    if args.model == "v4-flash":
+    if args.model == "v4.1-flash":
+        from dsa_jax import v41_cli
+
+        for dest in (*V32_ONLY, "heads", "topk", "layers"):
+            if getattr(args, dest) not in (rp.get_default(dest), None):
+                flag = "--" + dest.replace("_", "-")
+                rp.error(f"{flag} does not apply to --model v4.1-flash (one device, V4.1's own "
+                         f"cache formats, the config's heads, top-k and layer pattern)")
+        s = v41_cli.sizes(args)
+    elif args.model == "v4-flash":
         for dest in V32_ONLY:
             if getattr(args, dest) != rp.get_default(dest):
                 flag = "--" + dest.replace("_", "-")
@@ -492,6 +512,11 @@ def main(argv=None) -> int:
 
     tpu.skip_tpu_probe_without_tpu()  # no libtpu error block on a machine without a TPU
     try:
+        if args.model == "v4.1-flash":
+            os.environ.setdefault("JAX_PLATFORMS", "cpu")
+            from dsa_jax import v41_cli
+
+            return v41_cli.run_v41(args, lambda label: Progress(label, not args.no_progress))
         if args.model == "v4-flash":
             os.environ.setdefault("JAX_PLATFORMS", "cpu")
             from dsa_jax import v4_cli

@@ -165,10 +165,13 @@ def compare(ref_out, pal_out, ref_topk, pal_topk, kind: str) -> Comparison:
 
 
 def verdict(ran: str, nan: dict, timings: dict, cmp: Comparison | None,
-            extra_fail: str | None = None) -> tuple[list[str], int]:
+            extra_fail: str | None = None, *,
+            hint: str = "add --dsa-use-pallas to compare the Pallas kernels"
+            ) -> tuple[list[str], int]:
     """The closing lines of a run and its exit status. ``ran``: what ran (e.g. "the V3.2 DSA
     step"); ``nan``: backend -> NaN in its output; ``cmp``: the comparison or ``None``
-    (reference only); ``extra_fail``: another failed check, described."""
+    (reference only); ``extra_fail``: another failed check, described; ``hint``: what a
+    reference-only verdict suggests."""
     bad = [f"NaN in the {b} output" for b, has in nan.items() if has]
     if extra_fail:
         bad.append(extra_fail)
@@ -182,8 +185,7 @@ def verdict(ran: str, nan: dict, timings: dict, cmp: Comparison | None,
     if bad:
         head = "verdict: FAILED - " + "; ".join(bad)
     elif cmp is None:
-        head = (f"verdict: reference only - {ran} ran on the jnp reference, no NaN (add "
-                f"--dsa-use-pallas to compare the Pallas kernels)")
+        head = f"verdict: reference only - {ran} ran on the jnp reference, no NaN ({hint})"
     else:
         head = (f"verdict: OK - {ran} ran on the reference and Pallas agrees with it (top-k "
                 f"sets identical on all {cmp.rows} rows; output max |diff| {cmp.max_diff:.2e}, "

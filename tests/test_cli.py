@@ -90,6 +90,46 @@ def test_v4_flash_quick_runs_the_v4_step(capsys):
     assert "\ntimings: reference " in text and " ms steady" in text
 
 
+def test_v41_flash_quick_runs_the_v41_step_against_its_statement(capsys):
+    """``run --model v4.1-flash --quick``: the V4.1 step on every mode of the tiny config, each
+    sequence's rows against the statement run alone."""
+    assert main(["run", "--model", "v4.1-flash", "--quick", "--no-progress", "--decode",
+                 "1"]) == 0
+    text = capsys.readouterr().out
+    assert ("9 layers ['swa/0', 'full/2', 'reuse/2', 'full/1', 'reuse/1', 'reindex/1', "
+            "'reuse/1', 'reuse/1', 'swa/0']") in text
+    assert "NaN in out: False" in text
+    assert "top-k sets differ on 0 (sequence, layer) pairs" in text
+    assert "\nverdict: reference only - the V4.1 step ran on the jnp reference" in text
+
+
+def test_v41_statement_check_fails_a_step_that_disagrees():
+    """``v41_cli._statement_check`` on a made-up step result (outputs off by far): not ok."""
+    import numpy as np
+
+    from dsa_jax import v41_cli
+    from dsa_jax.v41_step import V41StepLayout
+    from reference.statements import deepseek_v41 as s41
+
+    c = v41_cli.config(True)
+    layout = V41StepLayout(c, 4, 8)
+    params = s41.init_params(c, seed=0)
+    x = np.random.default_rng(0).standard_normal((len(c.compress_ratios), 8, c.dim),
+                                                 dtype=np.float32)
+    want = s41.attention_stack(params, x[:, None], 0, s41.init_state(c, 1, 8), c,
+                               return_selection=True)
+    good = np.asarray(want[0][:, 0, 6:8], np.float32)
+    topk = np.stack([np.asarray(want[2].topk[i][0, 6:8]) for i in layout.index_layers])
+
+    def check(out):
+        res = type("R", (), {"out": out, "topk": topk})
+        return v41_cli._statement_check(params, [x], res, [2], [8], c, layout)
+
+    assert check(good)[1]
+    line, ok = check(good * 1.5)
+    assert not ok and "outputs max" in line
+
+
 def test_v4_build_makes_fp8_caches():
     """``v4_cli.build(..., window_format=, compressed_format=, index_format=)``: fp8 caches of
     the layout's formats (concrete: the quantized history; ``spec=True``: their parts' specs);
@@ -156,6 +196,9 @@ BAD_FLAGS = [
     (["--model", "v4-flash", "--topk", "0"], "argument --topk: must be an integer >= 1, got 0"),
     (["--model", "v4-flash", "--cache-format", "fp8"], "--cache-format applies to --model v3.2"),
     (["--model", "v4-flash", "--devices", "2"], "--devices applies to --model v3.2 only"),
+    (["--model", "v4.1-flash", "--heads", "4"], "--heads does not apply to --model v4.1-flash"),
+    (["--model", "v4.1-flash", "--cache-format", "fp8"],
+     "--cache-format does not apply to --model v4.1-flash"),
     # refused by the layout (a ValueError): one line, no traceback
     (["--cache-format", "fp8", "--page-size", "16"],
      "dsa_jax: error: the fp8 index cache needs page_size to be a multiple of 32"),
