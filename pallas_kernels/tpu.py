@@ -170,6 +170,20 @@ def interpret_params(interpret):
     raise TypeError(f"interpret must be a bool or pltpu.InterpretParams, got {interpret!r}")
 
 
+def round_bf16(x: jax.Array) -> jax.Array:
+    """``f32 -> f32``, each value rounded to bf16, inside a kernel: ``reference.quant.bf16.
+    round_bf16``'s rule (RNE) written as the convert pair Mosaic lowers (it has no
+    ``reduce_precision``, the form the reference takes because XLA may drop the pair). In the
+    interpreter the pair rounds too (the kernels' bf16 tests compare bit for bit)."""
+    return x.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def rounding(precision: str):
+    """A kernel's activation rounding of a regime: ``round_bf16`` for ``"bf16"``, the identity
+    for ``"f32"`` (``reference.quant.bf16.rounding``'s, in the form Mosaic lowers)."""
+    return round_bf16 if precision == "bf16" else (lambda x: x)
+
+
 def lanes_to_column(w: jax.Array) -> jax.Array:
     """``f32[L, 1, H] -> f32[L * H, 1]`` (row ``l H + h`` = ``w[l, 0, h]``), inside a kernel: each
     row's lane vector onto sublanes by a diagonal select and a lane max over ``-inf`` (exact:

@@ -290,7 +290,7 @@ def _round_bf16(x):
     written as the convert pair Mosaic lowers (it has no ``reduce_precision``, the form the
     reference takes because XLA may drop the pair). In the interpreter the pair does round
     (``tests/test_indexer_bf16.py`` compares the kernel's scores with the oracle's exactly)."""
-    return x.astype(jnp.bfloat16).astype(jnp.float32)
+    return tpu.round_bf16(x)
 
 
 def _stage_scores(cfg: ScoreConfig, q, wcol, keys, scales, blk, pos0, kv_eff, page_ok,

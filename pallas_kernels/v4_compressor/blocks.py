@@ -47,7 +47,7 @@ TABLE: dict[str, dict[tuple, Row]] = block_table.checked({
 
 def shape_key(ratio: int) -> tuple:
     """The table key: ``(pow2(R),)``, ``R`` the entry's slot rows at ``ratio``."""
-    return (pow2(vc.state_rows(ratio)),)
+    return (pow2(vc.pool_rows(ratio)),)
 
 
 def row(chip: str | None, ratio: int) -> Row:
@@ -58,5 +58,5 @@ def row(chip: str | None, ratio: int) -> Row:
 def uses_window(ratio: int, num_rows: int, chip: str | None = None) -> bool:
     """Whether the pool kernel has the window path at this ratio and step size (static): the
     entry has at least the table's ``window_min_rows`` slots and the step holds a window."""
-    rows = vc.state_rows(ratio)
+    rows = vc.pool_rows(ratio)
     return rows >= row(chip, ratio).blocks and num_rows >= rows + WINDOW_PAD

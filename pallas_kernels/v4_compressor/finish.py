@@ -34,7 +34,6 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import tpu
 from pallas_kernels.v4_compressor.traffic import TABLE_TILE as TILE  # positions per table DMA
-from reference.quant.bf16 import rounding
 
 
 def fusable(d: int, half: int) -> bool:
@@ -120,7 +119,7 @@ def finish_row(pooled, weight, tbuf, pos, *, eps: float, precision: str, half: i
     h, 128]`` (``table_copies``) and the RoPE position ``pos = r j``; or (``half``, the tables'
     ``h``, nonzero) the position's ``rope_rows`` row in ``tbuf f32[1, 1, 128]``
     (``row_copies``)."""
-    rb = rounding(precision)
+    rb = tpu.rounding(precision)  # the convert pair: Mosaic has no reduce_precision
     d = pooled.shape[1]
     x = rb(pooled)
     var = _lane_tree_sum(jnp.square(x)) / jnp.float32(d)

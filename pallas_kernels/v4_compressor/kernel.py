@@ -111,8 +111,8 @@ def entry_facts(s: vc.SeqFacts, seq, entry, valid, ratio: int, onehot=None) -> j
     row of slot 0; ``pos = r j``, the entry's RoPE position (``finish``). An unused slot has
     ``k_s = k_c = R`` (reads nothing). ``onehot`` (``enumerate_slots``): read the per-sequence
     facts without a gather."""
-    coff = vc.compressor_coff(ratio)
-    rows = vc.state_rows(ratio)
+    coff = vc.pool_coff(ratio)
+    rows = vc.pool_rows(ratio)
     take = (lambda x: x[seq]) if onehot is None else (lambda x: _take(x, onehot))  # noqa: E731
     q0 = ratio * entry - (coff - 1) * ratio
     kv_old = take(s.kv_old)
@@ -127,7 +127,7 @@ def entry_facts(s: vc.SeqFacts, seq, entry, valid, ratio: int, onehot=None) -> j
 def write_facts(s: vc.SeqFacts, ratio: int) -> jax.Array:
     """``i32[S * SEQ_WORDS]`` per sequence: the row and position of its first token written to
     the ring, the count ``min(q_len, R)`` (0 for a skipped sequence), the state slot."""
-    rows = vc.state_rows(ratio)
+    rows = vc.pool_rows(ratio)
     q_len = s.kv_len - s.kv_old
     count = jnp.where(s.ok, jnp.minimum(q_len, rows), 0)
     fields = (jnp.where(s.ok, s.q_start + q_len - count, 0),
@@ -315,8 +315,8 @@ def pool_call(facts, kv, score, ape, state: vc.CompressorState, *, ratio: int,
     ``eps`` and ``precision``), else pooled only; ``rope_rows f32[P, 128]`` (``finish.rope_rows``
     of the tables, optional): the kernel reads its rows instead of the tables' tiles."""
     num_rows, width = kv.shape
-    coff = vc.compressor_coff(ratio)
-    rows, d = vc.state_rows(ratio), width // coff
+    coff = vc.pool_coff(ratio)
+    rows, d = vc.pool_rows(ratio), width // coff
     fused = norm_weight is not None and finish.fusable(d, cos.shape[1])
     half = cos.shape[1] if fused else 0
     row_half = half if rope_rows is not None else 0
@@ -413,7 +413,7 @@ def state_call(facts, kv, score, ape, dep, state: vc.CompressorState, *, ratio: 
     """The state ``pallas_call`` (``_state_kernel``), the pool updated in place (aliased);
     ``dep`` orders it after the pool call."""
     num_rows, width = kv.shape
-    rows, d = vc.state_rows(ratio), width // vc.compressor_coff(ratio)
+    rows, d = vc.pool_rows(ratio), width // vc.pool_coff(ratio)
     seqs = facts.shape[0] // SEQ_WORDS
     c = traffic.worst_counts(num_rows, seqs, ratio)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
@@ -448,8 +448,8 @@ def _compress(kv, score, ape, norm_weight, cos, sin, state, state_slots, kv_lens
               distribution, rope_rows, *, ratio, eps, precision, vmem_limit_bytes, interpret):
     num_rows, num_seqs = kv.shape[0], kv_lens.shape[0]
     s = vc.seq_facts(kv_lens, cu_q_lens, distribution, state_slots, num_rows, state.kv.shape[0])
-    seq, entry, valid, onehot = enumerate_slots(s, vc.max_entries(num_rows, num_seqs, ratio),
-                                                ratio, cos.shape[0])
+    seq, entry, valid, onehot = enumerate_slots(s, num_rows // ratio + num_seqs, ratio,
+                                                cos.shape[0])  # vc.max_entries
     knobs = dict(ratio=ratio, vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
     facts = entry_facts(s, seq, entry, valid, ratio, onehot)
     pooled = pool_call(facts, kv, score, ape, state, norm_weight=norm_weight, cos=cos, sin=sin,

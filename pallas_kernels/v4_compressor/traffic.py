@@ -71,12 +71,18 @@ class StepCounts:
         return self.chunk_rows if self.chunk_runs is None else self.chunk_runs
 
 
+def _max_entries(num_rows: int, num_seqs: int, ratio: int) -> int:
+    """``reference.v4_compressor.max_entries`` over every pooling ratio (``pool_coff``)."""
+    vc.pool_coff(ratio)
+    return num_rows // ratio + num_seqs
+
+
 def decode_counts(seqs: int, ratio: int, *, complete: bool = True) -> StepCounts:
     """One decode token per sequence; ``complete``: every sequence completes an entry (the
     step a static program must serve: ratio 128 every 128th step), else none does."""
-    rows = vc.state_rows(ratio)
+    rows = vc.pool_rows(ratio)
     done = seqs if complete else 0
-    return StepCounts(slots=vc.max_entries(seqs, seqs, ratio), entries=done, chunk_rows=done,
+    return StepCounts(slots=_max_entries(seqs, seqs, ratio), entries=done, chunk_rows=done,
                       ring_entries=done, old_slots=done * (rows - 1), step_rows=seqs,
                       state_rows=seqs, table_tiles=done, table_rows=done)
 
@@ -85,7 +91,7 @@ def prefill_counts(tokens: int, ratio: int, first_row: int = 0) -> StepCounts:
     """One sequence's first ``tokens`` tokens in one chunk (a multiple of ``ratio``) at row
     ``first_row`` of the step: every group completes from chunk rows (ratio 4's group 0 pools
     only its own 4); an unaligned ``first_row`` sends ratio 128's runs through the window."""
-    coff, rows = vc.compressor_coff(ratio), vc.state_rows(ratio)
+    coff, rows = vc.pool_coff(ratio), vc.pool_rows(ratio)
     entries = tokens // ratio
     chunk = entries * rows - (coff - 1) * ratio
     if first_row % WINDOW_PAD and uses_window(ratio, first_row + tokens):
@@ -93,7 +99,7 @@ def prefill_counts(tokens: int, ratio: int, first_row: int = 0) -> StepCounts:
         windows = sum((first_row + ratio * j) // WINDOW_PAD * WINDOW_PAD + rows + WINDOW_PAD
                       <= end for j in range(entries))
         chunk += windows * WINDOW_PAD
-    return StepCounts(slots=vc.max_entries(tokens, 1, ratio), entries=entries, chunk_rows=chunk,
+    return StepCounts(slots=_max_entries(tokens, 1, ratio), entries=entries, chunk_rows=chunk,
                       ring_entries=0, old_slots=0, step_rows=tokens,
                       state_rows=min(tokens, rows),
                       chunk_runs=sum(_prefill_runs(j, tokens, ratio, first_row)
@@ -107,7 +113,7 @@ def _prefill_runs(j: int, tokens: int, ratio: int, first_row: int) -> int:
     kernel's choice, ``kernel._pool_kernel``): one aligned run of all ``R`` slots from a row
     that is a multiple of 8, else one window (``uses_window``: more than 8 rows whose aligned
     window lies inside the step), else one per row."""
-    coff, rows = vc.compressor_coff(ratio), vc.state_rows(ratio)
+    coff, rows = vc.pool_coff(ratio), vc.pool_rows(ratio)
     end = first_row + tokens  # the step's rows
     q0 = ratio * j - (coff - 1) * ratio
     k_c = min(max(-q0, 0), rows)  # slots before the sequence's first token are not read
@@ -128,8 +134,8 @@ def worst_counts(num_rows: int, num_seqs: int, ratio: int) -> StepCounts:
     sequence read the ring (ratio 4: the first two entries of a step may reach back); at most
     ``min(T, S R)`` state rows are written; a sequence's entries are consecutive, so its
     positions span at most ``e r / 128 + 2`` table tiles."""
-    coff, rows = vc.compressor_coff(ratio), vc.state_rows(ratio)
-    slots = vc.max_entries(num_rows, num_seqs, ratio)
+    coff, rows = vc.pool_coff(ratio), vc.pool_rows(ratio)
+    slots = _max_entries(num_rows, num_seqs, ratio)
     ring = min(slots, coff * num_seqs)
     pad = WINDOW_PAD if uses_window(ratio, num_rows) else 0
     chunk = min(slots * (rows + pad), coff * num_rows + slots * pad)
@@ -157,16 +163,17 @@ def pool_bytes(c: StepCounts, *, ratio: int, d: int, half: int = HALF,
     """HBM bytes the pooling call moves (module docstring); ``half``: the RoPE tables' width
     when the kernel finishes the rows (``finish.fusable``; 0 when the glue does); ``row_table``:
     the tables given as ``finish.rope_rows``."""
-    coff, rows = vc.compressor_coff(ratio), vc.state_rows(ratio)
+    coff, rows = vc.pool_coff(ratio), vc.pool_rows(ratio)
     width = coff * d
     gathered = (c.chunk_rows + c.ring_entries * rows) * 2 * width * F32
-    tables = table_bytes(c, half=half, row_table=row_table) + (d * F32 if half else 0)
+    # the norm weight block once: the weight, or a zero block when the glue finishes the rows
+    tables = table_bytes(c, half=half, row_table=row_table) + d * F32
     return gathered + c.slots * d * F32 + rows * width * F32 + tables
 
 
 def state_bytes(c: StepCounts, *, ratio: int, d: int) -> int:
     """HBM bytes the state call moves: 4 row transfers per written row, ape once."""
-    width = vc.compressor_coff(ratio) * d
+    width = vc.pool_coff(ratio) * d
     return c.state_rows * 4 * width * F32 + ratio * width * F32
 
 
@@ -174,9 +181,9 @@ def pool_dmas(c: StepCounts, *, half: int = HALF, row_table: bool = False) -> in
     """DMA descriptors of the pooling call: per chunk run and per ring slot read, one DMA each
     for kv and score; per RoPE table tile loaded, one each for cos and sin (``row_table``: one
     per ``rope_rows`` row loaded); each output slot's row; pipeline block copies: the ape tile once
-    and (``half``: the kernel finishes the rows) the norm weight once."""
+    and the norm weight once (a zero block when the glue finishes the rows)."""
     tables = (c.table_rows if row_table else 2 * c.table_tiles) if half else 0
-    return 2 * (c.runs + c.ring_entries) + tables + 1 + c.slots + bool(half)
+    return 2 * (c.runs + c.ring_entries) + tables + 1 + c.slots + 1
 
 
 def state_dmas(c: StepCounts) -> int:
@@ -192,8 +199,8 @@ def compressor_traffic(c: StepCounts, *, ratio: int, d: int,
     ``state_dmas`` (a decode step where every sequence completes an entry: 7 per sequence and
     one output row per slot, plus 2 per RoPE table tile loaded (``row_table``: 1 per table row),
     the two ape blocks and the norm weight)."""
-    width = vc.compressor_coff(ratio) * d
-    rows = vc.state_rows(ratio)
+    width = vc.pool_coff(ratio) * d
+    rows = vc.pool_rows(ratio)
     moved = pool_bytes(c, ratio=ratio, d=d, row_table=row_table) + state_bytes(c, ratio=ratio, d=d)
     minimum = (c.step_rows * 2 * width + c.old_slots * 2 * d + c.state_rows * 2 * width
                + c.entries * (d + 2 * HALF)) * F32
@@ -207,7 +214,7 @@ def vmem_bytes(*, ratio: int, d: int, window: bool = False, half: int = HALF,
                row_table: bool = False) -> int:
     """The larger of the two calls' VMEM (each buffer padded to (8, 128) tiles); ``half`` as
     ``pool_bytes``'."""
-    coff, rows = vc.compressor_coff(ratio), vc.state_rows(ratio)
+    coff, rows = vc.pool_coff(ratio), vc.pool_rows(ratio)
     width = coff * d
     slot = tpu.tile_bytes(rows, width, F32)
     pool = (4 * slot  # the chunk and ring buffers, kv and score each

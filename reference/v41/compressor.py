@@ -128,8 +128,10 @@ def init_compressor_state(num_slots: int, dim: int, ratio: int = 2) -> v4.Compre
 # ---------------------------------------------------------------------------------------------
 # Static checks.
 
-def _check_args(kv, score, norm_weight, cos, sin, state, state_slots, kv_lens, cu_q_lens,
-                distribution, ratio, output):
+def check_step_args(kv, score, norm_weight, cos, sin, state, state_slots, kv_lens, cu_q_lens,
+                    distribution, ratio, output) -> None:
+    """``compress_step``'s static checks (also the Pallas entry's,
+    ``pallas_kernels.v41_compressor``): ``ValueError`` / ``TypeError`` naming the numbers."""
     if output not in OUTPUTS:
         raise ValueError(f"output must be one of {OUTPUTS}, got output={output!r}")
     _checks.rank("norm_weight", norm_weight, 1)
@@ -257,7 +259,7 @@ def compress_step(
     dtypes, a ratio other than 1 / 2 or an unknown ``output`` raise ``ValueError`` /
     ``TypeError`` naming the numbers."""
     ratio = _ratio(ratio)
-    _check_args(kv, score, norm_weight, cos, sin, state, state_slots, kv_lens, cu_q_lens,
+    check_step_args(kv, score, norm_weight, cos, sin, state, state_slots, kv_lens, cu_q_lens,
                 distribution, ratio, output)
     f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)

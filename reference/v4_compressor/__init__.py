@@ -5,6 +5,7 @@ so old imports work."""
 
 from __future__ import annotations
 
+from reference.v4_compressor.pool import POOL_RATIOS, pool_coff, pool_rows
 from reference.v4_compressor.ref import (
     BETA_FAST,
     BETA_SLOW,
@@ -50,6 +51,9 @@ __all__ = [
     "check_step_args",
     "compress_step",
     "compressor_coff",
+    "POOL_RATIOS",
+    "pool_coff",
+    "pool_rows",
     "entry_slots",
     "enumerate_entries",
     "finish_entries",
