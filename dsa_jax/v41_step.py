@@ -23,10 +23,13 @@ index source's top-k, the candidate source's blocks) as the statement does. Per 
 
 Every write of a layer comes before its reads, and every cache is read in place at its stack
 row. The output is the layer's ``wo_b`` output (bf16 values under ``"bf16"``), rows outside
-every sequence zeros. ``implementation``: ``"xla"`` (this pure-jnp path, the default); the
-Pallas kernels do not read V4.1's formats yet (``NotImplementedError``)."""
+every sequence zeros. ``implementation``: ``"xla"`` (this pure-jnp path, the default) or
+``"pallas"``: the ratio-2 compressor on its Pallas kernel (``pallas_kernels.v41_compressor``),
+every other op jnp (no Pallas kernel reads V4.1's cache formats yet)."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +57,19 @@ from reference.v41.paged import PagedBytes, ragged, read_rows, token_write_slots
 __all__ = ["V41Caches", "V41Meta", "V41StepLayout", "V41StepResult", "init_v41_caches",
            "init_v41_states", "v41_meta", "v41_step"]
 
-IMPLEMENTATIONS = ("xla",)
+IMPLEMENTATIONS = ("xla", "pallas")
+KERNEL_OPTIONS = ("interpret", "vmem_limit_bytes")  # the Pallas compressor's
+
+
+def _compressor(implementation: str, kernel_options: tuple):
+    """The compressor of ratio-2 KV sources: ``reference.v41.compress_step`` (``"xla"``) or the
+    Pallas ``pallas_kernels.v41_compressor.compress_step`` with ``kernel_options``
+    (``interpret``, ``vmem_limit_bytes``) (``"pallas"``). Ratio 1 is row-wise XLA on both."""
+    if implementation == "xla":
+        return compress_step
+    from pallas_kernels.v41_compressor import compress_step as pallas_compress
+
+    return functools.partial(pallas_compress, **dict(kernel_options))
 
 
 def _paged(layout, caches: V41Caches, meta: V41Meta, name: str, ratio: int):
@@ -65,7 +80,7 @@ def _paged(layout, caches: V41Caches, meta: V41Meta, name: str, ratio: int):
                        getattr(meta, f"{fam}_cu_lens")), layout.pages_per_seq(ratio))
 
 
-def _compress(params, x, layer, layout, caches, states, meta, rb):
+def _compress(params, x, layer, layout, caches, states, meta, rb, compress):
     """KV source ``layer``'s compressor over this step's rows ``x f32[T, dim]``; the entries
     completing now stored in its pool and index keys. Returns ``(caches, states)``."""
     c = layout.config
@@ -76,7 +91,7 @@ def _compress(params, x, layer, layout, caches, states, meta, rb):
     else:
         kv, score = L.compress_inputs(params, x, 2, c.rms_norm_eps, rb)
         state = states[layout.sources[2].index(layer)]
-    entries, state = compress_step(
+    entries, state = (compress_step if r == 1 else compress)(
         kv, score, params["compressor.norm.weight"], cos, sin, state, meta.state_slots,
         meta.kv_lens, meta.cu_q_lens, meta.distribution, ratio=r, eps=c.rms_norm_eps,
         output="latent")
@@ -135,7 +150,7 @@ def _attend(q, layer, source, topk, layout, caches, meta, rows, sink, rb):
     return L.attend(q[:, None], kv, ok[:, None], sink, c.head_dim ** -0.5, rb)[:, 0]
 
 
-def _layer(params, x, plan, layout, caches, states, meta, rows, pub, precision):
+def _layer(params, x, plan, layout, caches, states, meta, rows, pub, precision, compress):
     """One layer on ``x f32[T, dim]``; ``pub`` (source, topk, candidates) updated in place.
     Returns ``(out f32[T, dim], caches, states)``."""
     c, rb = layout.config, rounding(precision)
@@ -151,7 +166,8 @@ def _layer(params, x, plan, layout, caches, states, meta, rows, pub, precision):
     caches = caches._replace(window=write_rows(
         window.cache, plan.layer, page_id, offset, formats.encode_window_kv(window_row[0])))
     if plan.mode is Mode.FULL:
-        caches, states = _compress(params, x, plan.layer, layout, caches, states, meta, rb)
+        caches, states = _compress(params, x, plan.layer, layout, caches, states, meta, rb,
+                                   compress)
         pub["source"] = plan.layer
     if plan.mode in (Mode.FULL, Mode.REINDEX):
         pub["topk"], pub["candidates"] = _select(
@@ -166,14 +182,17 @@ def _layer(params, x, plan, layout, caches, states, meta, rows, pub, precision):
 
 
 def v41_step_body(params, xs, caches: V41Caches, states: tuple, meta: V41Meta, *,
-                  layout: V41StepLayout, precision: str) -> V41StepResult:
-    """The step, unjitted (``v41_step`` checks and jits it)."""
+                  layout: V41StepLayout, precision: str, implementation: str = "xla",
+                  kernel_options: tuple = ()) -> V41StepResult:
+    """The step, unjitted (``v41_step`` checks and jits it); ``kernel_options`` a sorted tuple
+    of items."""
+    compress = _compressor(implementation, kernel_options)
     rows = batch.row_facts(xs.shape[1], meta.kv_lens, meta.cu_q_lens, meta.distribution)
     pub = {"source": None, "topk": None, "candidates": None, "tops": []}
     outs = []
     for plan in resolve_layers(layout.config):
         out, caches, states = _layer(params[plan.layer], xs[plan.layer], plan, layout, caches,
-                                     states, meta, rows, pub, precision)
+                                     states, meta, rows, pub, precision, compress)
         outs.append(out)
     out = jnp.stack(outs)
     out = out if precision == "f32" else out.astype(jnp.bfloat16)
@@ -182,7 +201,8 @@ def v41_step_body(params, xs, caches: V41Caches, states: tuple, meta: V41Meta, *
     return V41StepResult(out, topk, pub["candidates"], caches, tuple(states))
 
 
-_v41_step = jax.jit(v41_step_body, static_argnames=("layout", "precision"),
+_v41_step = jax.jit(v41_step_body, static_argnames=("layout", "precision", "implementation",
+                                                   "kernel_options"),
                     donate_argnames=("caches", "states"))
 
 
@@ -239,7 +259,8 @@ def _check_args(params, xs, caches, states, meta, layout) -> None:
 
 def v41_step(params, xs, caches: V41Caches, states: tuple, meta: V41Meta, *,
              layout: V41StepLayout, precision: str = V4_DEFAULT_PRECISION,
-             implementation: str | None = None) -> V41StepResult:
+             implementation: str | None = None,
+             kernel_options: dict | None = None) -> V41StepResult:
     """One DeepSeek-V4.1 attention step over all layers (module docstring); jitted, caches
     and states donated.
 
@@ -251,19 +272,28 @@ def v41_step(params, xs, caches: V41Caches, states: tuple, meta: V41Meta, *,
       meta: ``V41Meta`` (``v41_meta``): tokens, rows, state slots, each family's page table.
       layout: ``V41StepLayout`` (every static number).
       precision: ``"bf16"`` (the official regime, default) or ``"f32"``.
-      implementation: ``"xla"`` or ``None``; anything else ``NotImplementedError`` (no Pallas
-        kernel reads V4.1's formats yet) or ``ValueError`` (unknown name).
+      implementation: ``"xla"`` / ``None`` (every op in jnp) or ``"pallas"``: the ops that have
+        a V4.1 Pallas kernel run on it, today the ratio-2 compressor
+        (``pallas_kernels.v41_compressor``); the index scores, the selection and attention stay
+        jnp until kernels read V4.1's formats (docs/v41.md). Anything else: ``ValueError``.
+      kernel_options: the Pallas compressor's ``interpret`` / ``vmem_limit_bytes``
+        (``"pallas"`` only).
 
     Returns ``V41StepResult(out [L, T, dim], topk [Li, T, index_topk], candidates, caches,
     states)``. ``T = 0`` is a step that does nothing. Bad shapes, dtypes or a config mismatch
     raise ``ValueError`` / ``TypeError`` naming the argument and the numbers."""
     if implementation not in (None, *IMPLEMENTATIONS):
-        if implementation in ("pallas", "pallas_two_pass"):
-            raise NotImplementedError(
-                f"v41_step: implementation={implementation!r}: no Pallas kernel reads V4.1's "
-                f"cache formats (window fp8 / 32, fp4 pools) yet; use 'xla'")
         raise ValueError(f"v41_step: implementation must be one of {IMPLEMENTATIONS} or None, "
                          f"got {implementation!r}")
+    implementation = implementation or "xla"
+    opts = dict(kernel_options or {})
+    if opts and implementation != "pallas":
+        raise ValueError(f"v41_step: kernel_options {sorted(opts)} apply to "
+                         f"implementation='pallas' only, got implementation={implementation!r}")
+    unknown = sorted(set(opts) - set(KERNEL_OPTIONS))
+    if unknown:
+        raise ValueError(f"v41_step: unknown kernel_options {unknown} (the Pallas compressor "
+                         f"takes {KERNEL_OPTIONS})")
     precision = check_precision(precision)
     _check_args(params, xs, caches, states, meta, layout)
     c, t = layout.config, int(np.shape(xs)[1])
@@ -277,4 +307,5 @@ def v41_step(params, xs, caches: V41Caches, states: tuple, meta: V41Meta, *,
             jnp.zeros((0, nb), jnp.int32) if has_cands else None, caches, states)
     f32 = [{k: jnp.asarray(v, jnp.float32) for k, v in p.items()} for p in params]
     return _v41_step(f32, jnp.asarray(xs, jnp.float32), caches, tuple(states), meta,
-                     layout=layout, precision=precision)
+                     layout=layout, precision=precision, implementation=implementation,
+                     kernel_options=tuple(sorted(opts.items())))

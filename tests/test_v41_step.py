@@ -57,15 +57,16 @@ def _page_order(table):
     return np.random.default_rng(len(table)).permutation(table)
 
 
-def _schedule():
-    """``[(q_lens, starts)]``: the chunks of both sequences side by side, then the decodes."""
+def _schedule(decodes: int):
+    """``[(q_lens, starts)]``: the chunks of both sequences side by side, then ``decodes``
+    one-token steps; and each sequence's final length."""
     steps, starts = [], [0, 0]
     n = max(len(c) for c in CHUNKS)
     for i in range(n):
         q = [c[i] if i < len(c) else 1 for c in CHUNKS]
         steps.append((q, list(starts)))
         starts = [s + x for s, x in zip(starts, q, strict=True)]
-    for _ in range(DECODES):
+    for _ in range(decodes):
         steps.append(([1, 1], list(starts)))
         starts = [s + 1 for s in starts]
     return steps, starts
@@ -81,14 +82,15 @@ def _step_inputs(xs_seq, q_lens, starts):
     return np.concatenate([*parts, pad], axis=1), meta
 
 
-def test_the_step_meets_the_statement_in_lockstep():
-    """Every step: each sequence's outputs on every layer equal the statement's within
-    ``OUT_ULPS`` (max) and ``OUT_MEAN_ULPS`` (mean) bf16 ulps of each row's largest output, its
-    top-k on every FULL and REINDEX layer and its candidate blocks identical; rows outside
-    every sequence zeros."""
+def _lockstep(decodes: int, **step_kwargs) -> None:
+    """The step (``v41_step(..., **step_kwargs)``) against the statement over ``_schedule``'s
+    chunks and ``decodes`` decodes (module docstring). Every step: each sequence's outputs on
+    every layer equal the statement's within ``OUT_ULPS`` (max) and ``OUT_MEAN_ULPS`` (mean)
+    bf16 ulps of each row's largest output, its top-k on every FULL and REINDEX layer and its
+    candidate blocks identical; rows outside every sequence zeros."""
     params = s41.init_params(C, seed=3)
     rng = np.random.default_rng(7)
-    steps, total = _schedule()
+    steps, total = _schedule(decodes)
     xs_seq = [rng.standard_normal((len(C.compress_ratios), n, C.dim), dtype=np.float32)
               for n in total]
     caches, states = _poisoned(LAYOUT, 3)
@@ -96,7 +98,7 @@ def test_the_step_meets_the_statement_in_lockstep():
     worst = worst_mean = 0.0
     for n_step, (q_lens, starts) in enumerate(steps):
         xs, meta = _step_inputs(xs_seq, q_lens, starts)
-        res = v41_step(params, xs, caches, states, meta, layout=LAYOUT)
+        res = v41_step(params, xs, caches, states, meta, layout=LAYOUT, **step_kwargs)
         caches, states = res.caches, res.states
         out = np.asarray(res.out, np.float32)
         np.testing.assert_array_equal(out[:, sum(q_lens):], 0.0)
@@ -115,8 +117,20 @@ def test_the_step_meets_the_statement_in_lockstep():
             np.testing.assert_array_equal(np.asarray(res.candidates[off:off + q]),
                                           np.asarray(sel.candidates[0]), err_msg=msg)
             off += q
-    assert total == [284, 280]
+    assert total == [24 + decodes, 20 + decodes]
     print(f"lock-step: {len(steps)} steps, max {worst:.2f} bf16 ulps, step mean {worst_mean:.3f}")
+
+
+def test_the_step_meets_the_statement_in_lockstep():
+    """The jnp step over 260 decodes (284 and 280 tokens)."""
+    _lockstep(DECODES)
+
+
+def test_the_pallas_step_meets_the_statement_in_lockstep():
+    """``implementation="pallas"`` (the ratio-2 compressor on its kernel, in the strict
+    interpreter; the other ops jnp) over the chunks and 9 decodes (every ratio-2 pair and
+    window boundary of the first 33 tokens; the interpreter costs ~1 s a step)."""
+    _lockstep(9, implementation="pallas", kernel_options={"interpret": True})
 
 
 def _one_step(**change):
@@ -140,7 +154,10 @@ def test_an_empty_batch_is_a_step_that_does_nothing():
     (dict(xs=np.zeros((9, 3, 31), np.float32)), ValueError, ["xs", "31", "32"]),
     (dict(xs=np.zeros((8, 3, 32), np.float32)), ValueError, ["xs", "8", "9"]),
     (dict(states=()), ValueError, ["states", "1"]),
-    (dict(implementation="pallas"), NotImplementedError, ["V4.1", "xla"]),
+    (dict(implementation="xla", kernel_options={"interpret": True}), ValueError,
+     ["kernel_options", "pallas"]),
+    (dict(implementation="pallas", kernel_options={"blocks": 8}), ValueError,
+     ["kernel_options", "blocks", "interpret"]),
     (dict(implementation="cuda"), ValueError, ["implementation", "cuda"]),
     (dict(precision="fp8"), ValueError, ["precision", "fp8"]),
     (dict(params=[]), ValueError, ["params", "9"]),
