@@ -57,7 +57,8 @@ model run.
       (64 heads x 512, dim 5120, indexer 32 x 128, top-512, 2048 candidate blocks of 8) on a
       9-layer pattern with every mode (SWA, FULL ratio 2 / 1, REUSE, REINDEX, the candidate
       source and consumer), its caches in V4.1's fp8 / fp4 formats; each sequence checked
-      against the statement (--quick: the tiny config). jnp only (no Pallas path yet).
+      against the statement (--quick: the tiny config). --dsa-use-pallas: the ratio-2
+      compressor on its Pallas kernel, the other ops jnp (no kernel reads V4.1's formats yet).
 
 Every run runs the jnp reference. --dsa-use-pallas also runs the Pallas kernels (off TPU in
 interpret mode: slow, keep the sizes small) and compares them with the reference. The run

@@ -95,7 +95,7 @@ def run_v41(args, progress) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from dsa_jax.cli_common import backend_line, time_backends, verdict
+    from dsa_jax.cli_common import backend_line, compare, time_backends, verdict
     from dsa_jax.v41_step import (
         V41StepLayout,
         init_v41_caches,
@@ -129,21 +129,31 @@ def run_v41(args, progress) -> int:
         caches, states = jax.tree.map(np.asarray, (hist.caches, hist.states))
     rows, meta = _rows(xs, q_lens, kv_lens, "step"), v41_meta(layout, kv_lens, q_lens)
 
-    def step(_backend):
+    def step(backend):
+        pallas = dict(implementation="pallas", kernel_options={"interpret": interpret})
         return v41_step(params, rows, jax.tree.map(jnp.asarray, caches),
-                        jax.tree.map(jnp.asarray, states), meta, layout=layout)
+                        jax.tree.map(jnp.asarray, states), meta, layout=layout,
+                        **(pallas if backend == "pallas" else {}))
 
-    results, timings = time_backends(step, ["xla"], progress)
+    interpret = jax.default_backend() != "tpu"
+    backends = ["xla"] + (["pallas"] if args.dsa_use_pallas else [])
+    results, timings = time_backends(step, backends, progress)
     res = results["xla"]
-    nan = {"xla": bool(np.isnan(np.asarray(res.out, np.float32)).any())}
-    print(backend_line("xla", timings["xla"], res.out))
+    nan = {b: bool(np.isnan(np.asarray(results[b].out, np.float32)).any()) for b in backends}
+    for b in backends:
+        print(backend_line(b, timings[b], results[b].out))
+    cmp = None
     if args.dsa_use_pallas:
-        print("pallas: not run (no Pallas kernel reads V4.1's cache formats yet; issue 31)")
+        pal = results["pallas"]
+        print("pallas: the ratio-2 compressor on its Pallas kernel, the other ops jnp (no "
+              "Pallas kernel reads V4.1's cache formats yet)")
+        cmp = compare(res.out, pal.out, res.topk, pal.topk, "bf16")
     with progress("statement"):
         line, ok = _statement_check(params, xs, res, q_lens, kv_lens, c, layout)
     print(line)
-    lines, status = verdict("the V4.1 step", nan, timings, None,
+    lines, status = verdict("the V4.1 step", nan, timings, cmp,
                             None if ok else "the step disagrees with the statement",
-                            hint="and agrees with the statement; no Pallas path for V4.1 yet")
+                            hint="and agrees with the statement; --dsa-use-pallas adds the "
+                                 "Pallas compressor")
     print("\n".join(lines))
     return status
