@@ -18,6 +18,10 @@ the per-slot facts' gathers). The per-chip table: ``python -m scripts.cost.glue_
 
 from __future__ import annotations
 
+import math
+
+from pallas_kernels import xla_cost
+
 MB = 1e6
 INDEXER_FLASH = "V4-Flash decode 64x8192 (2048 entries) k=512"
 COMPRESSOR = "csa_d512_decode64"
@@ -33,3 +37,18 @@ def assert_glue(name: str, chip: str, cost) -> None:
         f"{name} on {chip}: XLA glue {cost.xla_bytes / MB:.2f} MB > "
         f"{GLUE_BOUND[name] / MB} MB (kernels {cost.kernel_bytes / MB:.2f} MB); largest XLA "
         f"results: {[(r.opcode, r.shape, r.op_name) for r in cost.large_results[:8]]}")
+
+
+def assert_pool_in_place(compiled, cost, pool, row_limit: int) -> None:
+    """A compressor program (``compiled``, its ``cost``) updates its state ``pool`` (the
+    donated ``ShapeDtypeStruct``) in place: no loop, no per-element gather or scatter in the
+    glue (``row_limit`` the rows or slots one index may address as metadata), no copy of the
+    pool."""
+    assert not cost.has_loop
+    assert not [op.describe() for op in cost.indexed_ops
+                if xla_cost.is_per_element(op, row_limit=row_limit)]
+    pool_shape = f"f32[{','.join(map(str, pool.shape))}]"
+    copies = [x for x in xla_cost.parse_large_results(compiled.as_text(),
+                                                      math.prod(pool.shape) * 4)
+              if x.opcode.startswith("copy") and x.shape == pool_shape]
+    assert not copies, copies

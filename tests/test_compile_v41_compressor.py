@@ -7,13 +7,12 @@ over the minimum and under the chip's VMEM. Each case compiles on one chip on th
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from pallas_kernels import aot, xla_cost
 from pallas_kernels.v41_compressor import compile_cases as cc
 from pallas_kernels.v41_compressor import traffic
+from tests import glue_gates
 from tests.chip_turns import on_every_chip
 
 pytestmark = pytest.mark.kernel_gate  # also run on the newest jax (README)
@@ -37,15 +36,7 @@ def test_v41_compressor_compiles_in_place_without_per_element_glue(case, chip):
     cost = xla_cost.analyze(compiled)
     rows, seqs = case.specs[0].shape[0], case.specs[7].shape[0]
     slots = rows // traffic.RATIO + seqs
-    assert not cost.has_loop
-    assert not [op.describe() for op in cost.indexed_ops
-                if xla_cost.is_per_element(op, row_limit=max(rows, slots))]
-    pool = case.specs[5]
-    pool_shape = f"f32[{','.join(map(str, pool.shape))}]"
-    copies = [x for x in xla_cost.parse_large_results(compiled.as_text(),
-                                                      math.prod(pool.shape) * 4)
-              if x.opcode.startswith("copy") and x.shape == pool_shape]
-    assert not copies, copies
+    glue_gates.assert_pool_in_place(compiled, cost, case.specs[5], max(rows, slots))
     output = case.shape.rsplit("_", 1)[1]
     worst = traffic.v4t.worst_counts(rows, seqs, traffic.RATIO)
     assert cost.kernel_bytes == traffic.kernel_bytes(worst, d=cc.D, output=output)
