@@ -48,6 +48,7 @@ from reference.core import batch
 from reference.core import checks as _checks
 from reference.quant.bf16 import V4_DEFAULT_PRECISION, check_precision, rounding
 from reference.statements import deepseek_v41_layer as L
+from reference.statements.deepseek_v41 import check_params
 from reference.v4_compressor.ref import entry_slots
 from reference.v41 import formats
 from reference.v41.compressor import compress_step
@@ -230,8 +231,6 @@ def _check_caches(caches, layout: V41StepLayout, num_seqs: int) -> None:
 
 
 def _check_args(params, xs, caches, states, meta, layout) -> None:
-    from reference.statements.deepseek_v41 import check_params
-
     if not isinstance(layout, V41StepLayout):
         raise TypeError(f"v41_step: layout must be a V41StepLayout, got {type(layout).__name__}")
     c = layout.config

@@ -9,7 +9,8 @@ second chunk starts on an odd position: it takes its partner from the state), th
 each, crossing every pair, window (8), candidate-block (4 entries) and page (4) boundary many
 times. The statement runs each sequence alone with the same chunks. Unwritten cache bytes are
 0xFF (an fp8 / fp4 row whose scale byte is 0xFF decodes to NaN) and the compressor states start
-NaN, so a read of any slot that must not be read poisons the output; pages are permuted."""
+NaN, so a read of any slot that must not be read poisons the output; pages are permuted, and
+window pages behind every row's window are released from the table (id -1) at each step."""
 
 from __future__ import annotations
 
@@ -79,7 +80,13 @@ def _step_inputs(xs_seq, q_lens, starts):
     pad = np.full((len(C.compress_ratios), OUTSIDE, C.dim), np.nan, np.float32)
     kv = [s + q for s, q in zip(starts, q_lens, strict=True)]
     meta = v41_meta(LAYOUT, [*kv, 5], [*q_lens, 0], num_active=2, page_order=_page_order)
-    return np.concatenate([*parts, pad], axis=1), meta
+    # window pages behind every row's window released (id -1): never read, never written
+    table = np.asarray(meta.window_page_indices).copy()
+    per = LAYOUT.pages_per_seq(0)
+    for i, s in enumerate(starts):
+        behind = (s - C.window_size + 1) // PAGE  # pages wholly before the first row's window
+        table[i * per:i * per + max(behind, 0)] = -1
+    return np.concatenate([*parts, pad], axis=1), meta._replace(window_page_indices=table)
 
 
 def _lockstep(decodes: int, **step_kwargs) -> None:
