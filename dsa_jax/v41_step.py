@@ -60,6 +60,9 @@ __all__ = ["V41Caches", "V41Meta", "V41StepLayout", "V41StepResult", "init_v41_c
 
 IMPLEMENTATIONS = ("xla", "pallas")
 KERNEL_OPTIONS = ("interpret", "vmem_limit_bytes")  # the Pallas compressor's
+# What the jnp index scores hold at once (``_scores``: gathered bytes, decoded keys, dots of a
+# block of entries for every row); the scores themselves are ``f32[T, E]``.
+SCORE_BLOCK_BYTES = 64 * 2**20
 
 
 def _compressor(implementation: str, kernel_options: tuple):
@@ -113,6 +116,34 @@ def _compress(params, x, layer, layout, caches, states, meta, rb, compress):
     return caches._replace(**out), states
 
 
+def score_block(num_rows: int, heads: int, dim: int, entries: int) -> int:
+    """Entries scored per block (``_scores``): the most whose decoded keys, dots and gathered
+    bytes for ``num_rows`` rows fit ``SCORE_BLOCK_BYTES``, at least 1, at most ``entries``."""
+    per_entry = num_rows * (4 * dim + 4 * heads + formats.index_fp4_bytes(dim))
+    return int(min(entries, max(1, SCORE_BLOCK_BYTES // max(per_entry, 1))))
+
+
+def _scores(iq, w, keys, k, b, rows, e, precision):
+    """``score f32[T, e]`` of ``iq f32[T, Hi, Di]`` / ``w f32[T, Hi]`` over entries ``0 .. e - 1``
+    of stack row ``k`` of ``keys`` (each row its sequence's), in blocks of ``score_block``
+    entries: the decoded keys never exceed ``SCORE_BLOCK_BYTES`` whatever ``T`` and ``e``."""
+    t, heads, dim = iq.shape
+    blk = score_block(t, heads, dim, e)
+
+    def block(j0):
+        idx = jnp.broadcast_to(j0 + jnp.arange(blk, dtype=jnp.int32)[None], (t, blk))
+        krows, _ = read_rows(keys, k, jnp.where(idx < e, idx, -1), b, rows,
+                             formats.decode_index_fp4)
+        return L.index_score(iq[:, None], krows, w[:, None], precision)[:, 0]
+
+    n = -(-e // blk)
+    if n == 1:
+        return block(0)
+    out = jax.lax.fori_loop(0, n, lambda i, acc: jax.lax.dynamic_update_slice_in_dim(
+        acc, block(i * blk), i * blk, axis=1), jnp.zeros((t, n * blk), jnp.float32))
+    return out[:, :e]
+
+
 def _select(params, x, qr, cos_p, sin_p, source, plan, layout, caches, meta, rows, cands, rb,
             precision):
     """An index source's scores over every visible entry of KV source ``source``'s keys (read
@@ -122,11 +153,8 @@ def _select(params, x, qr, cos_p, sin_p, source, plan, layout, caches, meta, row
     keys, per = _paged(layout, caches, meta, f"keys{r}", r)
     b = ragged(keys, meta.kv_lens, meta.cu_q_lens, meta.distribution, pages_per_seq=per,
                ratio=r)
-    t, e = x.shape[0], per * layout.page_size
-    idx = jnp.broadcast_to(jnp.arange(e, dtype=jnp.int32)[None], (t, e))
-    krows, _ = read_rows(keys, k, idx, b, rows, formats.decode_index_fp4)
     iq, w = L.index_query(params, x[None], qr[None], cos_p, sin_p, c, rb)
-    score = L.index_score(iq[0][:, None], krows, w[0][:, None], precision)[:, 0]
+    score = _scores(iq[0], w[0], keys, k, b, rows, per * layout.page_size, precision)
     lens = jnp.where(rows.in_seq, (rows.abs_pos + 1) // r, 0)
     return L.select(score, lens, plan, c, cands)
 

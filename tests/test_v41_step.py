@@ -14,6 +14,8 @@ window pages behind every row's window are released from the table (id -1) at ea
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -185,3 +187,39 @@ def test_caches_of_the_wrong_shape_or_dtype_are_refused():
         _one_step(caches=good._replace(pool2=good.pool2.astype(jnp.int8)))
     with pytest.raises(ValueError, match=r"caches.keys1 must be given"):
         _one_step(caches=good._replace(keys1=None))
+
+
+def test_index_scores_in_blocks_equal_one_block(monkeypatch):
+    """The jnp index scores in blocks of entries (``SCORE_BLOCK_BYTES`` cut so that a block of
+    the 45-row prefill holds 5 entries: 15 blocks of the ratio-1 pool's 72 entries and 8 of the
+    ratio-2 one's 36, the last ragged; the 4-row decode's hold 56) give the unblocked step's
+    results bit for bit: selections, candidates, outputs and caches."""
+    import importlib
+
+    step_mod = importlib.import_module("dsa_jax.v41_step")  # dsa_jax.v41_step is the function
+    params = s41.init_params(C, seed=5)
+    rng = np.random.default_rng(5)
+    xs_seq = [rng.standard_normal((len(C.compress_ratios), n, C.dim), dtype=np.float32)
+              for n in (24, 21)]
+
+    def run():
+        body = jax.jit(functools.partial(step_mod.v41_step_body, layout=LAYOUT,
+                                         precision="bf16"))
+        caches, states = _poisoned(LAYOUT, 3)
+        f32 = [{k: jnp.asarray(v, jnp.float32) for k, v in p.items()} for p in params]
+        results = []
+        for q_lens, starts in (([23, 20], [0, 0]), ([1, 1], [23, 20])):
+            xs, meta = _step_inputs(xs_seq, q_lens, starts)
+            res = body(f32, jnp.asarray(xs), caches, states, meta)
+            caches, states = res.caches, res.states
+            results.append(jax.tree.map(np.asarray, res))
+        return results
+
+    want = run()
+    rows = 23 + 20 + OUTSIDE
+    per_entry = rows * (4 * C.index_head_dim + 4 * C.index_n_heads + 17)
+    monkeypatch.setattr(step_mod, "SCORE_BLOCK_BYTES", 5 * per_entry)
+    assert step_mod.score_block(rows, C.index_n_heads, C.index_head_dim, 72) == 5
+    got = run()
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(a, b)
