@@ -183,7 +183,9 @@ def _layer(params, x, plan, layout, caches, states, meta, rows, pub, precision, 
     """One layer on ``x f32[T, dim]``; ``pub`` (source, topk, candidates) updated in place.
     Returns ``(out f32[T, dim], caches, states)``."""
     c, rb = layout.config, rounding(precision)
-    params, x = L.regime_params(params, precision), rb(x)
+    params = {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}  # inside the jit: an
+    # engine's bf16 weights stay bf16 in HBM, upcast (exactly) where they are read
+    params, x = L.regime_params(params, precision), rb(jnp.asarray(x, jnp.float32))
     cos, sin = L.rope_tables(c, plan.ratio, layout.max_seq_len)
     pos = jnp.clip(rows.abs_pos, 0, layout.max_seq_len - 1)
     cos_p, sin_p = jnp.take(cos, pos, axis=0), jnp.take(sin, pos, axis=0)
@@ -293,7 +295,8 @@ def v41_step(params, xs, caches: V41Caches, states: tuple, meta: V41Meta, *,
 
     Args:
       params: list of per-layer dicts, one per ``compress_ratios`` entry
-        (``reference.statements.deepseek_v41.param_shapes``).
+        (``reference.statements.deepseek_v41.param_shapes``), f32 or bf16 arrays (read in
+        their dtype, upcast inside the step; the bf16 regime rounds ``BF16_WEIGHTS`` anyway).
       xs: ``f32|bf16[L, T, dim]``: each layer's input rows (after its ``attn_norm``).
       caches: ``V41Caches`` (``init_v41_caches``); states: ``init_v41_states``' tuple.
       meta: ``V41Meta`` (``v41_meta``): tokens, rows, state slots, each family's page table.
@@ -332,7 +335,6 @@ def v41_step(params, xs, caches: V41Caches, states: tuple, meta: V41Meta, *,
                       jnp.float32 if precision == "f32" else jnp.bfloat16),
             jnp.zeros((len(layout.index_layers), 0, c.index_topk), jnp.int32),
             jnp.zeros((0, nb), jnp.int32) if has_cands else None, caches, states)
-    f32 = [{k: jnp.asarray(v, jnp.float32) for k, v in p.items()} for p in params]
-    return _v41_step(f32, jnp.asarray(xs, jnp.float32), caches, tuple(states), meta,
+    return _v41_step([dict(p) for p in params], jnp.asarray(xs), caches, tuple(states), meta,
                      layout=layout, precision=precision, implementation=implementation,
                      kernel_options=tuple(sorted(opts.items())))

@@ -223,3 +223,20 @@ def test_index_scores_in_blocks_equal_one_block(monkeypatch):
     got = run()
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_bf16_weights_are_read_as_given():
+    """``params`` in bf16 (an engine's weights) give the step of the same values in f32, bit for
+    bit: the step upcasts inside its jit (exact), it does not copy them to f32 first."""
+    params = s41.init_params(C, seed=6)
+    as_bf16 = [{k: jnp.asarray(v, jnp.bfloat16) for k, v in p.items()} for p in params]
+    as_f32 = [{k: jnp.asarray(v, jnp.float32) for k, v in p.items()} for p in as_bf16]
+    xs = np.random.default_rng(6).standard_normal((len(C.compress_ratios), 6, C.dim),
+                                                  dtype=np.float32)
+    outs = []
+    for p in (as_bf16, as_f32):
+        res = v41_step(p, xs, init_v41_caches(LAYOUT, 1), init_v41_states(LAYOUT, 1),
+                       v41_meta(LAYOUT, [6], [6]), layout=LAYOUT)
+        outs.append(jax.tree.map(np.asarray, (res.out, res.topk, res.caches)))
+    for a, b in zip(*(jax.tree.leaves(o) for o in outs), strict=True):
+        np.testing.assert_array_equal(a, b)
