@@ -2,13 +2,14 @@
 number, derived from a ``V41Config`` and the page size), its caches, states, batch metadata and
 result, and the constructors of empty ones.
 
-Caches (``V41Caches``; all ``u8``, V4.1's stored formats, ``reference.v41.formats``), stacked
-and read in place by ``layer=`` (``reference.v41.paged``):
+Caches (``V41Caches``; V4.1's stored formats, ``reference.v41.formats``, each row's bytes held
+as little-endian ``u32`` words: ``reference.v41.paged``), stacked and read in place by stack row:
 
-- ``window u8[L, Pw, ps, 528]``: every layer's window kv (fp8 e4m3, ue8m0 per 32), one row per
-  token (page table ``window_page_indices`` / ``window_cu_lens`` in tokens);
-- per compressed ratio ``r`` in {1, 2} that has a KV source: ``pool{r} u8[Kr, Pr, ps, 288]``
-  (fp4 e2m1, e4m3 per 16) and ``keys{r} u8[Kr, Pr, ps, 68]`` (fp4, ue8m0 per 32), row ``k`` of
+- ``window u32[L, Pw, ps, 132]``: every layer's window kv (528 B: fp8 e4m3, ue8m0 per 32), one
+  row per token (page table ``window_page_indices`` / ``window_cu_lens`` in tokens);
+- per compressed ratio ``r`` in {1, 2} that has a KV source: ``pool{r} u32[Kr, Pr, ps, 72]``
+  (288 B: fp4 e2m1, e4m3 per 16) and ``keys{r} u32[Kr, Pr, ps, 17]`` (68 B: fp4, ue8m0 per 32),
+  row ``k`` of
   the stack the ``k``-th KV source of that ratio, one row per entry (page table
   ``r{r}_page_indices`` / ``r{r}_cu_lens`` in entries of ratio ``r``); ``None`` for a ratio
   without KV sources.
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from reference.core import checks
-from reference.v41 import formats
+from reference.v41 import formats, paged
 from reference.v41.compressor import COMPRESSED_RATIOS, init_compressor_state
 from reference.v41.config import Mode, V41Config, resolve_layers
 
@@ -129,7 +130,8 @@ def init_v41_caches(layout: V41StepLayout, num_seqs: int) -> V41Caches:
     c, ps, n = layout.config, layout.page_size, checks.positive_int("num_seqs", num_seqs)
 
     def stack(rows: int, ratio: int, width: int):
-        return jnp.zeros((rows, n * layout.pages_per_seq(ratio), ps, width), jnp.uint8)
+        return jnp.zeros((rows, n * layout.pages_per_seq(ratio), ps,
+                          paged.words_per_row(width)), jnp.uint32)
 
     out = {"window": stack(layout.num_layers, 0, formats.window_kv_bytes(c.head_dim))}
     for r in COMPRESSED_RATIOS:

@@ -21,15 +21,18 @@ index source's top-k, the candidate source's blocks) as the statement does. Per 
 4. attention (``deepseek_v41_layer.attend``: one softmax over the row's window tokens and the
    published top-k's pool entries, the sink in the denominator), then the output stage.
 
-Every write of a layer comes before its reads, and every cache is read in place at its stack
-row. The output is the layer's ``wo_b`` output (bf16 values under ``"bf16"``), rows outside
-every sequence zeros. ``implementation``: ``"xla"`` (this pure-jnp path, the default) or
+Steps 1 and 2 run for every layer before any layer's 3 and 4 (each layer's writes depend only
+on its own input rows; the window rows of all layers go in one scatter), so every write
+precedes every read and XLA keeps one buffer per donated stack; every cache is read in place at
+its stack row. The output is the layer's ``wo_b`` output (bf16 values under ``"bf16"``), rows
+outside every sequence zeros. ``implementation``: ``"xla"`` (this pure-jnp path, the default) or
 ``"pallas"``: the ratio-2 compressor on its Pallas kernel (``pallas_kernels.v41_compressor``),
 every other op jnp (no Pallas kernel reads V4.1's cache formats yet)."""
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -133,7 +136,7 @@ def _scores(iq, w, keys, k, b, rows, e, precision):
     def block(j0):
         idx = jnp.broadcast_to(j0 + jnp.arange(blk, dtype=jnp.int32)[None], (t, blk))
         krows, _ = read_rows(keys, k, jnp.where(idx < e, idx, -1), b, rows,
-                             formats.decode_index_fp4)
+                             formats.decode_index_fp4, formats.index_fp4_bytes(dim))
         return L.index_score(iq[:, None], krows, w[:, None], precision)[:, 0]
 
     n = -(-e // blk)
@@ -167,21 +170,34 @@ def _attend(q, layer, source, topk, layout, caches, meta, rows, sink, rb):
     bw = ragged(window, meta.kv_lens, meta.cu_q_lens, meta.distribution, pages_per_seq=per)
     idx = rows.abs_pos[:, None] + jnp.arange(1 - c.window_size, 1, dtype=jnp.int32)[None]
     kv, ok = read_rows(window, layer, jnp.where(idx >= 0, idx, -1), bw, rows,
-                       formats.decode_window_kv)
+                       formats.decode_window_kv, formats.window_kv_bytes(c.head_dim))
     if source is not None:
         r, k = layout.source_slot(source)
         pool, per = _paged(layout, caches, meta, f"pool{r}", r)
         bp = ragged(pool, meta.kv_lens, meta.cu_q_lens, meta.distribution, pages_per_seq=per,
                     ratio=r)
-        pkv, pok = read_rows(pool, k, topk, bp, rows, formats.decode_compressed_kv)
+        pkv, pok = read_rows(pool, k, topk, bp, rows, formats.decode_compressed_kv,
+                             formats.compressed_kv_bytes(c.head_dim))
         kv, ok = jnp.concatenate([kv, pkv], axis=1), jnp.concatenate([ok, pok], axis=1)
     ok = ok.at[:, 0].set(ok[:, 0] | ~rows.in_seq)  # a row outside every sequence: finite, zeroed
     return L.attend(q[:, None], kv, ok[:, None], sink, c.head_dim ** -0.5, rb)[:, 0]
 
 
-def _layer(params, x, plan, layout, caches, states, meta, rows, pub, precision, compress):
-    """One layer on ``x f32[T, dim]``; ``pub`` (source, topk, candidates) updated in place.
-    Returns ``(out f32[T, dim], caches, states)``."""
+class _Projected(NamedTuple):
+    """One layer's regime params, rounded input rows and query side, kept from the writes to
+    the reads."""
+
+    params: dict
+    x: jax.Array
+    qr: jax.Array
+    q: jax.Array
+    cos_p: jax.Array
+    sin_p: jax.Array
+
+
+def _write_layer(params, x, plan, layout, caches, states, meta, rows, precision, compress):
+    """Layer ``plan.layer``'s projections and (a KV source) its compressor's entries and state,
+    written. Returns ``(_Projected, its window rows u8[T, W], caches, states)``."""
     c, rb = layout.config, rounding(precision)
     params = {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}  # inside the jit: an
     # engine's bf16 weights stay bf16 in HBM, upcast (exactly) where they are read
@@ -190,42 +206,61 @@ def _layer(params, x, plan, layout, caches, states, meta, rows, pub, precision, 
     pos = jnp.clip(rows.abs_pos, 0, layout.max_seq_len - 1)
     cos_p, sin_p = jnp.take(cos, pos, axis=0), jnp.take(sin, pos, axis=0)
     qr, q, window_row = L.project(params, x[None], cos_p, sin_p, c, rb)
+    if plan.mode is Mode.FULL:
+        caches, states = _compress(params, x, plan.layer, layout, caches, states, meta, rb,
+                                   compress)
+    projected = _Projected(params, x, qr[0], q[0], cos_p, sin_p)
+    return projected, formats.encode_window_kv(window_row[0]), caches, states
+
+
+def _write_windows(rows_u8, layout, caches, meta, rows):
+    """Every layer's window rows ``u8[L, T, W]`` into the window stack, one scatter."""
     window, per = _paged(layout, caches, meta, "window", 0)
     page_id, offset = token_write_slots(
         ragged(window, meta.kv_lens, meta.cu_q_lens, meta.distribution, pages_per_seq=per),
         rows)
-    caches = caches._replace(window=write_rows(
-        window.cache, plan.layer, page_id, offset, formats.encode_window_kv(window_row[0])))
+    layers = jnp.arange(rows_u8.shape[0], dtype=jnp.int32)[:, None]
+    return caches._replace(window=write_rows(window.cache, layers, page_id[None],
+                                             offset[None], rows_u8))
+
+
+def _read_layer(p: _Projected, plan, layout, caches, meta, rows, pub, precision):
+    """Layer ``plan.layer``'s reads: its top-k (an index source) and attention, then the
+    output stage; ``pub`` (source, topk, candidates) updated in place. ``f32[T, dim]``."""
+    c, rb = layout.config, rounding(precision)
     if plan.mode is Mode.FULL:
-        caches, states = _compress(params, x, plan.layer, layout, caches, states, meta, rb,
-                                   compress)
         pub["source"] = plan.layer
     if plan.mode in (Mode.FULL, Mode.REINDEX):
         pub["topk"], pub["candidates"] = _select(
-            params, x, qr[0], cos_p, sin_p, pub["source"], plan, layout, caches, meta, rows,
-            pub["candidates"], rb, precision)
+            p.params, p.x, p.qr, p.cos_p, p.sin_p, pub["source"], plan, layout, caches, meta,
+            rows, pub["candidates"], rb, precision)
         pub["tops"].append(pub["topk"])
     source = None if plan.mode is Mode.SWA else pub["source"]
-    o = _attend(q[0], plan.layer, source, pub["topk"], layout, caches, meta, rows,
-                params["attn_sink"], rb)
-    out = L.layer_output(params, o[None], c, cos_p, sin_p, rb)[0]
-    return jnp.where(rows.in_seq[:, None], out, 0.0), caches, states
+    o = _attend(p.q, plan.layer, source, pub["topk"], layout, caches, meta, rows,
+                p.params["attn_sink"], rb)
+    out = L.layer_output(p.params, o[None], c, p.cos_p, p.sin_p, rb)[0]
+    return jnp.where(rows.in_seq[:, None], out, 0.0)
 
 
 def v41_step_body(params, xs, caches: V41Caches, states: tuple, meta: V41Meta, *,
                   layout: V41StepLayout, precision: str, implementation: str = "xla",
                   kernel_options: tuple = ()) -> V41StepResult:
     """The step, unjitted (``v41_step`` checks and jits it); ``kernel_options`` a sorted tuple
-    of items."""
+    of items. Every layer's writes (window rows, compressed entries, states) come before any
+    read: each layer's writes depend only on its own input rows, and XLA keeps one buffer per
+    donated stack (no copy of a stack between a read and a later write)."""
     compress = _compressor(implementation, kernel_options)
     rows = batch.row_facts(xs.shape[1], meta.kv_lens, meta.cu_q_lens, meta.distribution)
+    plans, projected, windows = resolve_layers(layout.config), [], []
+    for plan in plans:
+        p, w, caches, states = _write_layer(params[plan.layer], xs[plan.layer], plan, layout,
+                                            caches, states, meta, rows, precision, compress)
+        projected.append(p)
+        windows.append(w)
+    caches = _write_windows(jnp.stack(windows), layout, caches, meta, rows)
     pub = {"source": None, "topk": None, "candidates": None, "tops": []}
-    outs = []
-    for plan in resolve_layers(layout.config):
-        out, caches, states = _layer(params[plan.layer], xs[plan.layer], plan, layout, caches,
-                                     states, meta, rows, pub, precision, compress)
-        outs.append(out)
-    out = jnp.stack(outs)
+    out = jnp.stack([_read_layer(p, plan, layout, caches, meta, rows, pub, precision)
+                     for p, plan in zip(projected, plans, strict=True)])
     out = out if precision == "f32" else out.astype(jnp.bfloat16)
     topk = (jnp.stack(pub["tops"]) if pub["tops"]
             else jnp.zeros((0, xs.shape[1], layout.config.index_topk), jnp.int32))
@@ -255,8 +290,9 @@ def _check_caches(caches, layout: V41StepLayout, num_seqs: int) -> None:
             raise ValueError(f"v41_step: caches.{name} must have shape [{ref.shape[0]}, P, "
                              f"{ref.shape[2]}, {ref.shape[3]}] (stack rows, pages, page_size, "
                              f"bytes per row), got {shape}")
-        if jnp.result_type(got) != jnp.uint8:
-            raise ValueError(f"v41_step: caches.{name} must have dtype uint8, got "
+        if jnp.result_type(got) != jnp.uint32:
+            raise ValueError(f"v41_step: caches.{name} must have dtype uint32 (each row's "
+                             f"bytes as little-endian words), got "
                              f"{jnp.result_type(got)}")
 
 

@@ -280,3 +280,17 @@ def test_refusals():
         decode_index_fp4(np.zeros((1, 70), np.uint8))
     with pytest.raises(ValueError, match="b must have dtype uint8, got dtype int8"):
         decode_window_kv(np.zeros((1, 528), np.int8))
+
+
+def test_every_fp4_byte_decodes_to_its_two_grid_values():
+    """All 256 packed bytes: low nibble feature ``2i``, high ``2i + 1``, each ``sign << 3 |
+    code`` read as ``+-E2M1_GRID[code]`` (0x8 is -0.0), with a unit scale."""
+    from reference.v41 import formats as f
+
+    packed = np.arange(256, dtype=np.uint8)[None]
+    got = np.asarray(f._unpack_values(packed))[0]
+    grid = np.asarray(f.E2M1_GRID, np.float32)
+    for b in range(256):
+        for nib, value in ((b & 0xF, got[2 * b]), (b >> 4, got[2 * b + 1])):
+            want = -grid[nib & 7] if nib & 8 else grid[nib & 7]
+            assert value == want and np.signbit(value) == bool(nib & 8), (b, nib, value)

@@ -49,7 +49,8 @@ OUT_ULPS, OUT_MEAN_ULPS = 4.0, 0.5
 
 def _poisoned(layout, num_seqs):
     """Caches of 0xFF bytes (every scale byte NaN) and NaN compressor states."""
-    caches = jax.tree.map(lambda x: jnp.full_like(x, 0xFF), init_v41_caches(layout, num_seqs))
+    caches = jax.tree.map(lambda x: jnp.full_like(x, 0xFFFFFFFF),
+                          init_v41_caches(layout, num_seqs))
     states = tuple(CompressorState(jnp.full_like(s.kv, jnp.nan), jnp.full_like(s.score, jnp.nan))
                    for s in init_v41_states(layout, num_seqs))
     return caches, states
@@ -180,11 +181,11 @@ def test_bad_arguments_are_refused_by_name(change, error, words):
 
 def test_caches_of_the_wrong_shape_or_dtype_are_refused():
     good = init_v41_caches(LAYOUT, 1)
-    width = good.window.shape[-1]  # window_kv_bytes(64) = 66 on the tiny config
+    width = good.window.shape[-1]  # words_per_row(window_kv_bytes(64) = 66) = 17
     with pytest.raises(ValueError, match=rf"caches.window.*{width}\].*{width - 1}\)"):
         _one_step(caches=good._replace(window=good.window[..., :-1]))
-    with pytest.raises(ValueError, match=r"caches.pool2.*uint8"):
-        _one_step(caches=good._replace(pool2=good.pool2.astype(jnp.int8)))
+    with pytest.raises(ValueError, match=r"caches.pool2.*uint32"):
+        _one_step(caches=good._replace(pool2=good.pool2.astype(jnp.uint8)))
     with pytest.raises(ValueError, match=r"caches.keys1 must be given"):
         _one_step(caches=good._replace(keys1=None))
 

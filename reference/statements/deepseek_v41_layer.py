@@ -43,7 +43,9 @@ def rope_tables(config: V41Config, ratio: int, max_seq_len: int):
     """NumPy ``(cos, sin) f32[max_seq_len, rope_head_dim // 2]`` of a compressed layer
     (``ratio > 0``: ``compress_rope_theta`` with YaRN) or a window-only one (``rope_theta``
     without)."""
-    with jax.ensure_compile_time_eval():
+    # constants computed on the host, also when first called while tracing for another
+    # platform's device (an AOT compile for a TPU topology)
+    with jax.ensure_compile_time_eval(), jax.default_device(jax.local_devices(backend="cpu")[0]):
         t = (compressed_rope_tables(max_seq_len, config) if ratio else
              vc.rope_tables(max_seq_len, config.rope_head_dim, theta=config.rope_theta,
                             original_seq_len=0))
