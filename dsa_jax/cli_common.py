@@ -125,6 +125,16 @@ class Comparison(NamedTuple):
         return self.differ == 0 and self.within
 
 
+def row_ulp_error(got, want):
+    """``|got - want|`` in bf16 ulps of each row's largest ``|want|`` (the last axis a row; a
+    zero row counts in units of 2^-7)."""
+    import numpy as np
+
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    peak = np.abs(want).max(axis=-1, keepdims=True)
+    return np.abs(got - want) / 2.0 ** (np.floor(np.log2(np.where(peak > 0, peak, 1.0))) - 7)
+
+
 def _close(got, want, kind: str):
     import numpy as np
 
@@ -134,9 +144,7 @@ def _close(got, want, kind: str):
     if rule == "allclose":
         ok = bool(np.all(np.abs(got - want) <= tol + tol * np.abs(want)))
         return ok, f"atol = rtol = {tol:g}"
-    peak = np.abs(want).max(axis=-1, keepdims=True)
-    ulp = 2.0 ** (np.floor(np.log2(np.where(peak > 0, peak, 1.0))) - 7)
-    err = np.abs(got - want) / ulp
+    err = row_ulp_error(got, want)
     worst, mean = tol
     return (bool(err.max() <= worst and err.mean() <= mean),
             f"max {err.max():.2f} <= {worst:g} and mean {err.mean():.3f} <= {mean:g} bf16 ulps")

@@ -3,11 +3,11 @@ a synthetic ragged paged batch, checked against the statement
 (``reference.statements.deepseek_v41.attention_stack``).
 
 Dimensions: V4.1-Flash's per layer (``reference.v41.v41_flash``: 64 heads x 512, window 128,
-dim 5120, indexer 32 heads x 128, top-512, 2048 candidate blocks of 8) on a 9-entry layer
-pattern with every mode of the released map (``FLASH_PATTERN``: SWA, FULL ratio 2 + REUSE, FULL
-ratio 1 as the candidate source + REUSE, REINDEX as a candidate consumer + REUSE x2, an MTP SWA
-layer); ``--quick`` the tiny config (``v41_tiny``: the same pattern, small dims). Parameters
-and activations are random (a shape and agreement check, not a model run).
+dim 5120, indexer 32 heads x 128, top-512, 2048 candidate blocks of 8) on the tiny config's
+9-entry layer map (``PATTERN_FIELDS``), which has every mode of the released map: SWA, FULL
+ratio 2 + REUSE, FULL ratio 1 as the candidate source + REUSE, REINDEX as a candidate consumer
++ REUSE x2, an MTP SWA layer; ``--quick`` the tiny config itself (``v41_tiny``: small dims).
+Parameters and activations are random (a shape and agreement check, not a model run).
 
 The batch: ``--decode`` one-row sequences, a 3-row sequence and a ``--prefill``-row one, each
 with a random history below ``--context`` tokens, written by a first (prefill) step; the run
@@ -19,19 +19,24 @@ from __future__ import annotations
 
 import dataclasses
 
-from dsa_jax.cli_common import pick_size
+from dsa_jax.cli_common import pick_size, row_ulp_error
 
-FLASH_PATTERN = dict(n_layers=8, n_mtp_layers=1, compress_ratios=(0, 2, 2, 1, 1, 1, 1, 1, 0),
-                     kv_source_layer_ids=(1, 3), index_source_layer_ids=(1, 3, 5),
-                     candidate_source_layer_id=3)
-OUT_ULPS, OUT_MEAN_ULPS = 4.0, 0.5  # tests/test_v41_step.py's lock-step tolerance
+# the tiny config's layer map (every mode), taken from it
+PATTERN_FIELDS = ("n_layers", "n_mtp_layers", "compress_ratios", "kv_source_layer_ids",
+                  "index_source_layer_ids", "candidate_source_layer_id")
+# The step against the statement, in bf16 ulps of each row's largest output (max, mean): the
+# run's check and tests/test_v41_step.py's lock-step (which says why and what it measured).
+OUT_ULPS, OUT_MEAN_ULPS = 4.0, 0.5
 
 
 def config(quick: bool):
     """The run's ``V41Config`` (module docstring)."""
     from reference.v41 import v41_flash, v41_tiny
 
-    return v41_tiny() if quick else dataclasses.replace(v41_flash(), **FLASH_PATTERN)
+    tiny = v41_tiny()
+    if quick:
+        return tiny
+    return dataclasses.replace(v41_flash(), **{f: getattr(tiny, f) for f in PATTERN_FIELDS})
 
 
 def sizes(args) -> dict:
@@ -73,10 +78,8 @@ def _statement_check(params, xs, res, q_lens, kv_lens, c, layout) -> tuple[str, 
         state = s41.init_state(c, 1, layout.max_seq_len)
         want, _, sel = s41.attention_stack(params, x[:, None], 0, state, c,
                                            return_selection=True)
-        want = np.asarray(want[:, 0, kv - q:kv], np.float64)
-        got = np.asarray(res.out[:, off:off + q], np.float64)
-        peak = np.abs(want).max(axis=-1, keepdims=True)
-        err = np.abs(got - want) / 2.0 ** (np.floor(np.log2(np.where(peak > 0, peak, 1))) - 7)
+        err = row_ulp_error(np.asarray(res.out[:, off:off + q], np.float32),
+                            np.asarray(want[:, 0, kv - q:kv], np.float32))
         worst, worst_mean = max(worst, err.max()), max(worst_mean, err.mean())
         for j, layer in enumerate(layout.index_layers):
             a = np.sort(np.asarray(res.topk[j, off:off + q]), -1)

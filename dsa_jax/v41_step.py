@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsa_jax.cache import batch_write_slots
 from dsa_jax.v41_model import (
     V41Caches,
     V41Meta,
@@ -56,7 +57,7 @@ from reference.v4_compressor.ref import entry_slots
 from reference.v41 import formats
 from reference.v41.compressor import compress_step
 from reference.v41.config import Mode, resolve_layers
-from reference.v41.paged import PagedBytes, ragged, read_rows, token_write_slots, write_rows
+from reference.v41.paged import PagedBytes, ragged, read_rows, write_rows
 
 __all__ = ["V41Caches", "V41Meta", "V41StepLayout", "V41StepResult", "init_v41_caches",
            "init_v41_states", "v41_meta", "v41_step"]
@@ -213,12 +214,12 @@ def _write_layer(params, x, plan, layout, caches, states, meta, rows, precision,
     return projected, formats.encode_window_kv(window_row[0]), caches, states
 
 
-def _write_windows(rows_u8, layout, caches, meta, rows):
+def _write_windows(rows_u8, layout, caches, meta):
     """Every layer's window rows ``u8[L, T, W]`` into the window stack, one scatter."""
     window, per = _paged(layout, caches, meta, "window", 0)
-    page_id, offset = token_write_slots(
+    page_id, offset = batch_write_slots(   # the package's write rule (dsa_jax.cache)
         ragged(window, meta.kv_lens, meta.cu_q_lens, meta.distribution, pages_per_seq=per),
-        rows)
+        rows_u8.shape[1])
     layers = jnp.arange(rows_u8.shape[0], dtype=jnp.int32)[:, None]
     return caches._replace(window=write_rows(window.cache, layers, page_id[None],
                                              offset[None], rows_u8))
@@ -257,7 +258,7 @@ def v41_step_body(params, xs, caches: V41Caches, states: tuple, meta: V41Meta, *
                                             caches, states, meta, rows, precision, compress)
         projected.append(p)
         windows.append(w)
-    caches = _write_windows(jnp.stack(windows), layout, caches, meta, rows)
+    caches = _write_windows(jnp.stack(windows), layout, caches, meta)
     pub = {"source": None, "topk": None, "candidates": None, "tops": []}
     out = jnp.stack([_read_layer(p, plan, layout, caches, meta, rows, pub, precision)
                      for p, plan in zip(projected, plans, strict=True)])

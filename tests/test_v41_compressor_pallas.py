@@ -34,13 +34,20 @@ def _same(a, b):
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
+def _assert_no_races(capfd):
+    """The strict interpreter (``interpret=True``: ``detect_races``) prints ``RACE DETECTED``
+    for a race and goes on (its flag resets with each call), so the output is what tells."""
+    out, err = capfd.readouterr()
+    assert "RACE DETECTED" not in out + err, (out + err)[:2000]
+
+
 def _nan_state(slots, d):
     return CompressorState(jnp.full((slots, 2, d), jnp.nan), jnp.full((slots, 2, d), jnp.nan))
 
 
 @pytest.mark.parametrize("d", [128, 64])
 @pytest.mark.parametrize("output", ref.OUTPUTS)
-def test_a_chunked_sequence_equals_the_reference_bit_for_bit(d, output):
+def test_a_chunked_sequence_equals_the_reference_bit_for_bit(d, output, capfd):
     rng = np.random.default_rng(d)
     n = sum(CHUNKS)
     kv, score = rng.standard_normal((2, n, d), dtype=np.float32)
@@ -57,9 +64,10 @@ def test_a_chunked_sequence_equals_the_reference_bit_for_bit(d, output):
         assert _same(e_ref, e_pal), (output, start, q)
         assert _same(s_ref, s_pal), (output, start, q)
         start += q
+    _assert_no_races(capfd)
 
 
-def test_a_ragged_batch_with_nan_outside_equals_the_reference():
+def test_a_ragged_batch_with_nan_outside_equals_the_reference(capfd):
     """Two sequences (a prefill from an odd position, a decode completing an entry), an
     inactive third slot, two NaN rows after the last sequence's."""
     d, rng = 128, np.random.default_rng(1)
@@ -81,6 +89,7 @@ def test_a_ragged_batch_with_nan_outside_equals_the_reference():
                             interpret=True)
         assert _same(want, got), output
         assert not np.isnan(np.asarray(got[0].rows)).any()
+    _assert_no_races(capfd)
 
 
 def test_ratio_1_is_the_reference_and_bad_arguments_are_refused():

@@ -14,12 +14,13 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import aot
+from pallas_kernels.v4_compressor import compile_cases as v4cc
 from pallas_kernels.v41_compressor import traffic
 from pallas_kernels.v41_compressor.kernel import compress_step
 from reference import v4_compressor as vc
 from reference.v41 import v41_flash
 
-SLOTS, TABLE = 64, 8192
+SLOTS, TABLE = v4cc.SLOTS, v4cc.TABLE  # the V4 compressor cases' pool and tables
 D = v41_flash().head_dim
 # (name, rows T, sequences S, output)
 SHAPES = tuple((f"r2_d{D}_{kind}_{out}", rows, seqs, out)

@@ -35,31 +35,14 @@ import jax.numpy as jnp
 
 from pallas_kernels import tpu
 from pallas_kernels.v4_compressor import kernel as v4k
+from pallas_kernels.v41_compressor import traffic
 from reference import v4_compressor as vc
 from reference.quant.bf16 import round_bf16
 from reference.v41 import compressor as ref
 from reference.v41 import formats
 from reference.v41.config import v41_flash
 
-RATIO = 2  # the ratio the pool kernel serves here (ratio 1: the reference's row-wise XLA)
-
-
-def _latent(kv, score, ape, norm_weight, table_len, state, state_slots, kv_lens, cu_q_lens,
-            distribution, *, eps, vmem_limit_bytes, interpret):
-    """The pool kernel without the finish (``norm_weight=None``: pooled rows only, no table
-    read), the state kernel in place, then the norm over the ``E`` output rows in the glue
-    (row-wise: ``bf16(norm(bf16(pooled)))``, V4.1's ``_finish`` without the RoPE)."""
-    num_rows, num_seqs = kv.shape[0], kv_lens.shape[0]
-    s = vc.seq_facts(kv_lens, cu_q_lens, distribution, state_slots, num_rows, state.kv.shape[0])
-    seq, entry, valid, onehot = v4k.enumerate_slots(s, num_rows // RATIO + num_seqs, RATIO,
-                                                    table_len)
-    knobs = dict(ratio=RATIO, vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
-    pooled = v4k.pool_call(v4k.entry_facts(s, seq, entry, valid, RATIO, onehot), kv, score, ape,
-                           state, **knobs)
-    state = v4k.state_call(v4k.write_facts(s, RATIO), kv, score, ape, pooled, state, **knobs)
-    rows = round_bf16(vc.rms_norm(round_bf16(pooled), norm_weight, eps))
-    return vc.CompressedEntries(jnp.where(valid[:, None], rows, 0.0), jnp.where(valid, seq, -1),
-                                jnp.where(valid, entry, -1)), state
+RATIO = traffic.RATIO  # the ratio the pool kernel serves here (ratio 1: the reference's XLA)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "output", "vmem_limit_bytes", "interpret"))
@@ -67,12 +50,12 @@ def _ratio2(kv, score, norm_weight, cos, sin, state, state_slots, kv_lens, cu_q_
             distribution, *, eps, output, vmem_limit_bytes, interpret):
     ape = jnp.zeros((RATIO, kv.shape[1]), jnp.float32)  # V4.1 has none: score + 0 = score
     knobs = dict(eps=eps, vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
-    if output == "latent":
-        return _latent(kv, score, ape, norm_weight, cos.shape[0], state, state_slots, kv_lens,
-                       cu_q_lens, distribution, **knobs)
     entries, state = v4k._compress(kv, score, ape, norm_weight, cos, sin, state, state_slots,
                                    kv_lens, cu_q_lens, distribution, None, ratio=RATIO,
-                                   precision="bf16", **knobs)
+                                   precision="bf16", finished=output != "latent", **knobs)
+    if output == "latent":  # the norm over the E output rows (row-wise), V4.1's _finish
+        rows = round_bf16(vc.rms_norm(round_bf16(entries.rows), norm_weight, eps))
+        entries = entries._replace(rows=jnp.where(entries.seq[:, None] >= 0, rows, 0.0))
     if output == "cache":
         rows = formats.decode_compressed_kv(formats.encode_compressed_kv(entries.rows))
         entries = entries._replace(rows=jnp.where(entries.seq[:, None] >= 0, rows, 0.0))

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pallas_kernels import aot
 from pallas_kernels.v4_compressor import traffic as v4t
 
-RATIO = 2
+RATIO = 2  # V4.1 pools pairs (ratio 1: nothing to pool, no kernel)
 F32 = v4t.F32
 decode_counts = v4t.decode_counts
 prefill_counts = v4t.prefill_counts

@@ -443,19 +443,24 @@ def state_call(facts, kv, score, ape, dep, state: vc.CompressorState, *, ratio: 
 
 
 @functools.partial(jax.jit, static_argnames=("ratio", "eps", "precision", "vmem_limit_bytes",
-                                             "interpret"))
+                                             "interpret", "finished"))
 def _compress(kv, score, ape, norm_weight, cos, sin, state, state_slots, kv_lens, cu_q_lens,
-              distribution, rope_rows, *, ratio, eps, precision, vmem_limit_bytes, interpret):
+              distribution, rope_rows, *, ratio, eps, precision, vmem_limit_bytes, interpret,
+              finished: bool = True):
+    """Both calls; ``finished=False``: the pooled rows as they come out of the pool call (no norm,
+    no RoPE, no table read: ``pallas_kernels.v41_compressor``'s ``"latent"`` output norms them
+    in its glue)."""
     num_rows, num_seqs = kv.shape[0], kv_lens.shape[0]
     s = vc.seq_facts(kv_lens, cu_q_lens, distribution, state_slots, num_rows, state.kv.shape[0])
     seq, entry, valid, onehot = enumerate_slots(s, num_rows // ratio + num_seqs, ratio,
                                                 cos.shape[0])  # vc.max_entries
     knobs = dict(ratio=ratio, vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
     facts = entry_facts(s, seq, entry, valid, ratio, onehot)
-    pooled = pool_call(facts, kv, score, ape, state, norm_weight=norm_weight, cos=cos, sin=sin,
-                       eps=eps, precision=precision, rope_rows=rope_rows, **knobs)
+    pooled = pool_call(facts, kv, score, ape, state, norm_weight=norm_weight if finished else None,
+                       cos=cos, sin=sin, eps=eps, precision=precision, rope_rows=rope_rows,
+                       **knobs)
     new_state = state_call(write_facts(s, ratio), kv, score, ape, pooled, state, **knobs)
-    if finish.fusable(norm_weight.shape[0], cos.shape[1]):  # finished by the kernel
+    if not finished or finish.fusable(norm_weight.shape[0], cos.shape[1]):  # kernel's rows
         entries = vc.CompressedEntries(pooled, jnp.where(valid, seq, -1),
                                        jnp.where(valid, entry, -1))
     else:

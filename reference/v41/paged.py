@@ -97,14 +97,3 @@ def write_rows(cache, layer, page_id, offset, rows_u8):
     layers in one scatter); ``page_id`` out of ``[0, P)`` (the slot rules' ``num_pages``) drops
     the row."""
     return cache.at[layer, page_id, offset].set(to_words(rows_u8), mode="drop")
-
-
-def token_write_slots(b: batch.RaggedBatch, rows: batch.RowFacts):
-    """``(page_id, offset) i32[T]`` of each query row's own token in a token-unit cache
-    (``dsa_jax.cache.batch_write_slots``' rule: rows outside every sequence, past the capacity
-    or on a missing page get ``page_id = num_pages``, dropped)."""
-    pos = rows.abs_pos
-    ok = rows.in_seq & (pos >= 0) & (pos < b.capacity_tokens)
-    page_id, offset, ok = b.token_slots(rows.seq, pos, ok)
-    return (jnp.where(ok, page_id, b.num_pages).astype(jnp.int32),
-            jnp.where(ok, offset, 0).astype(jnp.int32))

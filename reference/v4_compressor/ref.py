@@ -78,6 +78,7 @@ from reference.core import batch
 from reference.core import checks as _checks
 from reference.formats import fp8_cache, model1
 from reference.quant.bf16 import check_precision, rounding
+from reference.v4_compressor.pool import pool_coff
 
 RATIOS = (4, 128)
 ROPE_DIM = model1.V4_ROPE  # the V4 rope head dim
@@ -94,7 +95,7 @@ def compressor_coff(ratio: int) -> int:
     ValueError)."""
     if isinstance(ratio, bool) or ratio not in RATIOS:
         raise ValueError(f"compression ratio must be one of {RATIOS}, got ratio={ratio!r}")
-    return 2 if ratio == 4 else 1
+    return pool_coff(ratio)  # the geometry table (``pool``)
 
 
 def state_rows(ratio: int) -> int:
