@@ -60,8 +60,9 @@ from reference.v41.config import HEAD_DIM, INDEX_HEAD_DIM
 
 __all__ = [
     "COMPRESSED_BLOCK", "E2M1_GRID", "INDEX_BLOCK", "WINDOW_BLOCK", "compressed_kv_bytes",
-    "decode_compressed_kv", "decode_index_fp4", "decode_window_kv", "encode_compressed_kv",
-    "encode_index_fp4", "encode_window_kv", "index_fp4_bytes", "window_kv_bytes",
+    "decode_compressed_kv", "decode_index_fp4", "decode_window_kv", "e2m1_values",
+    "encode_compressed_kv", "encode_index_fp4", "encode_window_kv", "index_fp4_bytes",
+    "ue8m0_values", "window_kv_bytes",
 ]
 
 WINDOW_BLOCK = 32  # features per ue8m0 scale of the window kv (fp8)
@@ -117,11 +118,15 @@ def _bytes_in(name: str, b, per_unit: int, unit: int) -> int:
     return w // per_unit * unit
 
 
-def _ue8m0_value(b: jax.Array) -> jax.Array:
-    """ue8m0 bytes -> f32 ``2**(byte - 127)`` (bytes 1-254 exact; 0xFF NaN; 0 is never written
-    and reads as 0 here)."""
-    v = lax.bitcast_convert_type(b.astype(jnp.uint32) << 23, jnp.float32)
+def ue8m0_values(b: jax.Array) -> jax.Array:
+    """ue8m0 bytes (``u8`` or ``i32`` holding 0-255) -> f32 ``2**(byte - 127)`` (bytes 1-254
+    exact; 0xFF NaN; 0 is never written and reads as 0 here). Integer shifts, a same-width
+    bitcast and a select: the form a Pallas TPU kernel lowers (``pallas_kernels.indexer.
+    v41_pages`` decodes its pages with it)."""
+    b = b.astype(jnp.int32)
+    v = lax.bitcast_convert_type(b << 23, jnp.float32)
     return jnp.where(b == 0xFF, jnp.float32(jnp.nan), v)
+
 
 
 def _e2m1_nibbles(y: jax.Array) -> jax.Array:
@@ -144,8 +149,14 @@ def _pack(nibbles: jax.Array) -> jax.Array:
 def _unpack_values(packed: jax.Array) -> jax.Array:
     """``u8[..., D / 2]`` -> f32 e2m1 values ``[..., D]`` (signed; 0x8 is -0.0)."""
     nib = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
-    # the E2M1_GRID value of code c = e << 1 | m, by selects (a table lookup is a gather per
-    # element on TPU): e = 0 the subnormals m / 2, else (1 + m / 2) 2^(e - 1); exact in f32
+    return e2m1_values(nib)
+
+
+def e2m1_values(nib: jax.Array) -> jax.Array:
+    """e2m1 nibbles ``sign << 3 | code`` (``u8`` or ``i32`` holding 0-15) -> their f32 values
+    (signed; 0x8 is -0.0). The ``E2M1_GRID`` value of code ``c = e << 1 | m`` by selects (a
+    table lookup is a gather per element on TPU): ``e = 0`` the subnormals ``m / 2``, else ``(1
+    + m / 2) 2^(e - 1)``; exact in f32. The form a Pallas TPU kernel lowers too."""
     code = (nib & 0x7).astype(jnp.int32)
     e, m = (code >> 1).astype(jnp.float32), (code & 1).astype(jnp.float32)
     mag = jnp.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * jnp.where(e == 1, 1.0,
@@ -188,7 +199,7 @@ def encode_window_kv(x) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("dim",))
 def _decode_window(b: jax.Array, dim: int) -> jax.Array:
     x8 = lax.bitcast_convert_type(b[..., :dim], fp8.FP8_DTYPE)
-    return fp8.dequantize_fp8(x8, _ue8m0_value(b[..., dim:]), block_size=WINDOW_BLOCK)
+    return fp8.dequantize_fp8(x8, ue8m0_values(b[..., dim:]), block_size=WINDOW_BLOCK)
 
 
 def decode_window_kv(b) -> jax.Array:
@@ -256,7 +267,7 @@ def encode_index_fp4(x) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("dim",))
 def _decode_index(b: jax.Array, dim: int) -> jax.Array:
-    return _decode_fp4(b, dim, INDEX_BLOCK, _ue8m0_value)
+    return _decode_fp4(b, dim, INDEX_BLOCK, ue8m0_values)
 
 
 def decode_index_fp4(b) -> jax.Array:
