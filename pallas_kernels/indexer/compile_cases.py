@@ -201,7 +201,8 @@ def v4_cases(quick: bool) -> list[aot.CompileCase]:
 # DeepSeek-V4.1's long rows (issue 31, Deliver 6): at ratio 1 a context of N tokens is an
 # N-entry indexer row. V4.1's indexer dims (``reference.v41.v41_flash``: 32 heads x 128,
 # top-512), pages of ``GATE_PAGE`` entries. Keys as this package stores them: bf16, or the fp8
-# index pages ``u8[P, G, 4, 128]`` (V4.1's own fp4 index format is not read by the kernel yet).
+# index pages ``u8[P, G, 4, 128]`` (V4.1's own fp4 index pages, ``v41_pages``, are not among
+# these shapes yet).
 # Two shapes record refusals (``scripts/cost/v41_long_rows.py``): 32 x 1M at pages of 64 (the
 # page table i32[32 * 16384], 2 MiB, is scalar-prefetched into 1 MiB of SMEM; pages of
 # ``V41_WIDE_PAGE`` compile) and a 1M prefill at the table's block rows (the kernel's row

@@ -3,8 +3,7 @@
 Module map: ``work_list`` (the XLA work list), ``blocks`` (block table, resolution, VMEM
 estimate), ``scoring`` (row chunks and the selection hand-off), ``traffic`` (traffic model),
 ``compile_cases`` (AOT gate shapes), ``fp4`` (``index_quant="fp4_sim"`` on a key tile),
-``token`` / ``page`` (the entries). This file: the static
-config, the kernel body and its ``pallas_call``.
+``token`` / ``page`` (the entries). This file: the static config, the kernel body, the call.
 
     score[t, s] = sum_h w[t, h] * relu(q[t, h, :] . k[s, :])        (f32 accumulate)
 
@@ -61,9 +60,9 @@ Design.
   semaphore, its e4m3 keys ``[page, 128]`` (whole (32, 128) tiles) and its f32 scale row
   (``scale_lanes`` lanes); keys are upcast in VMEM (exact in bf16), or stay e4m3 for an fp8
   ``q`` on tpu7x (``compute_dtypes``); the stage's scores are scaled per key after the head sum.
-- tokamax's 256-byte index records (``records``): one DMA per page as stored, decoded in VMEM;
-  ``causal_rule="tpu_inference"`` (tokamax's ``j <= p // r``) is a config field beside it;
-  the fp8 index pages (``fp8_pages``) likewise (``stored``: the ``Fp8IndexCache``'s values).
+- Stored formats (``stored``), one DMA per page as stored, decoded in VMEM: tokamax's 256-byte
+  records (``records``; ``causal_rule="tpu_inference"``, its ``j <= p // r``, beside it), the
+  fp8 index pages (``fp8_pages``), V4.1's fp4 index pages (``v41_pages``: keys ``[D, nb]``).
 - ``index_quant="fp4_sim"`` (DeepSeek-V4's simulation, ``reference.index_scores.fp4_sim``): q
   is rotated and FP4-simulated in the glue (``scoring``: ``[T, H, 128]``, small); each stage's
   key tile, after its DMA, is rotated by the Hadamard matrix (one ``[P*page, 128] x [128, 128]``
@@ -79,9 +78,7 @@ Design.
 
 Traffic (``traffic``): keys ``sum over items of pages_needed * page_size * D * itemsize`` (each
 sequence's causal keys ``ceil(n / R_max)`` times; decode once); q and the lane-padded weight
-column once per q block fetched (``L`` rows per item: decode rows once); scores written once
-(the item's rows x capacity, page mode x ``page_cols``). MXU flops ``2 * L * H *
-D`` per key token per item.
+column once per q block fetched; scores written once. MXU flops ``2 * L * H * D`` a key an item.
 """
 
 from __future__ import annotations
@@ -95,7 +92,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import chips, tpu
-from pallas_kernels.indexer import fp4, fp8_pages, records, stored
+from pallas_kernels.indexer import fp4, fp8_pages, records, stored, v41_pages
 from pallas_kernels.indexer import work_list as wl
 from pallas_kernels.indexer.blocks import IndexerBlocks, vmem_estimate
 from pallas_kernels.indexer.work_list import level_bound, row_ladder
@@ -203,9 +200,11 @@ def compute_dtypes(q, cache_kv, chip: str | None, index_quant: str | None = None
     (f32/bf16 keys only: the entries refuse an fp8 cache): bf16, q and the key tiles cast to
     it (the official operands)."""
     if isinstance(cache_kv, records.RecordCache):  # exact e4m3 codes; f32 q stays f32
-        return jnp.dtype(jnp.promote_types(q.dtype, jnp.bfloat16)), jnp.dtype(jnp.uint8), 0
+        return _records_compute(q), jnp.dtype(jnp.uint8), 0
     if isinstance(cache_kv, fp8_pages.PagesCache):  # the Fp8IndexCache's codes, as bytes
         return compute_dtypes(q, fp8_pages.stand_in(cache_kv), chip)[0], jnp.uint8, 0
+    if isinstance(cache_kv, v41_pages.PagesCache):  # fp4 values x 2^e: exact in bf16
+        return _records_compute(q, precision), jnp.dtype(jnp.uint8), 0
     if isinstance(cache_kv, fp8_cache.Fp8IndexCache):
         if q.dtype == fp8.FP8_DTYPE:
             fp8_mxu = chip is not None and chips.get(chip).fp8_mxu
@@ -219,6 +218,12 @@ def compute_dtypes(q, cache_kv, chip: str | None, index_quant: str | None = None
     if compute not in (jnp.float32, jnp.bfloat16):
         compute = jnp.dtype(jnp.float32)
     return jnp.dtype(compute), jnp.dtype(cache_kv.dtype), 0
+
+
+def _records_compute(q, precision: str = "f32") -> jnp.dtype:
+    """Stored codes exact in bf16: bf16, f32 for an f32 query at ``precision="f32"``."""
+    return jnp.dtype(jnp.bfloat16 if precision == "bf16" else
+                     jnp.promote_types(q.dtype, jnp.bfloat16))
 
 
 def check_config(cfg: ScoreConfig, *, mosaic: bool) -> None:
@@ -285,14 +290,6 @@ def _wait(copies):
         pl.when(ok)(desc.wait)
 
 
-def _round_bf16(x):
-    """``f32 -> f32``, each value rounded to bf16: ``reference.quant.bf16.round_bf16``'s rule,
-    written as the convert pair Mosaic lowers (it has no ``reduce_precision``, the form the
-    reference takes because XLA may drop the pair). In the interpreter the pair does round
-    (``tests/test_indexer_bf16.py`` compares the kernel's scores with the oracle's exactly)."""
-    return tpu.round_bf16(x)
-
-
 def _stage_scores(cfg: ScoreConfig, q, wcol, keys, scales, blk, pos0, kv_eff, page_ok,
                   hadamard=None):
     """Masked scores ``f32[R, P*page]`` of one stage (``page_ok``: P traced bools); with an fp8
@@ -300,10 +297,11 @@ def _stage_scores(cfg: ScoreConfig, q, wcol, keys, scales, blk, pos0, kv_eff, pa
     reference's order, ``reference.index_scores.scaled_scores``); with ``index_quant`` the key
     tile is first rotated by ``hadamard [D, D]`` and FP4-rounded (``fp4.rotate_and_round``;
     q arrives simulated). ``precision="bf16"``: ``wcol`` arrives bf16-valued; each dot, each
-    ``relu(dot) * w`` and each head sum is rounded to bf16 (``_round_bf16``)."""
+    ``relu(dot) * w`` and each head sum is rounded to bf16 (``tpu.round_bf16``)."""
     nb = cfg.block_tokens
     if cfg.records:  # tokamax's records: codes and the scale row decoded in VMEM
-        k, scale_row = stored.decode_stage(cfg.cache_format, keys, cfg.page_size, cfg.compute_dtype)
+        k, scale_row = stored.decode_stage(cfg.cache_format, keys, cfg.page_size,
+                                           cfg.compute_dtype, cfg.dim)
     else:
         k, scale_row = keys.reshape(nb, cfg.dim), None
     if cfg.index_quant is not None:
@@ -311,11 +309,12 @@ def _stage_scores(cfg: ScoreConfig, q, wcol, keys, scales, blk, pos0, kv_eff, pa
     k = k.astype(cfg.compute_dtype)
     prec = (jax.lax.Precision.HIGHEST if cfg.compute_dtype == jnp.float32
             else jax.lax.Precision.DEFAULT)
-    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
+    axis = stored.feature_axis(cfg.cache_format)  # V4.1 pages: k [D, nb]
+    s = jax.lax.dot_general(q, k, (((1,), (axis,)), ((), ())), precision=prec,
                             preferred_element_type=jnp.float32)  # [R*H, nb]
     if cfg.precision == "bf16":
-        s = _round_bf16(jnp.maximum(_round_bf16(s), 0.0) * wcol)
-        s = _round_bf16(s.reshape(cfg.block_rows, cfg.heads, nb).sum(axis=1))  # [R, nb]
+        s = tpu.round_bf16(jnp.maximum(tpu.round_bf16(s), 0.0) * wcol)
+        s = tpu.round_bf16(s.reshape(cfg.block_rows, cfg.heads, nb).sum(axis=1))  # [R, nb]
     else:
         s = jnp.maximum(s, 0.0) * wcol
         s = s.reshape(cfg.block_rows, cfg.heads, nb).sum(axis=1)  # [R, nb]
@@ -488,7 +487,7 @@ def score_call(cfg: ScoreConfig, q, wcol, cache_kv, layer, items, page_table, pr
     scratch += [pltpu.VMEM((2, r, width), jnp.float32), pltpu.SemaphoreType.DMA((2,))]
     est = vmem_estimate(block_rows=r, block_pages=cfg.block_pages, num_heads=h, dim=d,
                         page_size=cfg.page_size, pages_per_seq=cfg.pages_per_seq,
-                        key_itemsize=_key_bytes(cfg) // d,
+                        key_itemsize=max(1, _key_bytes(cfg) // d),  # V4.1: half a byte
                         q_itemsize=cfg.compute_dtype.itemsize, page_mode=cfg.page_mode,
                         scale_lanes=_scale_lanes(cfg), index_quant=cfg.index_quant)
     limit = tpu.vmem_limit(est, cfg.chip, vmem_limit_bytes)
@@ -525,13 +524,14 @@ def score_call(cfg: ScoreConfig, q, wcol, cache_kv, layer, items, page_table, pr
 
 def _key_bytes(cfg: ScoreConfig) -> int:
     """HBM/VMEM bytes of one key: ``dim * itemsize``, ``stored.key_bytes`` when stored."""
-    return (stored.key_bytes(cfg.cache_format, cfg.page_size)[0] if cfg.records
+    return (stored.key_bytes(cfg.cache_format, cfg.page_size, cfg.dim)[0] if cfg.records
             else cfg.dim * cfg.key_dtype.itemsize)
 
 
 def _scale_lanes(cfg: ScoreConfig) -> int:
     """f32 scale lanes a page moves beside its keys (``Fp8IndexCache``, fp8 index pages)."""
-    return stored.key_bytes(cfg.cache_format, cfg.page_size)[1] if cfg.records else cfg.scale_lanes
+    return (stored.key_bytes(cfg.cache_format, cfg.page_size, cfg.dim)[1] if cfg.records
+            else cfg.scale_lanes)
 
 
 def _cost_estimate(cfg: ScoreConfig) -> pl.CostEstimate:

@@ -1,0 +1,121 @@
+"""The Pallas indexer's scores over DeepSeek-V4.1's fp4 index pages (``v41_pages``; issue 31):
+the entry the V4.1 step's ``implementation="pallas"`` scores its index sources with, and its
+traffic model (one DMA per page of ``512 * G`` bytes)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import aot
+from pallas_kernels.indexer import traffic as itraffic
+from pallas_kernels.indexer import v41_pages
+from pallas_kernels.indexer.blocks import IndexerBlocks, check_kernel_knobs, entry_blocks
+from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, chunk_rows, score_and_select
+from pallas_kernels.indexer.work_list import row_ladder
+from reference.core import batch
+from reference.formats import stacked
+from reference.indexer.args import check_index_precision, check_indexer_args
+from reference.v41.formats import index_fp4_bytes
+
+_STATICS = ("pages_per_seq", "page_size", "dim", "one_token_per_seq", "block_rows",
+            "block_pages", "chip", "interpret", "compression_ratio", "precision",
+            "score_chunk_bytes", "vmem_limit_bytes")
+
+
+def _checks_layer(fn):
+    """A Python-int ``layer=`` checked against the stack before tracing (as the fp8 pages'
+    entry: ``reference.formats.stacked.resolve``'s ValueError naming the numbers)."""
+    @functools.wraps(fn)
+    def call(q, weights, cache_kv, *args, layer=None, page_size: int, dim: int, **kwargs):
+        if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool):
+            stacked.resolve("cache_kv", v41_pages.wrap(cache_kv, page_size, dim), int(layer))
+        return fn(q, weights, cache_kv, *args, layer=layer, page_size=page_size, dim=dim,
+                  **kwargs)
+
+    return call
+
+
+@_checks_layer
+@functools.partial(jax.jit, static_argnames=_STATICS)
+def index_scores_v41(q: jax.Array, weights: jax.Array, cache_kv, seq_lens: jax.Array,
+                     page_indices: jax.Array, cu_q_lens: jax.Array, cu_kv_lens: jax.Array,
+                     distribution: jax.Array, *, pages_per_seq: int, page_size: int, dim: int,
+                     one_token_per_seq: bool = False, compression_ratio: int = 1,
+                     precision: str = "bf16", layer=None, block_rows: int | None = None,
+                     block_pages: int | None = None, chip: str | None = None,
+                     score_chunk_bytes: int = SCORE_CHUNK_BYTES,
+                     vmem_limit_bytes: int | None = None, interpret=False) -> jax.Array:
+    """The lightning indexer's scores over V4.1 fp4 index pages, Pallas (the keys read in place,
+    decoded in VMEM).
+
+    Args:
+      q: ``f32|bf16[T, H, D]`` (V4.1: the fp4-decoded index query); weights: ``f32|bf16[T, H]``.
+      cache_kv: ``u8[P, G, 4, 128]`` pages or a stack ``u8[L, P, G, 4, 128]`` read at ``layer``
+        (``reference.v41.index_pages``, ``G = page_groups(page_size, dim)``), or an
+        ``IndexFp4Pages``.
+      seq_lens ... distribution: the ragged batch (``seq_lens`` in tokens, ``cu_kv_lens`` in
+        entries; ``reference.core.batch``).
+      compression_ratio: tokens per entry (entry ``j`` visible to position ``p`` iff ``j < (p +
+        1) // r``); precision: ``"bf16"`` (the official rounding) or ``"f32"``.
+
+    Returns:
+      ``f32[T, pages_per_seq * page_size]``: row ``t``'s score of each entry of its sequence,
+      ``-inf`` off its visible entries and on rows outside every sequence (chunks of
+      ``score_chunk_bytes``, one kernel call each)."""
+    cache = v41_pages.wrap(cache_kv, page_size, dim)
+    meta = (seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution)
+    one = stacked.resolve("cache_kv", cache, layer).one
+    check_indexer_args(q, weights, v41_pages.stand_in(one), *meta, pages_per_seq=pages_per_seq,
+                       one_token_per_seq=one_token_per_seq)
+    check_index_precision(precision, None, one)
+    check_kernel_knobs(score_chunk_bytes, vmem_limit_bytes)
+    chip, blocks = entry_blocks(chip, None, block_rows, block_pages,
+                                one_token_per_seq=one_token_per_seq, pages_per_seq=pages_per_seq,
+                                page_size=page_size, page_mode=False, interpret=interpret)
+    width = pages_per_seq * page_size
+    b = batch.RaggedBatch.of(one, *meta, pages_per_seq=pages_per_seq,
+                             compression_ratio=compression_ratio)
+    return score_and_select(q, weights, cache, b, one_token_per_seq=one_token_per_seq,
+                            page_mode=False, blocks=blocks, chunk_bytes=score_chunk_bytes,
+                            vmem_limit_bytes=vmem_limit_bytes, interpret=interpret, chip=chip,
+                            out_width=width, out_dtype=jnp.float32, finish=lambda s, *_: s,
+                            layer=layer, precision=precision)
+
+
+def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_seq: int,
+            q_itemsize: int, blocks: IndexerBlocks, one_token_per_seq: bool,
+            chunk_bytes: int = SCORE_CHUNK_BYTES, compression_ratio: int = 1) -> aot.Traffic:
+    """HBM bytes, MXU flops, VMEM and DMA descriptors of ``index_scores_v41``'s kernel for a
+    batch of sequences ``(q_lens[i], kv_lens[i])`` (tokens; ``page_size`` in entries):
+    ``indexer.traffic.traffic``'s replay with a fetched page moving ``512 * G`` bytes in ONE
+    DMA (``key_bytes``), the minimum each visible entry's ``index_fp4_bytes(D)`` (68 B at 128)
+    once. VMEM: the kernel's estimate, a key counted as ``max(1, nibble bytes // D)`` bytes a
+    feature."""
+    nib, lanes = v41_pages.key_bytes(page_size, dim)
+    itemsize = max(1, nib // dim)  # the kernel's VMEM estimate's (``kernel.score_call``)
+    model = itraffic.traffic(q_lens, kv_lens, heads=heads, dim=dim, page_size=page_size,
+                             pages_per_seq=pages_per_seq, key_itemsize=itemsize,
+                             q_itemsize=q_itemsize, blocks=blocks, page_mode=False,
+                             one_token_per_seq=one_token_per_seq, chunk_bytes=chunk_bytes,
+                             scale_lanes=lanes, compression_ratio=compression_ratio)
+    total = sum(q_lens)
+    cap = pages_per_seq * page_size
+    c = chunk_rows(total, cap, blocks.block_rows, chunk_bytes)
+    ladder = row_ladder(blocks.block_rows, c, one_token_per_seq)
+    pages = 0
+    for row0 in sorted({min(i * c, total - c) for i in range(-(-total // c))}):
+        for items in itraffic.replay_items(q_lens, kv_lens, row0=row0, rows=c,
+                                           total_rows=total, ladder=ladder,
+                                           page_size=page_size, capacity=cap,
+                                           compression_ratio=compression_ratio):
+            pages += sum(p for _, _, p in items)
+    moved = model.bytes_moved - pages * page_size * (dim * itemsize - nib)
+    entries = sum(kl // compression_ratio for kl in kv_lens)
+    bytes_min = model.bytes_min - entries * (dim * itemsize + 4 - index_fp4_bytes(dim))
+    return dataclasses.replace(model, bytes_moved=moved, bytes_min=bytes_min,
+                               dmas=model.dmas - pages)

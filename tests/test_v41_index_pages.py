@@ -1,0 +1,266 @@
+"""V4.1's fp4 index keys on the TPU (issue 31, Deliver 3): the pages layout
+(``reference.v41.index_pages``: entries along lanes, nibbles paired across the feature halves,
+one ``u8[G, 4, 128]`` array per page) holds ``encode_index_fp4``'s codes and scale bytes exactly,
+and the Pallas indexer reading it (``pallas_kernels.indexer.v41_pages`` / ``v41_scores``; strict
+interpreter, 0xFF bytes (NaN scales) in every slot no row may read) returns the reference's
+scores bit for bit (``decode_index_fp4`` then ``reference.indexer.scores.index_scores``, both
+precisions); the decoded values meet a float64 NumPy oracle written from the format's
+definition; the interpreter's bytes and DMA descriptors equal the traffic model's (one DMA per
+page of ``512 * G`` bytes); it AOT-compiles at V4.1-Flash's indexer dims on every chip with the
+cache read in place."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import aot, chips
+from pallas_kernels.indexer import v41_pages
+from pallas_kernels.indexer.blocks import resolve_blocks
+from pallas_kernels.indexer.v41_scores import index_scores_v41, traffic
+from pallas_kernels.measure import interpret_counter as counter
+from reference.indexer.scores import index_scores
+from reference.v41 import index_pages as ip
+from reference.v41 import v41_flash
+from reference.v41.formats import E2M1_GRID, decode_index_fp4, encode_index_fp4
+
+FLASH = v41_flash()
+D, H = FLASH.index_head_dim, 4
+PS, PPS, NUM_PAGES = 16, 8, 40
+POISON = 0xFF  # an unwritten byte: its scale byte decodes to NaN
+
+
+# ------------------------------------------------------------------------------- the layout
+
+def _oracle_decode(rows: np.ndarray) -> np.ndarray:
+    """float64 values of official rows ``u8[N, 17 D / 32]`` from the format's definition: byte
+    ``i`` holds feature ``2i`` (low nibble) and ``2i + 1``; nibble ``s << 3 | c`` is ``(-1)^s
+    E2M1_GRID[c]``; scale byte ``b`` of block ``j`` (32 features) is ``2^(b - 127)``, 0xFF NaN."""
+    n, width = rows.shape
+    d = width * 32 // 17
+    out = np.zeros((n, d))
+    for r in range(n):
+        for f in range(d):
+            nib = (int(rows[r, f // 2]) >> (4 * (f % 2))) & 0xF
+            b = int(rows[r, d // 2 + f // 32])
+            scale = np.nan if b == 0xFF else 2.0 ** (b - 127)
+            out[r, f] = (-1) ** (nib >> 3) * E2M1_GRID[nib & 7] * scale
+    return out
+
+
+@pytest.mark.parametrize("ps,dim", [(128, 128), (256, 128), (16, 128), (4, 32)])
+def test_pages_hold_the_format_bit_for_bit(ps, dim):
+    """``to_pages`` / ``from_pages`` and ``write_entries`` / ``read_entries`` are bit moves of
+    ``encode_index_fp4``'s rows (block magnitudes from 2^-30 to 2^30, NaN blocks); the bytes per
+    entry are 68 at multiples of 128 (``D = 128``)."""
+    rng = np.random.default_rng()
+    x = rng.standard_normal((2, 3, ps, dim)) * 2.0 ** rng.integers(-30, 30, (2, 3, ps, 1))
+    x[0, 1, 2, :7] = np.nan
+    rows = encode_index_fp4(jnp.asarray(x, jnp.float32))
+    pages = ip.to_pages(rows)
+    assert pages.shape == (2, 3, ip.page_groups(ps, dim), 4, 128)
+    np.testing.assert_array_equal(ip.from_pages(pages, ps, dim), rows)
+    lay, pid, off = np.meshgrid(np.arange(2), np.arange(3), np.arange(ps), indexing="ij")
+    empty = jnp.full(pages.shape, POISON, jnp.uint8)
+    written = ip.write_entries(empty, lay, pid, off, rows, page_size=ps, dim=dim)
+    got = np.asarray(written).reshape(2, 3, ip.blocks(ps), ip.groups(dim) * 4, 128)
+    want = np.asarray(pages).reshape(got.shape)
+    lanes = np.arange(128)[None] < ps  # only the lanes of entries are written
+    np.testing.assert_array_equal(np.where(lanes, got[..., :, :], 0), np.where(lanes, want, 0))
+    np.testing.assert_array_equal(
+        ip.read_entries(written, lay, pid, off, page_size=ps, dim=dim), rows)
+    out = ip.read_entries(written, 0, 3, 0, page_size=ps, dim=dim)  # page 3 of 3: zeros
+    assert not np.asarray(out).any()
+    if dim == 128 and ps % 128 == 0:
+        assert ip.bytes_per_entry(ps, dim) == 68
+
+
+def test_nibbles_pair_across_halves():
+    """Hand case: feature ``f``'s code sits in byte ``f % 64`` of the entry's lane, the low
+    nibble for ``f < 64``; the scale bytes follow in group 16."""
+    x = np.zeros((1, 1, 128), np.float32)
+    x[0, 0, 3], x[0, 0, 64 + 5] = 6.0, -1.0  # block 0: scale 2^0 (amax 6); block 2: 2^-2
+    rows = encode_index_fp4(jnp.asarray(x))
+    lane = np.asarray(ip.to_pages(rows[None]))[0, 0].reshape(17 * 4, 128)[:, 0]
+    assert lane[3] == 0x7 and lane[5] == 0xE << 4  # 6.0: code 7; -1.0 = -4 x 2^-2: 8 | 6
+    assert lane[64] == 127 and lane[66] == 127 - 2  # ue8m0: 2^0 and 2^-2 (amax 1 / 6 -> 1/4)
+
+
+def test_decoded_values_meet_the_float64_oracle():
+    rng = np.random.default_rng()
+    x = rng.standard_normal((64, D)) * 2.0 ** rng.integers(-20, 20, (64, 1))
+    rows = np.array(encode_index_fp4(jnp.asarray(x, jnp.float32)))
+    rows[5, 64 + 2] = 0xFF  # a NaN scale: its block only
+    got = np.asarray(decode_index_fp4(rows), np.float64)
+    np.testing.assert_array_equal(got, _oracle_decode(rows))
+    assert np.isnan(got[5, 64:96]).all() and not np.isnan(np.delete(got, 5, 0)).any()
+
+
+def test_refusals_name_the_numbers():
+    with pytest.raises(ValueError, match=r"divide 128 or be a multiple of it.*page_size=48"):
+        ip.check_geometry(48, 128)
+    with pytest.raises(ValueError, match="multiple of 32, got 48"):
+        ip.check_geometry(128, 48)
+    good = jnp.zeros((3, 17, 4, 128), jnp.uint8)
+    with pytest.raises(TypeError, match="uint8.*int8"):
+        ip.as_index_fp4_pages(good.astype(jnp.int8), 128, 128)
+    with pytest.raises(ValueError, match=r"\(G, 4, 128\) = \(34, 4, 128\).*page_size=256"):
+        ip.as_index_fp4_pages(good, 256, 128)
+    assert ip.as_index_fp4_pages(good, 128, 128).shape == (3, 128, 128)
+
+
+# ------------------------------------------------------------------------------- the kernel
+
+def make_case(rng, *, q_lens, seq_lens, ratio=1, stack=True):
+    """Scores arguments over pages of ``PS`` entries: every slot no row may read holds 0xFF
+    bytes (its scale NaN), a padding sequence and a padding row (NaN q) at the end; the pages
+    in layer 1 of a stack whose layer 0 is all 0xFF. Returns ``(q, w, pages, meta, keys)``,
+    ``keys f32[S, PPS * PS, D]`` each sequence's decoded entries (NaN past its length)."""
+    table = np.full((len(q_lens) + 1) * PPS, 10 ** 6, np.int32)
+    perm = rng.permutation(NUM_PAGES)
+    rows = np.full((NUM_PAGES, PS, D * 17 // 32), POISON, np.uint8)
+    p_next = 0
+    for s, n_tok in enumerate(seq_lens):
+        n_ent = n_tok // ratio
+        n_pages = -(-n_ent // PS)
+        table[s * PPS:s * PPS + n_pages] = perm[p_next:p_next + n_pages]
+        p_next += n_pages
+        x = rng.standard_normal((n_ent, D)) * np.exp(rng.uniform(-3, 3, (n_ent, 1)))
+        enc = np.asarray(encode_index_fp4(jnp.asarray(x, jnp.float32)))
+        for j in range(n_ent):
+            rows[table[s * PPS + j // PS], j % PS] = enc[j]
+    pages = ip.to_pages(jnp.asarray(rows))
+    if stack:
+        pages = jnp.stack([jnp.full_like(pages, POISON), pages])
+    keys = np.stack([np.asarray(decode_index_fp4(rows[np.clip(table[s * PPS:(s + 1) * PPS],
+                                                              0, NUM_PAGES - 1)]))
+                     .reshape(PPS * PS, D) for s in range(len(q_lens))])
+    t = sum(q_lens) + 1
+    cu = np.concatenate([[0], np.cumsum(q_lens), [sum(q_lens)]]).astype(np.int32)
+    sl = np.concatenate([seq_lens, [5]]).astype(np.int32)
+    iq = rng.standard_normal((t, H, D)).astype(np.float32)
+    q = np.array(decode_index_fp4(encode_index_fp4(jnp.asarray(iq))))  # V4.1's fp4 query
+    q[-1] = np.nan
+    w = rng.standard_normal((t, H)).astype(np.float32)
+    dist = np.array([0, 0, len(q_lens)], np.int32)
+    cu_kv = np.arange(len(q_lens) + 2, dtype=np.int32) * PPS * PS
+    meta = tuple(jnp.asarray(a) for a in (sl, table, cu, cu_kv, dist))
+    return jnp.asarray(q), jnp.asarray(w), pages, meta, keys
+
+
+def _reference(q, w, keys, q_lens, seq_lens, ratio, precision):
+    """``index_scores`` of each row against its sequence's decoded entries, masked to the
+    visible ones (``j < (p + 1) // r``, ``p`` the row's position) with ``-inf``."""
+    out = np.full((q.shape[0], PPS * PS), -np.inf, np.float32)
+    row = 0
+    for s, (n, kl) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        s_all = np.asarray(index_scores(q[row:row + n], w[row:row + n], jnp.asarray(keys[s]),
+                                        precision))
+        for i in range(n):
+            vis = (kl - n + i + 1) // ratio
+            out[row + i, :vis] = s_all[i, :vis]
+        row += n
+    return out
+
+
+@pytest.mark.parametrize("precision,ratio", [("bf16", 1), ("f32", 2)])
+def test_scores_equal_the_reference(precision, ratio):
+    """Prefill rows (9 and 6: row blocks of 4 and 1), a decode row and the padding row, read
+    from layer 1 of a stack: the reference's f32 scores bit for bit, ``-inf`` off the visible
+    entries, none NaN (every 0xFF slot unread)."""
+    q_lens, seq_lens = [9, 1, 6], [40 * ratio, 93 * ratio + 1, 22 * ratio]
+    q, w, pages, meta, keys = make_case(np.random.default_rng(), q_lens=q_lens,
+                                        seq_lens=seq_lens, ratio=ratio)
+    got = np.asarray(index_scores_v41(
+        q, w, pages, *meta, pages_per_seq=PPS, page_size=PS, dim=D, compression_ratio=ratio,
+        precision=precision, layer=1, block_rows=4, block_pages=2, interpret=True))
+    want = _reference(q, w, keys, q_lens, seq_lens, ratio, precision)
+    np.testing.assert_array_equal(got[:-1].view(np.uint32), want[:-1].view(np.uint32))
+    assert not np.isnan(got).any() and np.isfinite(got[:-1]).sum() > 300
+    assert (got[-1] == -np.inf).all()
+    if precision == "bf16":  # bf16-valued scores
+        np.testing.assert_array_equal(got, got.astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def test_bytes_and_dmas_equal_the_model():
+    """Decode (ratio 2, one row per sequence) under the interpreter's counter: the counted bytes
+    (lane padded) and descriptors equal ``v41_scores.traffic``: one DMA of ``512 * G`` bytes per
+    fetched page, one per score row, the q block and weight column."""
+    ratio, q_lens, seq_lens = 2, [1, 1, 1], [200, 17, 250]
+    q, w, pages, meta, _ = make_case(np.random.default_rng(), q_lens=q_lens, seq_lens=seq_lens,
+                                     ratio=ratio)
+    blocks = resolve_blocks(None, block_rows=1, block_pages=2, chip=None,
+                            one_token_per_seq=True, pages_per_seq=PPS)
+    with counter.count_hbm_traffic() as mine:
+        got = index_scores_v41(q, w, pages, *meta, pages_per_seq=PPS, page_size=PS, dim=D,
+                               compression_ratio=ratio, layer=1, one_token_per_seq=True,
+                               block_rows=1, block_pages=2,
+                               interpret=pltpu.InterpretParams(dma_execution_mode="eager"))
+    assert np.isfinite(np.asarray(got)[:-1]).any(axis=1).all()
+    model = traffic(q_lens, seq_lens, heads=H, dim=D, page_size=PS, pages_per_seq=PPS,
+                    q_itemsize=2, blocks=blocks, one_token_per_seq=True,
+                    compression_ratio=ratio)
+    assert mine.dmas_unexecuted == 0
+    assert mine.bytes(lane_padded=True) == model.bytes_moved
+    assert mine.descriptors == model.dmas
+    pages_read = sum(-(-(kl // ratio) // PS) for kl in seq_lens)
+    page_dmas = mine.count("hbm", "vmem", kind="dma")
+    assert page_dmas == pages_read
+    assert model.bytes_min == 3 * H * (D * 2 + 4) + sum(kl // ratio for kl in seq_lens) * 68 \
+        + 3 * PPS * PS * 4  # q and weights, 68 B an entry, the score rows, of the 3 rows
+
+
+def test_entry_refusals_name_the_numbers():
+    q, w, pages, meta, _ = make_case(np.random.default_rng(), q_lens=[1], seq_lens=[8])
+    kw = dict(pages_per_seq=PPS, page_size=PS, dim=D, interpret=True)
+    with pytest.raises(ValueError, match=r"layer=2 is outside \[0, 2\)"):
+        index_scores_v41(q, w, pages, *meta, **kw, layer=2)
+    with pytest.raises(ValueError, match=r"\(G, 4, 128\) = \(34, 4, 128\).*page_size=256"):
+        index_scores_v41(q, w, pages, *meta, **{**kw, "page_size": 256}, layer=1)
+    with pytest.raises(ValueError, match="precision"):
+        index_scores_v41(q, w, pages, *meta, **kw, layer=1, precision="fp8")
+
+
+# ------------------------------------------------------------------------------- AOT gate
+
+GATE_ROWS, GATE_ENTRIES, GATE_PAGE = 64, 8192, 128
+
+
+def _gate_specs():
+    pps = GATE_ENTRIES // GATE_PAGE
+    i32 = jnp.int32
+    return [jax.ShapeDtypeStruct((GATE_ROWS, FLASH.index_n_heads, D), jnp.float32),
+            jax.ShapeDtypeStruct((GATE_ROWS, FLASH.index_n_heads), jnp.float32),
+            jax.ShapeDtypeStruct((2, GATE_ROWS * pps, *v41_pages.page_shape(GATE_PAGE, D)),
+                                 jnp.uint8),
+            jax.ShapeDtypeStruct((GATE_ROWS,), i32), jax.ShapeDtypeStruct((GATE_ROWS * pps,), i32),
+            jax.ShapeDtypeStruct((GATE_ROWS + 1,), i32),
+            jax.ShapeDtypeStruct((GATE_ROWS + 1,), i32), jax.ShapeDtypeStruct((3,), i32)]
+
+
+@pytest.mark.kernel_gate
+@pytest.mark.parametrize("chip", chips.NAMES)
+def test_compiles_on_every_chip_without_a_cache_copy(chip):
+    """V4.1-Flash's indexer (32 heads x 128) at a ratio-1 decode of 64 rows x 8192 entries in
+    pages of 128, a stack of 2 read at layer 1: compiles, the stack read in place (no op of the
+    stack's size in the HLO but its parameter), the kernel's declared bytes equal the model's."""
+    specs = _gate_specs()
+
+    def fn(q, w, pages, *meta):
+        return index_scores_v41(q, w, pages, *meta, pages_per_seq=GATE_ENTRIES // GATE_PAGE,
+                                page_size=GATE_PAGE, dim=D, one_token_per_seq=True, layer=1,
+                                chip=chip)
+
+    text = aot.aot_compile(fn, specs, chip, "V4.1 index pages decode").as_text()
+    dims = ",".join(str(d) for d in specs[2].shape)
+    stack_sized = re.compile(r"=\s*\(?u8\[" + dims + r"\]")
+    producers = [ln for ln in text.splitlines() if stack_sized.search(ln)
+                 and not re.search(r"\b(parameter|bitcast)\(", ln)]
+    assert not producers, producers[:3]
+    assert "tpu_custom_call" in text
