@@ -8,11 +8,12 @@ as little-endian ``u32`` words: ``reference.v41.paged``), stacked and read in pl
 - ``window u32[L, Pw, ps, 132]``: every layer's window kv (528 B: fp8 e4m3, ue8m0 per 32), one
   row per token (page table ``window_page_indices`` / ``window_cu_lens`` in tokens);
 - per compressed ratio ``r`` in {1, 2} that has a KV source: ``pool{r} u32[Kr, Pr, ps, 72]``
-  (288 B: fp4 e2m1, e4m3 per 16) and ``keys{r} u32[Kr, Pr, ps, 17]`` (68 B: fp4, ue8m0 per 32),
-  row ``k`` of
-  the stack the ``k``-th KV source of that ratio, one row per entry (page table
-  ``r{r}_page_indices`` / ``r{r}_cu_lens`` in entries of ratio ``r``); ``None`` for a ratio
-  without KV sources.
+  (288 B: fp4 e2m1, e4m3 per 16) and ``keys{r} u8[Kr, Pr, G, 4, 128]``, the index keys (fp4,
+  ue8m0 per 32) as V4.1 index pages (``reference.v41.index_pages``: entries along lanes, 68 B
+  an entry at page sizes that are multiples of 128; what the Pallas indexer reads with one DMA
+  a page), row ``k`` of the stack the ``k``-th KV source of that ratio, one row (lane) per
+  entry (page table ``r{r}_page_indices`` / ``r{r}_cu_lens`` in entries of ratio ``r``);
+  ``None`` for a ratio without KV sources.
 
 States (``V41States``): one ``reference.v4_compressor.CompressorState`` (``f32[num_slots, 2,
 D]`` kv and score) per ratio-2 KV source, in layer order; ratio 1 keeps none. Sequence ``i``
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from reference.core import checks
-from reference.v41 import formats, paged
+from reference.v41 import formats, index_pages, paged
 from reference.v41.compressor import COMPRESSED_RATIOS, init_compressor_state
 from reference.v41.config import Mode, V41Config, resolve_layers
 
@@ -40,8 +41,9 @@ __all__ = ["V41Caches", "V41Meta", "V41StepLayout", "V41StepResult", "init_v41_c
 @dataclasses.dataclass(frozen=True)
 class V41StepLayout:
     """Every static number of a V4.1 step (hashable; a jit static): the ``config``, one
-    ``page_size`` (tokens or entries per page, every cache) and ``max_seq_len`` (tokens a
-    sequence may hold: each cache's capacity follows, ``pages_per_seq``)."""
+    ``page_size`` (tokens or entries per page, every cache; it divides 128 or is a multiple of
+    it: the index pages' lanes) and ``max_seq_len`` (tokens a sequence may hold: each cache's
+    capacity follows, ``pages_per_seq``)."""
 
     config: V41Config
     page_size: int
@@ -51,7 +53,7 @@ class V41StepLayout:
         if not isinstance(self.config, V41Config):
             raise TypeError(f"V41StepLayout: config must be a V41Config, got "
                             f"{type(self.config).__name__}")
-        checks.positive_int("page_size", self.page_size)
+        index_pages.check_geometry(self.page_size, self.config.index_head_dim)
         checks.positive_int("max_seq_len", self.max_seq_len)
         if 2 in self.config.compress_ratios and self.max_seq_len % 2:
             raise ValueError(f"V41StepLayout: max_seq_len={self.max_seq_len} must be even "
@@ -137,7 +139,9 @@ def init_v41_caches(layout: V41StepLayout, num_seqs: int) -> V41Caches:
     for r in COMPRESSED_RATIOS:
         k = len(layout.sources[r])
         out[f"pool{r}"] = stack(k, r, formats.compressed_kv_bytes(c.head_dim)) if k else None
-        out[f"keys{r}"] = stack(k, r, formats.index_fp4_bytes(c.index_head_dim)) if k else None
+        groups = index_pages.page_groups(ps, c.index_head_dim)
+        out[f"keys{r}"] = jnp.zeros((k, n * layout.pages_per_seq(r), groups, index_pages.PACK,
+                                     index_pages.LANES), jnp.uint8) if k else None
     return V41Caches(**out)
 
 

@@ -16,7 +16,7 @@ index source's top-k, the candidate source's blocks) as the statement does. Per 
    completing this step stored in its pool (fp4 / e4m3-16, 288 B) and its index keys (fp4 /
    ue8m0-32, 68 B) at ``entry_slots``;
 3. an index source (FULL, REINDEX): its query scores every visible entry of the published keys
-   (read in place from the stack: ``reference.v41.paged.read_rows``), then
+   (read in place from the stack's index pages: ``reference.v41.index_pages``), then
    ``deepseek_v41_layer.select`` (candidate blocks, top-k restricted to them);
 4. attention (``deepseek_v41_layer.attend``: one softmax over the row's window tokens and the
    published top-k's pool entries, the sink in the denominator), then the output stage.
@@ -26,8 +26,9 @@ on its own input rows; the window rows of all layers go in one scatter), so ever
 precedes every read and XLA keeps one buffer per donated stack; every cache is read in place at
 its stack row. The output is the layer's ``wo_b`` output (bf16 values under ``"bf16"``), rows
 outside every sequence zeros. ``implementation``: ``"xla"`` (this pure-jnp path, the default) or
-``"pallas"``: the ratio-2 compressor on its Pallas kernel (``pallas_kernels.v41_compressor``),
-every other op jnp (no Pallas kernel reads V4.1's cache formats yet)."""
+``"pallas"``: the ratio-2 compressor on its Pallas kernel (``pallas_kernels.v41_compressor``)
+and the index scores on the Pallas indexer over the index pages
+(``pallas_kernels.indexer.v41_scores``); the selection and attention jnp on both."""
 
 from __future__ import annotations
 
@@ -54,37 +55,52 @@ from reference.quant.bf16 import V4_DEFAULT_PRECISION, check_precision, rounding
 from reference.statements import deepseek_v41_layer as L
 from reference.statements.deepseek_v41 import check_params
 from reference.v4_compressor.ref import entry_slots
-from reference.v41 import formats
+from reference.v41 import formats, index_pages
 from reference.v41.compressor import compress_step
 from reference.v41.config import Mode, resolve_layers
-from reference.v41.paged import PagedBytes, ragged, read_rows, write_rows
+from reference.v41.paged import PagedBytes, ragged, read_rows, row_slots, write_rows
 
 __all__ = ["V41Caches", "V41Meta", "V41StepLayout", "V41StepResult", "init_v41_caches",
            "init_v41_states", "v41_meta", "v41_step"]
 
 IMPLEMENTATIONS = ("xla", "pallas")
-KERNEL_OPTIONS = ("interpret", "vmem_limit_bytes")  # the Pallas compressor's
+KERNEL_OPTIONS = ("interpret", "vmem_limit_bytes")  # the Pallas compressor's and indexer's
 # What the jnp index scores hold at once (``_scores``: gathered bytes, decoded keys, dots of a
 # block of entries for every row); the scores themselves are ``f32[T, E]``.
 SCORE_BLOCK_BYTES = 64 * 2**20
 
 
-def _compressor(implementation: str, kernel_options: tuple):
-    """The compressor of ratio-2 KV sources: ``reference.v41.compress_step`` (``"xla"``) or the
-    Pallas ``pallas_kernels.v41_compressor.compress_step`` with ``kernel_options``
-    (``interpret``, ``vmem_limit_bytes``) (``"pallas"``). Ratio 1 is row-wise XLA on both."""
+class _Ops(NamedTuple):
+    """The ops an implementation runs on its own code: ``compress`` (ratio-2 KV sources'
+    compressor, ``reference.v41.compress_step``'s signature) and ``scores`` (``_scores``')."""
+
+    compress: object
+    scores: object
+
+
+def _ops(implementation: str, kernel_options: tuple) -> _Ops:
+    """``"xla"``: ``reference.v41.compress_step`` and the jnp ``_scores``. ``"pallas"``:
+    ``pallas_kernels.v41_compressor.compress_step`` and the Pallas indexer over the index pages
+    (``pallas_kernels.indexer.v41_scores``), each with ``kernel_options`` (``interpret``,
+    ``vmem_limit_bytes``). Ratio 1's compressor is row-wise XLA on both."""
     if implementation == "xla":
-        return compress_step
+        return _Ops(compress_step, _scores)
+    from pallas_kernels.indexer.v41_scores import index_scores_v41
     from pallas_kernels.v41_compressor import compress_step as pallas_compress
 
-    return functools.partial(pallas_compress, **dict(kernel_options))
+    opts = dict(kernel_options)
+    return _Ops(functools.partial(pallas_compress, **opts),
+                functools.partial(_pallas_scores, functools.partial(index_scores_v41, **opts)))
 
 
 def _paged(layout, caches: V41Caches, meta: V41Meta, name: str, ratio: int):
     """``(PagedBytes, pages_per_seq)`` of cache field ``name`` (``window``, ``pool{r}``,
-    ``keys{r}``) with its family's page table."""
+    ``keys{r}``: an ``IndexFp4Pages``) with its family's page table."""
     fam = "window" if ratio == 0 else f"r{ratio}"
-    return (PagedBytes(getattr(caches, name), getattr(meta, f"{fam}_page_indices"),
+    cache = getattr(caches, name)
+    if name.startswith("keys"):
+        cache = index_pages.IndexFp4Pages(cache, layout.page_size, layout.config.index_head_dim)
+    return (PagedBytes(cache, getattr(meta, f"{fam}_page_indices"),
                        getattr(meta, f"{fam}_cu_lens")), layout.pages_per_seq(ratio))
 
 
@@ -112,8 +128,13 @@ def _compress(params, x, layer, layout, caches, states, meta, rb, compress):
         kv_paged, per = _paged(layout, caches, meta, name, r)
         page_id, offset = entry_slots(
             entries, kv_paged.page_indices, kv_paged.cu_lens, page_size=layout.page_size,
-            pages_per_seq=per, num_pages=int(np.shape(kv_paged.cache)[1]))
-        out[name] = write_rows(kv_paged.cache, k, page_id, offset, rows_u8)
+            pages_per_seq=per, num_pages=int(kv_paged.cache.shape[1]))
+        if name.startswith("keys"):
+            out[name] = index_pages.write_entries(
+                kv_paged.cache.pages, k, page_id, offset, rows_u8, page_size=layout.page_size,
+                dim=c.index_head_dim)
+        else:
+            out[name] = write_rows(kv_paged.cache, k, page_id, offset, rows_u8)
     if r == 2:
         i = layout.sources[2].index(layer)
         states = (*states[:i], state, *states[i + 1:])
@@ -127,17 +148,22 @@ def score_block(num_rows: int, heads: int, dim: int, entries: int) -> int:
     return int(min(entries, max(1, SCORE_BLOCK_BYTES // max(per_entry, 1))))
 
 
-def _scores(iq, w, keys, k, b, rows, e, precision):
-    """``score f32[T, e]`` of ``iq f32[T, Hi, Di]`` / ``w f32[T, Hi]`` over entries ``0 .. e - 1``
-    of stack row ``k`` of ``keys`` (each row its sequence's), in blocks of ``score_block``
-    entries: the decoded keys never exceed ``SCORE_BLOCK_BYTES`` whatever ``T`` and ``e``."""
+def _scores(iq, w, keys, k, b, rows, meta, precision):
+    """``score f32[T, E]`` of ``iq f32[T, Hi, Di]`` / ``w f32[T, Hi]`` over entries ``0 .. E - 1``
+    (``E = b.capacity_tokens``) of stack row ``k`` of ``keys`` (a ``PagedBytes`` of
+    ``IndexFp4Pages``; each row its sequence's), in blocks of ``score_block`` entries: the
+    decoded keys never exceed ``SCORE_BLOCK_BYTES`` whatever ``T`` and ``E``. An entry not
+    valid reads as zeros (``paged.row_slots``)."""
     t, heads, dim = iq.shape
+    e = b.capacity_tokens
     blk = score_block(t, heads, dim, e)
 
     def block(j0):
         idx = jnp.broadcast_to(j0 + jnp.arange(blk, dtype=jnp.int32)[None], (t, blk))
-        krows, _ = read_rows(keys, k, jnp.where(idx < e, idx, -1), b, rows,
-                             formats.decode_index_fp4, formats.index_fp4_bytes(dim))
+        page, offset, valid = row_slots(jnp.where(idx < e, idx, -1), b, rows)
+        got = index_pages.read_entries(keys.cache.pages, k, page, offset, page_size=b.page_size,
+                                       dim=dim)
+        krows = jnp.where(valid[..., None], formats.decode_index_fp4(got), 0.0)
         return L.index_score(iq[:, None], krows, w[:, None], precision)[:, 0]
 
     n = -(-e // blk)
@@ -148,17 +174,29 @@ def _scores(iq, w, keys, k, b, rows, e, precision):
     return out[:, :e]
 
 
+def _pallas_scores(kernel, iq, w, keys, k, b, rows, meta, precision):
+    """``_scores``' array from the Pallas indexer reading the index pages in place at stack row
+    ``k`` (``kernel``: ``index_scores_v41`` with the kernel options): ``-inf`` off each row's
+    visible entries, which ``select`` masks the same way."""
+    del rows  # the kernel derives each row's sequence and position from the batch
+    return kernel(iq, w, keys.cache, meta.kv_lens, keys.page_indices, meta.cu_q_lens,
+                  keys.cu_lens, meta.distribution, pages_per_seq=b.pages_per_seq,
+                  page_size=b.page_size, dim=iq.shape[-1], compression_ratio=b.compression_ratio,
+                  precision=precision, layer=k)
+
+
 def _select(params, x, qr, cos_p, sin_p, source, plan, layout, caches, meta, rows, cands, rb,
-            precision):
-    """An index source's scores over every visible entry of KV source ``source``'s keys (read
-    in place), then its top-k (and, the candidate source, its candidate blocks)."""
+            precision, scores):
+    """An index source's scores (``scores``: ``_scores`` or ``_pallas_scores``) over every
+    visible entry of KV source ``source``'s keys (read in place), then its top-k (and, the
+    candidate source, its candidate blocks)."""
     c = layout.config
     r, k = layout.source_slot(source)
     keys, per = _paged(layout, caches, meta, f"keys{r}", r)
     b = ragged(keys, meta.kv_lens, meta.cu_q_lens, meta.distribution, pages_per_seq=per,
                ratio=r)
     iq, w = L.index_query(params, x[None], qr[None], cos_p, sin_p, c, rb)
-    score = _scores(iq[0], w[0], keys, k, b, rows, per * layout.page_size, precision)
+    score = scores(iq[0], w[0], keys, k, b, rows, meta, precision)
     lens = jnp.where(rows.in_seq, (rows.abs_pos + 1) // r, 0)
     return L.select(score, lens, plan, c, cands)
 
@@ -225,7 +263,7 @@ def _write_windows(rows_u8, layout, caches, meta):
                                              offset[None], rows_u8))
 
 
-def _read_layer(p: _Projected, plan, layout, caches, meta, rows, pub, precision):
+def _read_layer(p: _Projected, plan, layout, caches, meta, rows, pub, precision, scores):
     """Layer ``plan.layer``'s reads: its top-k (an index source) and attention, then the
     output stage; ``pub`` (source, topk, candidates) updated in place. ``f32[T, dim]``."""
     c, rb = layout.config, rounding(precision)
@@ -234,7 +272,7 @@ def _read_layer(p: _Projected, plan, layout, caches, meta, rows, pub, precision)
     if plan.mode in (Mode.FULL, Mode.REINDEX):
         pub["topk"], pub["candidates"] = _select(
             p.params, p.x, p.qr, p.cos_p, p.sin_p, pub["source"], plan, layout, caches, meta,
-            rows, pub["candidates"], rb, precision)
+            rows, pub["candidates"], rb, precision, scores)
         pub["tops"].append(pub["topk"])
     source = None if plan.mode is Mode.SWA else pub["source"]
     o = _attend(p.q, plan.layer, source, pub["topk"], layout, caches, meta, rows,
@@ -250,17 +288,18 @@ def v41_step_body(params, xs, caches: V41Caches, states: tuple, meta: V41Meta, *
     of items. Every layer's writes (window rows, compressed entries, states) come before any
     read: each layer's writes depend only on its own input rows, and XLA keeps one buffer per
     donated stack (no copy of a stack between a read and a later write)."""
-    compress = _compressor(implementation, kernel_options)
+    ops = _ops(implementation, kernel_options)
     rows = batch.row_facts(xs.shape[1], meta.kv_lens, meta.cu_q_lens, meta.distribution)
     plans, projected, windows = resolve_layers(layout.config), [], []
     for plan in plans:
         p, w, caches, states = _write_layer(params[plan.layer], xs[plan.layer], plan, layout,
-                                            caches, states, meta, rows, precision, compress)
+                                            caches, states, meta, rows, precision,
+                                            ops.compress)
         projected.append(p)
         windows.append(w)
     caches = _write_windows(jnp.stack(windows), layout, caches, meta)
     pub = {"source": None, "topk": None, "candidates": None, "tops": []}
-    out = jnp.stack([_read_layer(p, plan, layout, caches, meta, rows, pub, precision)
+    out = jnp.stack([_read_layer(p, plan, layout, caches, meta, rows, pub, precision, ops.scores)
                      for p, plan in zip(projected, plans, strict=True)])
     out = out if precision == "f32" else out.astype(jnp.bfloat16)
     topk = (jnp.stack(pub["tops"]) if pub["tops"]
@@ -286,15 +325,16 @@ def _check_caches(caches, layout: V41StepLayout, num_seqs: int) -> None:
                              f"{'None' if got is None else 'an array'}")
         if ref is None:
             continue
-        shape = tuple(np.shape(got))
-        if len(shape) != 4 or shape[0] != ref.shape[0] or shape[2:] != ref.shape[2:]:
+        shape, rest = tuple(np.shape(got)), ", ".join(str(d) for d in ref.shape[2:])
+        what = ("stack rows, pages, groups, 4, 128: index pages" if name.startswith("keys")
+                else "stack rows, pages, page_size, words per row")
+        if (len(shape) != len(ref.shape) or shape[0] != ref.shape[0]
+                or shape[2:] != ref.shape[2:]):
             raise ValueError(f"v41_step: caches.{name} must have shape [{ref.shape[0]}, P, "
-                             f"{ref.shape[2]}, {ref.shape[3]}] (stack rows, pages, page_size, "
-                             f"bytes per row), got {shape}")
-        if jnp.result_type(got) != jnp.uint32:
-            raise ValueError(f"v41_step: caches.{name} must have dtype uint32 (each row's "
-                             f"bytes as little-endian words), got "
-                             f"{jnp.result_type(got)}")
+                             f"{rest}] ({what}), got {shape}")
+        if jnp.result_type(got) != ref.dtype:
+            raise ValueError(f"v41_step: caches.{name} must have dtype {ref.dtype} ({what}), "
+                             f"got {jnp.result_type(got)}")
 
 
 def _check_args(params, xs, caches, states, meta, layout) -> None:
@@ -341,10 +381,10 @@ def v41_step(params, xs, caches: V41Caches, states: tuple, meta: V41Meta, *,
       precision: ``"bf16"`` (the official regime, default) or ``"f32"``.
       implementation: ``"xla"`` / ``None`` (every op in jnp) or ``"pallas"``: the ops that have
         a V4.1 Pallas kernel run on it, today the ratio-2 compressor
-        (``pallas_kernels.v41_compressor``); the index scores, the selection and attention stay
-        jnp until kernels read V4.1's formats (docs/v41.md). Anything else: ``ValueError``.
-      kernel_options: the Pallas compressor's ``interpret`` / ``vmem_limit_bytes``
-        (``"pallas"`` only).
+        (``pallas_kernels.v41_compressor``) and the index scores over the index pages
+        (``pallas_kernels.indexer.v41_scores``); the selection and attention stay jnp
+        (docs/v41.md). Anything else: ``ValueError``.
+      kernel_options: those kernels' ``interpret`` / ``vmem_limit_bytes`` (``"pallas"`` only).
 
     Returns ``V41StepResult(out [L, T, dim], topk [Li, T, index_topk], candidates, caches,
     states)``. ``T = 0`` is a step that does nothing. Bad shapes, dtypes or a config mismatch
@@ -359,8 +399,8 @@ def v41_step(params, xs, caches: V41Caches, states: tuple, meta: V41Meta, *,
                          f"implementation='pallas' only, got implementation={implementation!r}")
     unknown = sorted(set(opts) - set(KERNEL_OPTIONS))
     if unknown:
-        raise ValueError(f"v41_step: unknown kernel_options {unknown} (the Pallas compressor "
-                         f"takes {KERNEL_OPTIONS})")
+        raise ValueError(f"v41_step: unknown kernel_options {unknown} (the Pallas kernels "
+                         f"take {KERNEL_OPTIONS})")
     precision = check_precision(precision)
     _check_args(params, xs, caches, states, meta, layout)
     c, t = layout.config, int(np.shape(xs)[1])

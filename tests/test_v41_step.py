@@ -50,7 +50,7 @@ OUTSIDE = 2  # rows after the last sequence's: outside every sequence (NaN input
 
 def _poisoned(layout, num_seqs):
     """Caches of 0xFF bytes (every scale byte NaN) and NaN compressor states."""
-    caches = jax.tree.map(lambda x: jnp.full_like(x, 0xFFFFFFFF),
+    caches = jax.tree.map(lambda x: jnp.full_like(x, jnp.iinfo(x.dtype).max),
                           init_v41_caches(layout, num_seqs))
     states = tuple(CompressorState(jnp.full_like(s.kv, jnp.nan), jnp.full_like(s.score, jnp.nan))
                    for s in init_v41_states(layout, num_seqs))
@@ -138,10 +138,11 @@ def test_the_step_meets_the_statement_in_lockstep():
 
 
 def test_the_pallas_step_meets_the_statement_in_lockstep():
-    """``implementation="pallas"`` (the ratio-2 compressor on its kernel, in the strict
-    interpreter; the other ops jnp) over the chunks and 9 decodes (every ratio-2 pair and
-    window boundary of the first 33 tokens; the interpreter costs ~1 s a step)."""
-    _lockstep(9, implementation="pallas", kernel_options={"interpret": True})
+    """``implementation="pallas"`` (the ratio-2 compressor and the index scores over the index
+    pages on their kernels, in the strict interpreter; the selection and attention jnp) over
+    the chunks and 5 decodes (to 29 and 25 tokens: ratio-2 pairs completed from the state,
+    window, page and candidate-block boundaries; the interpreter costs ~6 s a step)."""
+    _lockstep(5, implementation="pallas", kernel_options={"interpret": True})
 
 
 def _one_step(**change):
@@ -189,6 +190,11 @@ def test_caches_of_the_wrong_shape_or_dtype_are_refused():
         _one_step(caches=good._replace(pool2=good.pool2.astype(jnp.uint8)))
     with pytest.raises(ValueError, match=r"caches.keys1 must be given"):
         _one_step(caches=good._replace(keys1=None))
+    with pytest.raises(ValueError, match=r"caches.keys2 must have shape \[1, P, 5, 4, 128\] "
+                                         r"\(.*index pages\), got \(1, 36, 4, 128\)"):
+        _one_step(caches=good._replace(keys2=good.keys2[:, :, 0]))
+    with pytest.raises(ValueError, match=r"caches.keys2 must have dtype uint8"):
+        _one_step(caches=good._replace(keys2=good.keys2.astype(jnp.int32)))
 
 
 def test_index_scores_in_blocks_equal_one_block(monkeypatch):

@@ -75,18 +75,25 @@ def ragged(kv: PagedBytes, kv_lens, cu_q_lens, distribution, *, pages_per_seq: i
                                 compression_ratio=ratio)
 
 
+def row_slots(idx, b: batch.RaggedBatch, rows: batch.RowFacts):
+    """``(page, offset, valid)`` of rows ``idx i32[T, n]`` (sequence-local, ``-1`` none) of each
+    query row's sequence: ``page`` is ``b.num_pages`` (one past the end: never read) where not
+    valid."""
+    slots, valid = attend.token_slots(idx, rows, b, causal=False)
+    return jnp.where(valid, slots // b.page_size, b.num_pages), slots % b.page_size, valid
+
+
 def read_rows(kv: PagedBytes, layer: int, idx, b: batch.RaggedBatch, rows: batch.RowFacts,
               decode, width: int):
     """Rows ``idx i32[T, n]`` (sequence-local, this cache's unit; ``-1`` none) of each query
     row's sequence from layer ``layer`` of ``kv``, decoded by ``decode`` (``u8[R, W] -> f32[R,
     D]``, ``W = width`` bytes a row). Returns ``(rows f32[T, n, D], valid bool[T, n])``;
     invalid rows are zeros, never gathered."""
-    num_pages, page_size, words = np.shape(kv.cache)[1:]
-    slots, valid = attend.token_slots(idx, rows, b, causal=False)
+    words = np.shape(kv.cache)[-1]
+    page, offset, valid = row_slots(idx, b, rows)
     # a (layer, page, offset) gather on the stack's own layout (flattening the stack to rows
     # first is a relayout copy of the whole stack on TPU: rows of W bytes are not whole tiles)
-    page = jnp.where(valid, slots // page_size, num_pages)  # one past the end: no read
-    got = kv.cache.at[layer, page, slots % page_size].get(mode="fill", fill_value=0)
+    got = kv.cache.at[layer, page, offset].get(mode="fill", fill_value=0)
     vals = decode(to_bytes(got.reshape(-1, words), width)).reshape(*idx.shape, -1)
     return jnp.where(valid[..., None], vals, 0.0), valid
 
