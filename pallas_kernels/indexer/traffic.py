@@ -101,3 +101,20 @@ def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_
     return aot.Traffic(bytes_moved=keys + q_moved + out, bytes_min=bytes_min, flops=flops,
                        vmem_bytes=vmem, dmas=dmas)
 
+
+def fetched_pages(q_lens, kv_lens, *, page_size: int, pages_per_seq: int,
+                  blocks: IndexerBlocks, one_token_per_seq: bool,
+                  chunk_bytes: int = SCORE_CHUNK_BYTES, compression_ratio: int = 1) -> int:
+    """Key pages the token-mode kernel fetches for the batch (``traffic``'s replay, every chunk
+    and level): what a stored format's model counts its one DMA per page from."""
+    total = sum(q_lens)
+    cap = pages_per_seq * page_size
+    c = chunk_rows(total, cap, blocks.block_rows, chunk_bytes)
+    ladder = row_ladder(blocks.block_rows, c, one_token_per_seq)
+    pages = 0
+    for row0 in sorted({min(i * c, total - c) for i in range(-(-total // c))}):
+        for items in replay_items(q_lens, kv_lens, row0=row0, rows=c, total_rows=total,
+                                  ladder=ladder, page_size=page_size, capacity=cap,
+                                  compression_ratio=compression_ratio):
+            pages += sum(p for _, _, p in items)
+    return pages

@@ -15,8 +15,7 @@ from pallas_kernels import aot
 from pallas_kernels.indexer import traffic as itraffic
 from pallas_kernels.indexer import v41_pages
 from pallas_kernels.indexer.blocks import IndexerBlocks, check_kernel_knobs, entry_blocks
-from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, chunk_rows, score_and_select
-from pallas_kernels.indexer.work_list import row_ladder
+from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, score_and_select
 from reference.core import batch
 from reference.formats import stacked
 from reference.indexer.args import check_index_precision, check_indexer_args
@@ -103,17 +102,10 @@ def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_
                              q_itemsize=q_itemsize, blocks=blocks, page_mode=False,
                              one_token_per_seq=one_token_per_seq, chunk_bytes=chunk_bytes,
                              scale_lanes=lanes, compression_ratio=compression_ratio)
-    total = sum(q_lens)
-    cap = pages_per_seq * page_size
-    c = chunk_rows(total, cap, blocks.block_rows, chunk_bytes)
-    ladder = row_ladder(blocks.block_rows, c, one_token_per_seq)
-    pages = 0
-    for row0 in sorted({min(i * c, total - c) for i in range(-(-total // c))}):
-        for items in itraffic.replay_items(q_lens, kv_lens, row0=row0, rows=c,
-                                           total_rows=total, ladder=ladder,
-                                           page_size=page_size, capacity=cap,
-                                           compression_ratio=compression_ratio):
-            pages += sum(p for _, _, p in items)
+    pages = itraffic.fetched_pages(q_lens, kv_lens, page_size=page_size,
+                                   pages_per_seq=pages_per_seq, blocks=blocks,
+                                   one_token_per_seq=one_token_per_seq, chunk_bytes=chunk_bytes,
+                                   compression_ratio=compression_ratio)
     moved = model.bytes_moved - pages * page_size * (dim * itemsize - nib)
     entries = sum(kl // compression_ratio for kl in kv_lens)
     bytes_min = model.bytes_min - entries * (dim * itemsize + 4 - index_fp4_bytes(dim))

@@ -5,8 +5,8 @@ states donated as serving donates them.
 Program: V4.1-Flash's per-layer dims on the CLI's 9-layer pattern with every mode
 (``dsa_jax.v41_cli.config``: SWA, FULL ratio 2 + REUSE, FULL ratio 1 as candidate source +
 REUSE, REINDEX consumer + REUSE x2, MTP SWA), bf16 weights, a decode batch of ``--rows``
-sequences at ``--context`` tokens, pages of 64, ``--implementation`` xla (every op jnp) or
-pallas (the ratio-2 compressor on its kernel).
+sequences at ``--context`` tokens, pages of 128, ``--implementation`` xla (every op jnp) or
+pallas (the ratio-2 compressor and the index scores on their kernels).
 
 Columns: ``bytes`` (the program's ``bytes accessed``; with a ``while`` loop, the index scores'
 blocks, a lower bound: the body counted once), ``weights`` (the bf16 parameters read once),
@@ -39,7 +39,7 @@ from pallas_kernels import xla_cost  # noqa: E402
 from reference.statements import deepseek_v41 as s41  # noqa: E402
 from reference.v41 import Mode, formats, resolve_layers  # noqa: E402
 
-PAGE = 64
+PAGE = 128  # the index pages at 68 B an entry (reference.v41.index_pages)
 
 
 def program(rows: int, context: int, quick: bool, implementation: str):
