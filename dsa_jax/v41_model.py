@@ -5,8 +5,10 @@ result, and the constructors of empty ones.
 Caches (``V41Caches``; V4.1's stored formats, ``reference.v41.formats``, each row's bytes held
 as little-endian ``u32`` words: ``reference.v41.paged``), stacked and read in place by stack row:
 
-- ``window u32[L, Pw, ps, 132]``: every layer's window kv (528 B: fp8 e4m3, ue8m0 per 32), one
-  row per token (page table ``window_page_indices`` / ``window_cu_lens`` in tokens);
+- ``window u32[L, Pw, R, W]``: every layer's window kv (fp8 e4m3, ue8m0 per 32) as window pages
+  (``reference.v41.window_pages``: a 512-B record row per token, then scale rows; ``W = 128``
+  and 528 B a token at ``D = 512`` and page sizes that are multiples of 128), page table
+  ``window_page_indices`` / ``window_cu_lens`` in tokens;
 - per compressed ratio ``r`` in {1, 2} that has a KV source: ``pool{r} u32[Kr, Pr, ps, 72]``
   (288 B: fp4 e2m1, e4m3 per 16) and ``keys{r} u8[Kr, Pr, G, 4, 128]``, the index keys (fp4,
   ue8m0 per 32) as V4.1 index pages (``reference.v41.index_pages``: entries along lanes, 68 B
@@ -30,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from reference.core import checks
-from reference.v41 import formats, index_pages, paged
+from reference.v41 import formats, index_pages, paged, window_pages
 from reference.v41.compressor import COMPRESSED_RATIOS, init_compressor_state
 from reference.v41.config import Mode, V41Config, resolve_layers
 
@@ -135,7 +137,9 @@ def init_v41_caches(layout: V41StepLayout, num_seqs: int) -> V41Caches:
         return jnp.zeros((rows, n * layout.pages_per_seq(ratio), ps,
                           paged.words_per_row(width)), jnp.uint32)
 
-    out = {"window": stack(layout.num_layers, 0, formats.window_kv_bytes(c.head_dim))}
+    out = {"window": jnp.zeros((layout.num_layers, n * layout.pages_per_seq(0),
+                                window_pages.page_rows(ps, c.head_dim),
+                                window_pages.record_words(c.head_dim)), jnp.uint32)}
     for r in COMPRESSED_RATIOS:
         k = len(layout.sources[r])
         out[f"pool{r}"] = stack(k, r, formats.compressed_kv_bytes(c.head_dim)) if k else None

@@ -55,7 +55,7 @@ from reference.quant.bf16 import V4_DEFAULT_PRECISION, check_precision, rounding
 from reference.statements import deepseek_v41_layer as L
 from reference.statements.deepseek_v41 import check_params
 from reference.v4_compressor.ref import entry_slots
-from reference.v41 import formats, index_pages
+from reference.v41 import formats, index_pages, window_pages
 from reference.v41.compressor import compress_step
 from reference.v41.config import Mode, resolve_layers
 from reference.v41.paged import PagedBytes, ragged, read_rows, row_slots, write_rows
@@ -94,12 +94,14 @@ def _ops(implementation: str, kernel_options: tuple) -> _Ops:
 
 
 def _paged(layout, caches: V41Caches, meta: V41Meta, name: str, ratio: int):
-    """``(PagedBytes, pages_per_seq)`` of cache field ``name`` (``window``, ``pool{r}``,
-    ``keys{r}``: an ``IndexFp4Pages``) with its family's page table."""
+    """``(PagedBytes, pages_per_seq)`` of cache field ``name`` (``window``: a ``WindowPages``,
+    ``pool{r}``, ``keys{r}``: an ``IndexFp4Pages``) with its family's page table."""
     fam = "window" if ratio == 0 else f"r{ratio}"
-    cache = getattr(caches, name)
+    cache, c = getattr(caches, name), layout.config
     if name.startswith("keys"):
-        cache = index_pages.IndexFp4Pages(cache, layout.page_size, layout.config.index_head_dim)
+        cache = index_pages.IndexFp4Pages(cache, layout.page_size, c.index_head_dim)
+    elif name == "window":
+        cache = window_pages.WindowPages(cache, layout.page_size, c.head_dim)
     return (PagedBytes(cache, getattr(meta, f"{fam}_page_indices"),
                        getattr(meta, f"{fam}_cu_lens")), layout.pages_per_seq(ratio))
 
@@ -208,8 +210,10 @@ def _attend(q, layer, source, topk, layout, caches, meta, rows, sink, rb):
     window, per = _paged(layout, caches, meta, "window", 0)
     bw = ragged(window, meta.kv_lens, meta.cu_q_lens, meta.distribution, pages_per_seq=per)
     idx = rows.abs_pos[:, None] + jnp.arange(1 - c.window_size, 1, dtype=jnp.int32)[None]
-    kv, ok = read_rows(window, layer, jnp.where(idx >= 0, idx, -1), bw, rows,
-                       formats.decode_window_kv, formats.window_kv_bytes(c.head_dim))
+    page, offset, ok = row_slots(jnp.where(idx >= 0, idx, -1), bw, rows)
+    got = window_pages.read_tokens(window.cache.pages, layer, page, offset,
+                                   page_size=layout.page_size, dim=c.head_dim)
+    kv = jnp.where(ok[..., None], formats.decode_window_kv(got), 0.0)
     if source is not None:
         r, k = layout.source_slot(source)
         pool, per = _paged(layout, caches, meta, f"pool{r}", r)
@@ -259,8 +263,9 @@ def _write_windows(rows_u8, layout, caches, meta):
         ragged(window, meta.kv_lens, meta.cu_q_lens, meta.distribution, pages_per_seq=per),
         rows_u8.shape[1])
     layers = jnp.arange(rows_u8.shape[0], dtype=jnp.int32)[:, None]
-    return caches._replace(window=write_rows(window.cache, layers, page_id[None],
-                                             offset[None], rows_u8))
+    return caches._replace(window=window_pages.write_tokens(
+        window.cache.pages, layers, page_id[None], offset[None], rows_u8,
+        page_size=layout.page_size, dim=layout.config.head_dim))
 
 
 def _read_layer(p: _Projected, plan, layout, caches, meta, rows, pub, precision, scores):
@@ -326,8 +331,9 @@ def _check_caches(caches, layout: V41StepLayout, num_seqs: int) -> None:
         if ref is None:
             continue
         shape, rest = tuple(np.shape(got)), ", ".join(str(d) for d in ref.shape[2:])
-        what = ("stack rows, pages, groups, 4, 128: index pages" if name.startswith("keys")
-                else "stack rows, pages, page_size, words per row")
+        what = {"keys": "stack rows, pages, groups, 4, 128: index pages",
+                "pool": "stack rows, pages, page_size, words per row",
+                "wind": "layers, pages, records + scale rows, words: window pages"}[name[:4]]
         if (len(shape) != len(ref.shape) or shape[0] != ref.shape[0]
                 or shape[2:] != ref.shape[2:]):
             raise ValueError(f"v41_step: caches.{name} must have shape [{ref.shape[0]}, P, "

@@ -23,7 +23,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import aot, chips
 from pallas_kernels.indexer import v41_pages
 from pallas_kernels.indexer.blocks import resolve_blocks
-from pallas_kernels.indexer.v41_scores import index_scores_v41, traffic
+from pallas_kernels.indexer.v41_scores import index_scores_v41, index_topk_v41, traffic
 from pallas_kernels.measure import interpret_counter as counter
 from reference.indexer.scores import index_scores
 from reference.v41 import index_pages as ip
@@ -186,6 +186,31 @@ def test_scores_equal_the_reference(precision, ratio):
     assert (got[-1] == -np.inf).all()
     if precision == "bf16":  # bf16-valued scores
         np.testing.assert_array_equal(got, got.astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def test_topk_selects_the_highest_scores():
+    """``index_topk_v41`` (exact, chunks of 4 rows: the selection runs chunk by chunk) over the
+    reference's scores: each row keeps ``min(k, visible)`` distinct visible entries, every one
+    scoring at least as high as every visible entry it leaves out; ``-1`` after them and on the
+    padding row."""
+    ratio, q_lens, seq_lens, k = 2, [5, 1, 3], [60, 201, 9], 12
+    q, w, pages, meta, keys = make_case(np.random.default_rng(), q_lens=q_lens,
+                                        seq_lens=seq_lens, ratio=ratio)
+    got = np.asarray(index_topk_v41(
+        q, w, pages, *meta, k=k, pages_per_seq=PPS, page_size=PS, dim=D, exact=True,
+        compression_ratio=ratio, layer=1, block_rows=1, score_chunk_bytes=4 * PPS * PS * 4,
+        interpret=True))
+    scores = _reference(q, w, keys, q_lens, seq_lens, ratio, "bf16")
+    assert (got[-1] == -1).all()
+    for t in range(len(got) - 1):
+        visible = np.isfinite(scores[t])
+        n = min(k, int(visible.sum()))
+        kept = got[t, :n]
+        assert (got[t, n:] == -1).all() and len(set(kept)) == n and visible[kept].all(), t
+        left = visible.copy()
+        left[kept] = False
+        if left.any():
+            assert scores[t, kept].min() >= scores[t, left].max(), t
 
 
 def test_bytes_and_dmas_equal_the_model():

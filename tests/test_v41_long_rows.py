@@ -33,6 +33,7 @@ _GATES = [
     ("V4.1 decode 4x1048576", "bf16", None),
     ("V4.1 decode 4x1048576", "fp8 pages", SMALL_CHUNK),
     ("V4.1 prefill 1024@131072", "bf16", None),
+    ("V4.1 decode 4x1048576", "fp4 pages", None),  # V4.1's own index pages, pages of 128
 ]
 GATES = [(list(aot.CHIPS)[i % len(aot.CHIPS)], *g) for i, g in enumerate(_GATES)]
 # the row block cut to fit, on the chip with the least VMEM

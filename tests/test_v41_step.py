@@ -183,7 +183,7 @@ def test_bad_arguments_are_refused_by_name(change, error, words):
 
 def test_caches_of_the_wrong_shape_or_dtype_are_refused():
     good = init_v41_caches(LAYOUT, 1)
-    width = good.window.shape[-1]  # words_per_row(window_kv_bytes(64) = 66) = 17
+    width = good.window.shape[-1]  # window pages: record_words(64) = 16 lanes
     with pytest.raises(ValueError, match=rf"caches.window.*{width}\].*{width - 1}\)"):
         _one_step(caches=good._replace(window=good.window[..., :-1]))
     with pytest.raises(ValueError, match=r"caches.pool2.*uint32"):

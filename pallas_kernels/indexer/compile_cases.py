@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import aot
-from pallas_kernels.indexer import fp8_pages_topk
+from pallas_kernels.indexer import fp8_pages_topk, v41_pages, v41_scores
 from pallas_kernels.indexer.blocks import resolve_blocks
 from pallas_kernels.indexer.kernel import compute_dtypes
 from pallas_kernels.indexer.page import streamindex_page_topk
@@ -24,6 +24,7 @@ from pallas_kernels.indexer.token import streamindex_topk
 from pallas_kernels.indexer.traffic import traffic
 from reference.formats import fp8_cache, fp8_index_pages
 from reference.quant import fp8
+from reference.v41 import index_pages as v41_index_pages
 from reference.v41.config import v41_flash
 
 # name -> (q_lens, kv_lens, one_token_per_seq); DeepSeek-V3.2 indexer: H=64, D=128, page 64.
@@ -200,9 +201,9 @@ def v4_cases(quick: bool) -> list[aot.CompileCase]:
 
 # DeepSeek-V4.1's long rows (issue 31, Deliver 6): at ratio 1 a context of N tokens is an
 # N-entry indexer row. V4.1's indexer dims (``reference.v41.v41_flash``: 32 heads x 128,
-# top-512), pages of ``GATE_PAGE`` entries. Keys as this package stores them: bf16, or the fp8
-# index pages ``u8[P, G, 4, 128]`` (V4.1's own fp4 index pages, ``v41_pages``, are not among
-# these shapes yet).
+# top-512), pages of ``GATE_PAGE`` entries. Keys as this package stores them: bf16, the fp8
+# index pages ``u8[P, G, 4, 128]``, or V4.1's own fp4 index pages (``v41_pages``; pages of at
+# least ``V41_FP4_MIN_PAGE``, where they hold the format's 68 B an entry).
 # Two shapes record refusals (``scripts/cost/v41_long_rows.py``): 32 x 1M at pages of 64 (the
 # page table i32[32 * 16384], 2 MiB, is scalar-prefetched into 1 MiB of SMEM; pages of
 # ``V41_WIDE_PAGE`` compile) and a 1M prefill at the table's block rows (the kernel's row
@@ -220,14 +221,17 @@ V41_LONG_SHAPES = {
     "V4.1 prefill 64@1048576": ([64], [1048576], False, GATE_PAGE, False, None),
     "V4.1 prefill 64@1048576 block_rows=4": ([64], [1048576], False, GATE_PAGE, False, 4),
 }
-V41_KEY_FORMATS = ("bf16", "fp8 pages")
+V41_KEY_FORMATS = ("bf16", "fp8 pages", "fp4 pages")
+V41_FP4_MIN_PAGE = v41_index_pages.LANES  # fp4 pages below 128 entries pad their lanes
 
 
 def v41_long_case(name: str, key_format: str = "bf16", *, exact: bool = False,
                   score_chunk_bytes: int | None = None,
                   shape: tuple | None = None) -> aot.CompileCase:
-    """One V4.1 long-row case: ``streamindex_topk`` (bf16 keys) or
-    ``streamindex_topk_fp8_pages`` (``key_format="fp8 pages"``) at ``V41_LONG_SHAPES[name]``
+    """One V4.1 long-row case: ``streamindex_topk`` (bf16 keys),
+    ``streamindex_topk_fp8_pages`` (``key_format="fp8 pages"``) or ``v41_scores.index_topk_v41``
+    (``"fp4 pages"``, V4.1's own format, pages of at least ``V41_FP4_MIN_PAGE``) at
+    ``V41_LONG_SHAPES[name]``
     (or ``shape``: ``(q_lens, kv_lens, one_token_per_seq, page_size[, quick, block_rows])``),
     ratio 1, V4.1's indexer dims; ``exact``: ``lax.top_k`` (the official ``torch.topk``'s
     exact set) instead of the default approximate top-k; ``score_chunk_bytes``: the entry's
@@ -238,6 +242,8 @@ def v41_long_case(name: str, key_format: str = "bf16", *, exact: bool = False,
     heads, dim, k = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
     q_lens, kv_lens, otp, page, *rest = shape if shape is not None else V41_LONG_SHAPES[name]
     block_rows = rest[1] if len(rest) > 1 else None
+    fp4 = key_format == "fp4 pages"
+    page = max(page, V41_FP4_MIN_PAGE) if fp4 else page
     specs, pps = gate_specs(q_lens, kv_lens, heads=heads, dim=dim, page_size=page)
     pages = key_format == "fp8 pages"
     if pages:
@@ -246,6 +252,11 @@ def v41_long_case(name: str, key_format: str = "bf16", *, exact: bool = False,
              fp8_index_pages.LANES), jnp.uint8)
     entry = fp8_pages_topk.streamindex_topk_fp8_pages if pages else streamindex_topk
     knobs = {} if score_chunk_bytes is None else {"score_chunk_bytes": score_chunk_bytes}
+    if fp4:
+        specs[2] = jax.ShapeDtypeStruct(
+            (specs[2].shape[0], *v41_pages.page_shape(page, dim)), jnp.uint8)
+        entry = v41_scores.index_topk_v41
+        knobs.update(page_size=page, dim=dim)
     if block_rows is not None:
         knobs["block_rows"] = block_rows
     chunk = SCORE_CHUNK_BYTES if score_chunk_bytes is None else score_chunk_bytes
@@ -262,6 +273,10 @@ def v41_long_case(name: str, key_format: str = "bf16", *, exact: bool = False,
             return fp8_pages_topk.traffic(q_lens, kv_lens, heads=heads, page_size=page,
                                           pages_per_seq=pps, q_itemsize=2, blocks=blocks,
                                           one_token_per_seq=otp, chunk_bytes=chunk)
+        if fp4:
+            return v41_scores.traffic(q_lens, kv_lens, heads=heads, dim=dim, page_size=page,
+                                      pages_per_seq=pps, q_itemsize=2, blocks=blocks,
+                                      one_token_per_seq=otp, chunk_bytes=chunk)
         return traffic(q_lens, kv_lens, heads=heads, dim=dim, page_size=page,
                        pages_per_seq=pps, key_itemsize=2, q_itemsize=2, blocks=blocks,
                        page_mode=False, one_token_per_seq=otp, chunk_bytes=chunk)

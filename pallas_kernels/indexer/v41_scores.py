@@ -1,5 +1,6 @@
-"""The Pallas indexer's scores over DeepSeek-V4.1's fp4 index pages (``v41_pages``; issue 31):
-the entry the V4.1 step's ``implementation="pallas"`` scores its index sources with, and its
+"""The Pallas indexer over DeepSeek-V4.1's fp4 index pages (``v41_pages``; issue 31): the scores
+(``index_scores_v41``, what the V4.1 step's ``implementation="pallas"`` scores its index sources
+with), the token top-k bounded by score chunks (``index_topk_v41``, the long rows), and their
 traffic model (one DMA per page of ``512 * G`` bytes)."""
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from pallas_kernels import aot
 from pallas_kernels.indexer import traffic as itraffic
 from pallas_kernels.indexer import v41_pages
 from pallas_kernels.indexer.blocks import IndexerBlocks, check_kernel_knobs, entry_blocks
-from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, score_and_select
+from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, score_and_select, select_rows
 from reference.core import batch
 from reference.formats import stacked
-from reference.indexer.args import check_index_precision, check_indexer_args
+from reference.indexer.args import check_index_precision, check_indexer_args, check_topk_args
+from reference.indexer.selection import DEFAULT_RECALL_TARGET
 from reference.v41.formats import index_fp4_bytes
 
 _STATICS = ("pages_per_seq", "page_size", "dim", "one_token_per_seq", "block_rows",
@@ -111,3 +113,42 @@ def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_
     bytes_min = model.bytes_min - entries * (dim * itemsize + 4 - index_fp4_bytes(dim))
     return dataclasses.replace(model, bytes_moved=moved, bytes_min=bytes_min,
                                dmas=model.dmas - pages)
+
+
+@_checks_layer
+@functools.partial(jax.jit, static_argnames=_STATICS + ("k", "recall_target", "exact"))
+def index_topk_v41(q: jax.Array, weights: jax.Array, cache_kv, seq_lens: jax.Array,
+                   page_indices: jax.Array, cu_q_lens: jax.Array, cu_kv_lens: jax.Array,
+                   distribution: jax.Array, *, k: int, pages_per_seq: int, page_size: int,
+                   dim: int, one_token_per_seq: bool = False, compression_ratio: int = 1,
+                   precision: str = "bf16", recall_target: float = DEFAULT_RECALL_TARGET,
+                   exact: bool = False, layer=None, block_rows: int | None = None,
+                   block_pages: int | None = None, chip: str | None = None,
+                   score_chunk_bytes: int = SCORE_CHUNK_BYTES,
+                   vmem_limit_bytes: int | None = None, interpret=False) -> jax.Array:
+    """Token (entry) top-``k`` over V4.1 fp4 index pages: ``index_scores_v41``' scores, one chunk
+    of ``score_chunk_bytes`` rows at a time, each chunk reduced to its rows' top-``k`` before the
+    next (``scoring.select_rows``: the package's token selection, ``exact`` ``lax.top_k`` or
+    the approximate top-k at ``recall_target``), so the program's temporaries are bounded by the
+    chunk and ``k``, not by rows x context (the long rows of ``scripts.cost.v41_long_rows``).
+    Arguments as ``index_scores_v41``. Returns ``i32[T, k]`` sequence-local entries by
+    descending score, ``-1`` padding (and for rows outside every sequence)."""
+    cache = v41_pages.wrap(cache_kv, page_size, dim)
+    meta = (seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution)
+    one = stacked.resolve("cache_kv", cache, layer).one
+    check_topk_args((q, weights, v41_pages.stand_in(one), *meta), k=k, k_name="k",
+                    pages_per_seq=pages_per_seq, one_token_per_seq=one_token_per_seq,
+                    num_segments=0, fill="tail", refuse_full_overwrite=False,
+                    recall_target=recall_target, exact=exact,
+                    compression_ratio=compression_ratio)
+    check_index_precision(precision, None, one)
+    check_kernel_knobs(score_chunk_bytes, vmem_limit_bytes)
+    chip, blocks = entry_blocks(chip, None, block_rows, block_pages,
+                                one_token_per_seq=one_token_per_seq, pages_per_seq=pages_per_seq,
+                                page_size=page_size, page_mode=False, interpret=interpret)
+    return select_rows(q, weights, cache, meta, k=k, page_mode=False,
+                       pages_per_seq=pages_per_seq, one_token_per_seq=one_token_per_seq,
+                       num_segments=0, fill="tail", recall_target=recall_target, exact=exact,
+                       blocks=blocks, chip=chip, chunk_bytes=score_chunk_bytes,
+                       vmem_limit_bytes=vmem_limit_bytes, interpret=interpret, layer=layer,
+                       compression_ratio=compression_ratio, precision=precision)

@@ -4,9 +4,10 @@ top-512) with rows of 128K and 1M entries, per chip: XLA's memory analysis of th
 program, the score kernel's VMEM, HBM bytes and DMAs from its traffic model, and whether the
 top-k's temporaries are bounded by the score chunk and k (not by rows x context).
 
-Keys as the package stores them: bf16 pages, or the fp8 index pages ``u8[P, G, 4, 128]``
-(``reference.formats.fp8_index_pages``). V4.1's own fp4 index format (e2m1 with ue8m0 scales per
-32, ``reference.v41.formats``) is not read by the kernel yet.
+Keys as the package stores them: bf16 pages, the fp8 index pages ``u8[P, G, 4, 128]``
+(``reference.formats.fp8_index_pages``), or V4.1's own fp4 index pages (e2m1 with ue8m0 scales
+per 32, ``reference.v41.index_pages``: 68 B an entry at pages of 128; ``index_topk_v41``; no jnp
+reference reads them, so their ``reference_temp`` is not measured).
 
 What bounds the memory (``pallas_kernels.indexer.scoring``): the kernel writes one chunk of
 ``C`` rows of f32 scores ``[C, N]`` with ``C * N * 4 <= SCORE_CHUNK_BYTES`` (64 MiB; at least
@@ -24,7 +25,8 @@ The jnp reference path (``implementation="xla"``) is compiled beside it for cont
 Nothing here is a TPU time; every number is XLA's compile-time memory analysis or a model.
 
     PYTHONPATH=. JAX_PLATFORMS=cpu python -m scripts.cost.v41_long_rows [--quick] [--exact]
-        [--chips v5e,v6e,tpu7x] [--formats bf16,fp8 pages] [--no-reference] [--markdown]
+        [--chips v5e,v6e,tpu7x] [--formats bf16,fp8 pages,fp4 pages] [--no-reference]
+        [--markdown]
 """
 
 from __future__ import annotations
@@ -99,9 +101,10 @@ def chunk_score_bytes(case: aot.CompileCase, chip: str,
     of the row-block ladder, capped at ``C``): the one kernel buffer that grows with ``N``."""
     q, cache = case.specs[0], case.specs[2]
     rows, pps = q.shape[0], case.specs[4].shape[0] // case.specs[3].shape[0]
-    page = _page_size(cache)
+    keywords = case.fn_for_chip(chip).keywords
+    page = _page_size(cache, keywords)
     otp = "decode" in case.tags
-    block_rows = case.fn_for_chip(chip).keywords.get("block_rows")
+    block_rows = keywords.get("block_rows")
     blocks = resolve_blocks(None, block_rows=block_rows, block_pages=None, chip=chip,
                             one_token_per_seq=otp, pages_per_seq=pps, page_size=page,
                             page_mode=False, mosaic=True)
@@ -111,8 +114,11 @@ def chunk_score_bytes(case: aot.CompileCase, chip: str,
     return c, c * width * 4, 2 * top * width * 4
 
 
-def _page_size(cache) -> int:
-    """Entries per page of a bf16 ``[P, ps, D]`` or fp8-pages ``u8[P, G, 4, 128]`` spec."""
+def _page_size(cache, keywords: dict) -> int:
+    """Entries per page of a bf16 ``[P, ps, D]``, fp8-pages or fp4-pages ``u8[P, G, 4, 128]``
+    spec (fp4 pages: the entry's ``page_size``)."""
+    if "page_size" in keywords:
+        return keywords["page_size"]
     if cache.dtype == jnp.uint8:
         from reference.formats import fp8_index_pages
         return fp8_index_pages.page_size_of(cache.shape[1])
@@ -133,7 +139,8 @@ def measure(case: aot.CompileCase, chip: str, *, k: int, exact: bool,
     model and the bound verdict (``ok=False`` and ``error`` when Mosaic/XLA refuse)."""
     q = case.specs[0]
     rows = q.shape[0]
-    width = case.specs[4].shape[0] // case.specs[3].shape[0] * _page_size(case.specs[2])
+    page = _page_size(case.specs[2], case.fn_for_chip(chip).keywords)
+    width = case.specs[4].shape[0] // case.specs[3].shape[0] * page
     row = {"chip": chip, "case": case.shape, "rows": rows, "N": width}
     t0 = time.perf_counter()
     try:
@@ -224,7 +231,7 @@ def main(argv=None) -> list[dict]:
             for fmt in a.formats.split(","):
                 case = icases.v41_long_case(name, fmt, exact=a.exact)
                 r = measure(case, chip, k=k, exact=a.exact)
-                if r["ok"] and not a.no_reference:
+                if r["ok"] and not a.no_reference and fmt != "fp4 pages":
                     r["reference_temp"] = reference_temp(case, chip, k=k, exact=a.exact)
                 out.append(r)
                 print(_summary(r), flush=True)
