@@ -39,11 +39,11 @@ def test_pages_hold_the_format_bit_for_bit(ps, dim):
 
 def test_record_planes_and_scale_words():
     """Hand case: feature ``f`` of token 5 is byte ``f // 128`` of record word ``f % 128`` (row
-    5); its 16 scale bytes are words 0..3 at rows ``ps .. ps + 3``, lane 5."""
+    5); its 16 scale bytes are words 20..23 of row ``ps`` (32 tokens a scale row)."""
     x = np.zeros((1, 128, 512), np.float32)
     x[0, 5, 130] = 448.0  # block 4 (features 128..159): scale 2^0, code 0x7E
     x[0, 5, 3] = -2.0 ** -8  # block 0: amax 2^-8 -> scale 2^-16 (2^-8 / 448 -> 2^-16)
     pages = np.asarray(wp.to_pages(encode_window_kv(jnp.asarray(x))))[0]
     assert pages[5, 2] >> 8 & 0xFF == 0x7E  # feature 130 = 128 + 2: plane 1 of word 2
     assert pages[5, 3] & 0xFF == 0x80 | 0x78  # -256 x 2^-16: sign | e4m3 256 (0x78)
-    assert pages[128, 5] & 0xFF == 127 - 16 and pages[129, 5] & 0xFF == 127  # blocks 0, 4
+    assert pages[128, 20] & 0xFF == 127 - 16 and pages[128, 21] & 0xFF == 127  # blocks 0, 4

@@ -10,8 +10,9 @@ scale_rows(ps, D)``):
   features ``j W .. (j + 1) W - 1``, MODEL1's record order (``reference.formats.model1``), so a
   kernel decodes plane ``j`` to the ``j``-th quarter of the row on lanes, in feature order.
 - rows ``[ps, R)``: the ``D / 32`` ue8m0 bytes of each token as ``S = ceil(D / 128)`` words
-  (little-endian, zero bytes padding the last), token ``t``'s word ``s`` at row ``ps + S (t //
-  W) + s``, lane ``t % W`` (tokens along lanes).
+  (little-endian, zero bytes padding the last), ``W / S`` tokens a row (32 at ``D = 512``):
+  token ``t``'s words at row ``ps + t // (W / S)``, lanes ``S (t % (W / S)) ..`` (one
+  contiguous slice a token: the jnp step gathers it with one index, not one per word).
 
 Bytes per token ``4 R W / ps``: **528** for ``D = 512`` at page sizes that are multiples of 128
 (512 record + 16 scale bytes: the format's own), nothing padded. Why: the stored rows are
@@ -43,9 +44,14 @@ def scale_words(dim: int) -> int:
     return -(-(dim // WINDOW_BLOCK) // SCALE_WORD_BYTES)
 
 
+def tokens_per_scale_row(dim: int) -> int:
+    """Tokens whose scale words share a row: ``W / S`` (32 at ``D = 512``)."""
+    return record_words(dim) // scale_words(dim)
+
+
 def scale_rows(page_size: int, dim: int) -> int:
-    """Scale rows of a page: ``scale_words * ceil(ps / W)``."""
-    return scale_words(dim) * -(-page_size // record_words(dim))
+    """Scale rows of a page: ``ceil(ps / (W / S))``."""
+    return -(-page_size // tokens_per_scale_row(dim))
 
 
 def page_rows(page_size: int, dim: int) -> int:
@@ -79,11 +85,11 @@ def _join(record: jax.Array, scales: jax.Array, dim: int) -> jax.Array:
 
 
 def _scale_slot(offset, page_size: int, dim: int):
-    """``(scale rows [..., S], lane [..., 1])`` of token ``offset`` of a page (i32)."""
-    w, s = record_words(dim), scale_words(dim)
+    """``(scale row [..., 1], lanes [..., S])`` of token ``offset`` of a page (i32)."""
+    s, per = scale_words(dim), tokens_per_scale_row(dim)
     offset = jnp.asarray(offset, jnp.int32)
-    row0 = page_size + s * (offset // w)
-    return row0[..., None] + jnp.arange(s, dtype=jnp.int32), (offset % w)[..., None]
+    lanes = s * (offset % per)[..., None] + jnp.arange(s, dtype=jnp.int32)
+    return (page_size + offset // per)[..., None], lanes
 
 
 def write_tokens(pages: jax.Array, layer, page_id, offset, rows: jax.Array, *,
@@ -95,8 +101,8 @@ def write_tokens(pages: jax.Array, layer, page_id, offset, rows: jax.Array, *,
     record, scales = _split(rows, dim)
     page_id, offset = jnp.asarray(page_id), jnp.asarray(offset)
     out = pages.at[layer, page_id, offset].set(record, mode="drop")
-    srow, lane = _scale_slot(offset, page_size, dim)
-    return out.at[jnp.asarray(layer)[..., None], page_id[..., None], srow, lane].set(
+    srow, lanes = _scale_slot(offset, page_size, dim)
+    return out.at[jnp.asarray(layer)[..., None], page_id[..., None], srow, lanes].set(
         scales, mode="drop")
 
 
@@ -106,8 +112,8 @@ def read_tokens(pages: jax.Array, layer, page_id, offset, *, page_size: int,
     shape ``[...]``); ``page_id`` outside ``[0, P)`` reads zeros (never gathered)."""
     page_id = jnp.asarray(page_id)
     record = pages.at[layer, page_id, offset].get(mode="fill", fill_value=0)
-    srow, lane = _scale_slot(offset, page_size, dim)
-    scales = pages.at[jnp.asarray(layer)[..., None], page_id[..., None], srow, lane].get(
+    srow, lanes = _scale_slot(offset, page_size, dim)
+    scales = pages.at[jnp.asarray(layer)[..., None], page_id[..., None], srow, lanes].get(
         mode="fill", fill_value=0)
     return _join(record, scales, dim)[..., :window_kv_bytes(dim)]
 
@@ -117,21 +123,17 @@ def to_pages(rows: jax.Array) -> jax.Array:
     *lead, ps, width = rows.shape
     dim = width * WINDOW_BLOCK // (WINDOW_BLOCK + 1)
     record, scales = _split(rows, dim)  # [..., ps, W], [..., ps, S]
-    w, s = record_words(dim), scale_words(dim)
-    blocks = -(-ps // w)
-    scales = jnp.pad(scales, [(0, 0)] * len(lead) + [(0, blocks * w - ps), (0, 0)])
-    scales = scales.reshape(*lead, blocks, w, s)
-    scales = jnp.swapaxes(scales, -1, -2).reshape(*lead, blocks * s, w)  # row S b + s, lane t
+    per, nrows = tokens_per_scale_row(dim), scale_rows(ps, dim)
+    scales = jnp.pad(scales, [(0, 0)] * len(lead) + [(0, nrows * per - ps), (0, 0)])
+    scales = scales.reshape(*lead, nrows, record_words(dim))  # token-major rows
     return jnp.concatenate([record, scales], axis=-2)
 
 
 def from_pages(pages: jax.Array, page_size: int, dim: int) -> jax.Array:
     """``to_pages``' inverse: ``u32[..., P, R, W] -> u8[..., P, ps, 33 D / 32]``."""
-    *lead, _, w = pages.shape
-    s = scale_words(dim)
+    *lead, _, _ = pages.shape
     record = pages[..., :page_size, :]
-    scales = pages[..., page_size:, :].reshape(*lead, -1, s, w)
-    scales = jnp.swapaxes(scales, -1, -2).reshape(*lead, -1, s)[..., :page_size, :]
+    scales = pages[..., page_size:, :].reshape(*lead, -1, scale_words(dim))[..., :page_size, :]
     return _join(record, scales, dim)
 
 
