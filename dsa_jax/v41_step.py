@@ -153,27 +153,36 @@ def score_block(num_rows: int, heads: int, dim: int, entries: int) -> int:
 def _scores(iq, w, keys, k, b, rows, meta, precision):
     """``score f32[T, E]`` of ``iq f32[T, Hi, Di]`` / ``w f32[T, Hi]`` over entries ``0 .. E - 1``
     (``E = b.capacity_tokens``) of stack row ``k`` of ``keys`` (a ``PagedBytes`` of
-    ``IndexFp4Pages``; each row its sequence's), in blocks of ``score_block`` entries: the
-    decoded keys never exceed ``SCORE_BLOCK_BYTES`` whatever ``T`` and ``E``. An entry not
-    valid reads as zeros (``paged.row_slots``)."""
+    ``IndexFp4Pages``; each row its sequence's), in blocks of whole pages (``score_block``
+    entries, rounded down to pages, at least one): the decoded keys never exceed
+    ``SCORE_BLOCK_BYTES`` whatever ``T`` and ``E``. Each row gathers its sequence's pages whole
+    (one index a page, ``512 G`` bytes: no per-entry gather) and decodes them; an entry past the
+    sequence's written entries, on a page out of range, or on a row outside every sequence
+    reads as zeros (its bytes are never decoded into a score)."""
     t, heads, dim = iq.shape
-    e = b.capacity_tokens
-    blk = score_block(t, heads, dim, e)
+    ps = b.page_size
+    per = max(1, score_block(t, heads, dim, b.capacity_tokens) // ps)  # pages a block
+    nb = per * ps
+    written = jnp.where(rows.in_seq, b.kv_eff(rows.seq), 0)
 
-    def block(j0):
-        idx = jnp.broadcast_to(j0 + jnp.arange(blk, dtype=jnp.int32)[None], (t, blk))
-        page, offset, valid = row_slots(jnp.where(idx < e, idx, -1), b, rows)
-        got = index_pages.read_entries(keys.cache.pages, k, page, offset, page_size=b.page_size,
-                                       dim=dim)
-        krows = jnp.where(valid[..., None], formats.decode_index_fp4(got), 0.0)
+    def block(p0):
+        j = p0 + jnp.arange(per, dtype=jnp.int32)
+        pid, ok = b.page_ids(rows.seq[:, None], j[None, :],
+                             rows.in_seq[:, None] & (j < b.pages_per_seq)[None, :])
+        got = keys.cache.pages.at[k, jnp.where(ok, pid, b.num_pages)].get(
+            mode="fill", fill_value=0)  # [T, per, G, 4, 128]
+        got = index_pages.from_pages(got, ps, dim).reshape(t, nb, -1)
+        ent = p0 * ps + jnp.arange(nb, dtype=jnp.int32)
+        ok = jnp.repeat(ok, ps, axis=1) & (ent[None, :] < written[:, None])
+        krows = jnp.where(ok[..., None], formats.decode_index_fp4(got), 0.0)
         return L.index_score(iq[:, None], krows, w[:, None], precision)[:, 0]
 
-    n = -(-e // blk)
+    n = -(-b.pages_per_seq // per)
     if n == 1:
-        return block(0)
+        return block(0)[:, :b.capacity_tokens]
     out = jax.lax.fori_loop(0, n, lambda i, acc: jax.lax.dynamic_update_slice_in_dim(
-        acc, block(i * blk), i * blk, axis=1), jnp.zeros((t, n * blk), jnp.float32))
-    return out[:, :e]
+        acc, block(i * per), i * nb, axis=1), jnp.zeros((t, n * nb), jnp.float32))
+    return out[:, :b.capacity_tokens]
 
 
 def _pallas_scores(kernel, iq, w, keys, k, b, rows, meta, precision):

@@ -198,10 +198,10 @@ def test_caches_of_the_wrong_shape_or_dtype_are_refused():
 
 
 def test_index_scores_in_blocks_equal_one_block(monkeypatch):
-    """The jnp index scores in blocks of entries (``SCORE_BLOCK_BYTES`` cut so that a block of
-    the 45-row prefill holds 5 entries: 15 blocks of the ratio-1 pool's 72 entries and 8 of the
-    ratio-2 one's 36, the last ragged) give the unblocked step's results bit for bit:
-    selections, candidates, outputs and caches."""
+    """The jnp index scores in blocks of whole pages (``SCORE_BLOCK_BYTES`` cut so that a block
+    of the 45-row prefill holds 21 entries, 5 pages of 4: 15 blocks of the ratio-1 keys' 72
+    pages and 8 of the ratio-2 keys' 36, the last ragged) give the unblocked step's results bit
+    for bit: selections, candidates, outputs and caches."""
     import importlib
 
     step_mod = importlib.import_module("dsa_jax.v41_step")  # dsa_jax.v41_step is the function
@@ -222,8 +222,8 @@ def test_index_scores_in_blocks_equal_one_block(monkeypatch):
     rows = 23 + 20 + OUTSIDE
     per_entry = rows * (4 * C.index_head_dim + 4 * C.index_n_heads
                         + index_fp4_bytes(C.index_head_dim))
-    monkeypatch.setattr(step_mod, "SCORE_BLOCK_BYTES", 5 * per_entry)
-    assert step_mod.score_block(rows, C.index_n_heads, C.index_head_dim, 72) == 5
+    monkeypatch.setattr(step_mod, "SCORE_BLOCK_BYTES", 21 * per_entry)
+    assert step_mod.score_block(rows, C.index_n_heads, C.index_head_dim, 288) // PAGE == 5
     got = run()
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
         np.testing.assert_array_equal(a, b)

@@ -84,12 +84,24 @@ def _join(record: jax.Array, scales: jax.Array, dim: int) -> jax.Array:
     return jnp.concatenate([codes, sb[..., :dim // WINDOW_BLOCK]], axis=-1)
 
 
-def _scale_slot(offset, page_size: int, dim: int):
-    """``(scale row [..., 1], lanes [..., S])`` of token ``offset`` of a page (i32)."""
+def _scale_starts(layer, page_id, offset, page_size: int, dim: int) -> jax.Array:
+    """``i32[..., 4]``: where token ``offset``'s scale words start, ``(layer, page, row,
+    lane)`` (one index a token: the words are a contiguous slice of its row)."""
     s, per = scale_words(dim), tokens_per_scale_row(dim)
     offset = jnp.asarray(offset, jnp.int32)
-    lanes = s * (offset % per)[..., None] + jnp.arange(s, dtype=jnp.int32)
-    return (page_size + offset // per)[..., None], lanes
+    parts = jnp.broadcast_arrays(jnp.asarray(layer, jnp.int32), jnp.asarray(page_id, jnp.int32),
+                                 page_size + offset // per, s * (offset % per))
+    return jnp.stack(parts, axis=-1)
+
+
+def _scale_dims(starts: jax.Array):
+    """Gather / scatter dimension numbers of ``S``-word slices along the last axis."""
+    window = (starts.ndim - 1,)
+    return (jax.lax.GatherDimensionNumbers(offset_dims=window, collapsed_slice_dims=(0, 1, 2),
+                                           start_index_map=(0, 1, 2, 3)),
+            jax.lax.ScatterDimensionNumbers(update_window_dims=window,
+                                            inserted_window_dims=(0, 1, 2),
+                                            scatter_dims_to_operand_dims=(0, 1, 2, 3)))
 
 
 def write_tokens(pages: jax.Array, layer, page_id, offset, rows: jax.Array, *,
@@ -101,9 +113,10 @@ def write_tokens(pages: jax.Array, layer, page_id, offset, rows: jax.Array, *,
     record, scales = _split(rows, dim)
     page_id, offset = jnp.asarray(page_id), jnp.asarray(offset)
     out = pages.at[layer, page_id, offset].set(record, mode="drop")
-    srow, lanes = _scale_slot(offset, page_size, dim)
-    return out.at[jnp.asarray(layer)[..., None], page_id[..., None], srow, lanes].set(
-        scales, mode="drop")
+    starts = _scale_starts(layer, page_id, offset, page_size, dim)
+    starts = jnp.broadcast_to(starts, (*scales.shape[:-1], 4))
+    return jax.lax.scatter(out, starts, scales, _scale_dims(starts)[1],
+                           mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
 def read_tokens(pages: jax.Array, layer, page_id, offset, *, page_size: int,
@@ -112,9 +125,10 @@ def read_tokens(pages: jax.Array, layer, page_id, offset, *, page_size: int,
     shape ``[...]``); ``page_id`` outside ``[0, P)`` reads zeros (never gathered)."""
     page_id = jnp.asarray(page_id)
     record = pages.at[layer, page_id, offset].get(mode="fill", fill_value=0)
-    srow, lanes = _scale_slot(offset, page_size, dim)
-    scales = pages.at[jnp.asarray(layer)[..., None], page_id[..., None], srow, lanes].get(
-        mode="fill", fill_value=0)
+    starts = _scale_starts(layer, page_id, offset, page_size, dim)
+    scales = jax.lax.gather(pages, starts, _scale_dims(starts)[0],
+                            slice_sizes=(1, 1, 1, scale_words(dim)),
+                            mode=jax.lax.GatherScatterMode.FILL_OR_DROP, fill_value=0)
     return _join(record, scales, dim)[..., :window_kv_bytes(dim)]
 
 
