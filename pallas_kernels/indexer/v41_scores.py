@@ -28,6 +28,22 @@ _STATICS = ("pages_per_seq", "page_size", "dim", "one_token_per_seq", "block_row
             "score_chunk_bytes", "vmem_limit_bytes")
 
 
+def _prepare(check, cache_kv, layer, page_size, dim, precision, chunk_bytes, vmem_limit_bytes,
+             chip, block_rows, block_pages, one_token_per_seq, pages_per_seq, interpret):
+    """The entries' shared checks and blocks: the pages wrapped, ``check(keys)`` on a shape-only
+    bf16 stand-in of one layer's keys, the precision and kernel knobs; returns ``(cache, one
+    layer, chip, blocks)``."""
+    cache = v41_pages.wrap(cache_kv, page_size, dim)
+    one = stacked.resolve("cache_kv", cache, layer).one
+    check(v41_pages.stand_in(one))
+    check_index_precision(precision, None, one)
+    check_kernel_knobs(chunk_bytes, vmem_limit_bytes)
+    chip, blocks = entry_blocks(chip, None, block_rows, block_pages,
+                                one_token_per_seq=one_token_per_seq, pages_per_seq=pages_per_seq,
+                                page_size=page_size, page_mode=False, interpret=interpret)
+    return cache, one, chip, blocks
+
+
 def _checks_layer(fn):
     """A Python-int ``layer=`` checked against the stack before tracing (as the fp8 pages'
     entry: ``reference.formats.stacked.resolve``'s ValueError naming the numbers)."""
@@ -68,16 +84,12 @@ def index_scores_v41(q: jax.Array, weights: jax.Array, cache_kv, seq_lens: jax.A
       ``f32[T, pages_per_seq * page_size]``: row ``t``'s score of each entry of its sequence,
       ``-inf`` off its visible entries and on rows outside every sequence (chunks of
       ``score_chunk_bytes``, one kernel call each)."""
-    cache = v41_pages.wrap(cache_kv, page_size, dim)
     meta = (seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution)
-    one = stacked.resolve("cache_kv", cache, layer).one
-    check_indexer_args(q, weights, v41_pages.stand_in(one), *meta, pages_per_seq=pages_per_seq,
-                       one_token_per_seq=one_token_per_seq)
-    check_index_precision(precision, None, one)
-    check_kernel_knobs(score_chunk_bytes, vmem_limit_bytes)
-    chip, blocks = entry_blocks(chip, None, block_rows, block_pages,
-                                one_token_per_seq=one_token_per_seq, pages_per_seq=pages_per_seq,
-                                page_size=page_size, page_mode=False, interpret=interpret)
+    cache, one, chip, blocks = _prepare(
+        lambda keys: check_indexer_args(q, weights, keys, *meta, pages_per_seq=pages_per_seq,
+                                        one_token_per_seq=one_token_per_seq),
+        cache_kv, layer, page_size, dim, precision, score_chunk_bytes, vmem_limit_bytes, chip,
+        block_rows, block_pages, one_token_per_seq, pages_per_seq, interpret)
     width = pages_per_seq * page_size
     b = batch.RaggedBatch.of(one, *meta, pages_per_seq=pages_per_seq,
                              compression_ratio=compression_ratio)
@@ -133,19 +145,15 @@ def index_topk_v41(q: jax.Array, weights: jax.Array, cache_kv, seq_lens: jax.Arr
     chunk and ``k``, not by rows x context (the long rows of ``scripts.cost.v41_long_rows``).
     Arguments as ``index_scores_v41``. Returns ``i32[T, k]`` sequence-local entries by
     descending score, ``-1`` padding (and for rows outside every sequence)."""
-    cache = v41_pages.wrap(cache_kv, page_size, dim)
     meta = (seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution)
-    one = stacked.resolve("cache_kv", cache, layer).one
-    check_topk_args((q, weights, v41_pages.stand_in(one), *meta), k=k, k_name="k",
-                    pages_per_seq=pages_per_seq, one_token_per_seq=one_token_per_seq,
-                    num_segments=0, fill="tail", refuse_full_overwrite=False,
-                    recall_target=recall_target, exact=exact,
-                    compression_ratio=compression_ratio)
-    check_index_precision(precision, None, one)
-    check_kernel_knobs(score_chunk_bytes, vmem_limit_bytes)
-    chip, blocks = entry_blocks(chip, None, block_rows, block_pages,
-                                one_token_per_seq=one_token_per_seq, pages_per_seq=pages_per_seq,
-                                page_size=page_size, page_mode=False, interpret=interpret)
+    cache, _, chip, blocks = _prepare(
+        lambda keys: check_topk_args(
+            (q, weights, keys, *meta), k=k, k_name="k", pages_per_seq=pages_per_seq,
+            one_token_per_seq=one_token_per_seq, num_segments=0, fill="tail",
+            refuse_full_overwrite=False, recall_target=recall_target, exact=exact,
+            compression_ratio=compression_ratio),
+        cache_kv, layer, page_size, dim, precision, score_chunk_bytes, vmem_limit_bytes, chip,
+        block_rows, block_pages, one_token_per_seq, pages_per_seq, interpret)
     return select_rows(q, weights, cache, meta, k=k, page_mode=False,
                        pages_per_seq=pages_per_seq, one_token_per_seq=one_token_per_seq,
                        num_segments=0, fill="tail", recall_target=recall_target, exact=exact,
