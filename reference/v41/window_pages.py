@@ -11,8 +11,7 @@ scale_rows(ps, D)``):
   kernel decodes plane ``j`` to the ``j``-th quarter of the row on lanes, in feature order.
 - rows ``[ps, R)``: the ``D / 32`` ue8m0 bytes of each token as ``S = ceil(D / 128)`` words
   (little-endian, zero bytes padding the last), ``W / S`` tokens a row (32 at ``D = 512``):
-  token ``t``'s words at row ``ps + t // (W / S)``, lanes ``S (t % (W / S)) ..`` (one
-  contiguous slice a token: the jnp step gathers it with one index, not one per word).
+  token ``t``'s words at row ``ps + t // (W / S)``, lanes ``S (t % (W / S)) ..``.
 
 Bytes per token ``4 R W / ps``: **528** for ``D = 512`` at page sizes that are multiples of 128
 (512 record + 16 scale bytes: the format's own), nothing padded. Why: the stored rows are
@@ -84,24 +83,11 @@ def _join(record: jax.Array, scales: jax.Array, dim: int) -> jax.Array:
     return jnp.concatenate([codes, sb[..., :dim // WINDOW_BLOCK]], axis=-1)
 
 
-def _scale_starts(layer, page_id, offset, page_size: int, dim: int) -> jax.Array:
-    """``i32[..., 4]``: where token ``offset``'s scale words start, ``(layer, page, row,
-    lane)`` (one index a token: the words are a contiguous slice of its row)."""
+def _scale_row(offset, page_size: int, dim: int):
+    """``(scale row, first lane)`` of token ``offset`` of a page (i32)."""
     s, per = scale_words(dim), tokens_per_scale_row(dim)
     offset = jnp.asarray(offset, jnp.int32)
-    parts = jnp.broadcast_arrays(jnp.asarray(layer, jnp.int32), jnp.asarray(page_id, jnp.int32),
-                                 page_size + offset // per, s * (offset % per))
-    return jnp.stack(parts, axis=-1)
-
-
-def _scale_dims(starts: jax.Array):
-    """Gather / scatter dimension numbers of ``S``-word slices along the last axis."""
-    window = (starts.ndim - 1,)
-    return (jax.lax.GatherDimensionNumbers(offset_dims=window, collapsed_slice_dims=(0, 1, 2),
-                                           start_index_map=(0, 1, 2, 3)),
-            jax.lax.ScatterDimensionNumbers(update_window_dims=window,
-                                            inserted_window_dims=(0, 1, 2),
-                                            scatter_dims_to_operand_dims=(0, 1, 2, 3)))
+    return page_size + offset // per, s * (offset % per)
 
 
 def write_tokens(pages: jax.Array, layer, page_id, offset, rows: jax.Array, *,
@@ -113,10 +99,10 @@ def write_tokens(pages: jax.Array, layer, page_id, offset, rows: jax.Array, *,
     record, scales = _split(rows, dim)
     page_id, offset = jnp.asarray(page_id), jnp.asarray(offset)
     out = pages.at[layer, page_id, offset].set(record, mode="drop")
-    starts = _scale_starts(layer, page_id, offset, page_size, dim)
-    starts = jnp.broadcast_to(starts, (*scales.shape[:-1], 4))
-    return jax.lax.scatter(out, starts, scales, _scale_dims(starts)[1],
-                           mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+    srow, lane0 = _scale_row(offset, page_size, dim)  # S words a token: this step's rows only
+    lanes = lane0[..., None] + jnp.arange(scale_words(dim), dtype=jnp.int32)
+    return out.at[jnp.asarray(layer)[..., None], page_id[..., None], srow[..., None],
+                  lanes].set(scales, mode="drop")
 
 
 def read_tokens(pages: jax.Array, layer, page_id, offset, *, page_size: int,
@@ -125,10 +111,14 @@ def read_tokens(pages: jax.Array, layer, page_id, offset, *, page_size: int,
     shape ``[...]``); ``page_id`` outside ``[0, P)`` reads zeros (never gathered)."""
     page_id = jnp.asarray(page_id)
     record = pages.at[layer, page_id, offset].get(mode="fill", fill_value=0)
-    starts = _scale_starts(layer, page_id, offset, page_size, dim)
-    scales = jax.lax.gather(pages, starts, _scale_dims(starts)[0],
-                            slice_sizes=(1, 1, 1, scale_words(dim)),
-                            mode=jax.lax.GatherScatterMode.FILL_OR_DROP, fill_value=0)
+    srow, _ = _scale_row(offset, page_size, dim)
+    # the token's whole scale row (a row-sized gather; a gather of its S words is one index a
+    # word on TPU), then its words by a compare-select over the row's tokens
+    row = pages.at[layer, page_id, srow].get(mode="fill", fill_value=0)
+    per = tokens_per_scale_row(dim)
+    row = row.reshape(*row.shape[:-1], per, scale_words(dim))
+    mine = jnp.arange(per, dtype=jnp.int32) == (jnp.asarray(offset, jnp.int32) % per)[..., None]
+    scales = jnp.max(jnp.where(mine[..., None], row, jnp.uint32(0)), axis=-2)
     return _join(record, scales, dim)[..., :window_kv_bytes(dim)]
 
 
