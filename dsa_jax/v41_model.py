@@ -2,20 +2,22 @@
 number, derived from a ``V41Config`` and the page size), its caches, states, batch metadata and
 result, and the constructors of empty ones.
 
-Caches (``V41Caches``; V4.1's stored formats, ``reference.v41.formats``, each row's bytes held
-as little-endian ``u32`` words: ``reference.v41.paged``), stacked and read in place by stack row:
+Caches (``V41Caches``; V4.1's stored formats, ``reference.v41.formats``, in TPU page layouts of
+whole 128-lane rows at V4.1-Flash's dims), stacked and read in place by stack row:
 
 - ``window u32[L, Pw, R, W]``: every layer's window kv (fp8 e4m3, ue8m0 per 32) as window pages
   (``reference.v41.window_pages``: a 512-B record row per token, then scale rows; ``W = 128``
   and 528 B a token at ``D = 512`` and page sizes that are multiples of 128), page table
   ``window_page_indices`` / ``window_cu_lens`` in tokens;
-- per compressed ratio ``r`` in {1, 2} that has a KV source: ``pool{r} u32[Kr, Pr, ps, 72]``
-  (288 B: fp4 e2m1, e4m3 per 16) and ``keys{r} u8[Kr, Pr, G, 4, 128]``, the index keys (fp4,
-  ue8m0 per 32) as V4.1 index pages (``reference.v41.index_pages``: entries along lanes, 68 B
-  an entry at page sizes that are multiples of 128; what the Pallas indexer reads with one DMA
-  a page), row ``k`` of the stack the ``k``-th KV source of that ratio, one row (lane) per
-  entry (page table ``r{r}_page_indices`` / ``r{r}_cu_lens`` in entries of ratio ``r``);
-  ``None`` for a ratio without KV sources.
+- per compressed ratio ``r`` in {1, 2} that has a KV source, row ``k`` of each stack the
+  ``k``-th KV source of that ratio (page table ``r{r}_page_indices`` / ``r{r}_cu_lens`` in
+  entries of ratio ``r``; ``None`` for a ratio without KV sources):
+  ``pool{r} u32[Kr, Pr, R, W]``, the compressed kv (fp4 e2m1, e4m3 per 16) as pool pages
+  (``reference.v41.pool_pages``: two entries' codes a record row, sixteen entries' scales a
+  scale row; 288 B an entry at ``D = 512`` and page sizes that are multiples of 16), and
+  ``keys{r} u8[Kr, Pr, G, 4, 128]``, the index keys (fp4, ue8m0 per 32) as V4.1 index pages
+  (``reference.v41.index_pages``: entries along lanes, 68 B an entry at page sizes that are
+  multiples of 128; what the Pallas indexer reads with one DMA a page).
 
 States (``V41States``): one ``reference.v4_compressor.CompressorState`` (``f32[num_slots, 2,
 D]`` kv and score) per ratio-2 KV source, in layer order; ratio 1 keeps none. Sequence ``i``
@@ -32,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from reference.core import checks
-from reference.v41 import formats, index_pages, paged, window_pages
+from reference.v41 import index_pages, pool_pages, window_pages
 from reference.v41.compressor import COMPRESSED_RATIOS, init_compressor_state
 from reference.v41.config import Mode, V41Config, resolve_layers
 
@@ -133,16 +135,15 @@ def init_v41_caches(layout: V41StepLayout, num_seqs: int) -> V41Caches:
     """Zeroed caches with ``pages_per_seq`` pages per sequence for ``num_seqs`` sequences."""
     c, ps, n = layout.config, layout.page_size, checks.positive_int("num_seqs", num_seqs)
 
-    def stack(rows: int, ratio: int, width: int):
-        return jnp.zeros((rows, n * layout.pages_per_seq(ratio), ps,
-                          paged.words_per_row(width)), jnp.uint32)
-
     out = {"window": jnp.zeros((layout.num_layers, n * layout.pages_per_seq(0),
                                 window_pages.page_rows(ps, c.head_dim),
                                 window_pages.record_words(c.head_dim)), jnp.uint32)}
     for r in COMPRESSED_RATIOS:
         k = len(layout.sources[r])
-        out[f"pool{r}"] = stack(k, r, formats.compressed_kv_bytes(c.head_dim)) if k else None
+        out[f"pool{r}"] = jnp.zeros((k, n * layout.pages_per_seq(r),
+                                     pool_pages.page_rows(ps, c.head_dim),
+                                     pool_pages.layout(c.head_dim).width),
+                                    jnp.uint32) if k else None
         groups = index_pages.page_groups(ps, c.index_head_dim)
         out[f"keys{r}"] = jnp.zeros((k, n * layout.pages_per_seq(r), groups, index_pages.PACK,
                                      index_pages.LANES), jnp.uint8) if k else None

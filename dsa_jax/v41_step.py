@@ -55,10 +55,10 @@ from reference.quant.bf16 import V4_DEFAULT_PRECISION, check_precision, rounding
 from reference.statements import deepseek_v41_layer as L
 from reference.statements.deepseek_v41 import check_params
 from reference.v4_compressor.ref import entry_slots
-from reference.v41 import formats, index_pages, window_pages
+from reference.v41 import formats, index_pages, pool_pages, window_pages
 from reference.v41.compressor import compress_step
 from reference.v41.config import Mode, resolve_layers
-from reference.v41.paged import PagedBytes, ragged, read_rows, row_slots, write_rows
+from reference.v41.paged import PagedBytes, ragged, row_slots
 
 __all__ = ["V41Caches", "V41Meta", "V41StepLayout", "V41StepResult", "init_v41_caches",
            "init_v41_states", "v41_meta", "v41_step"]
@@ -102,6 +102,8 @@ def _paged(layout, caches: V41Caches, meta: V41Meta, name: str, ratio: int):
         cache = index_pages.IndexFp4Pages(cache, layout.page_size, c.index_head_dim)
     elif name == "window":
         cache = window_pages.WindowPages(cache, layout.page_size, c.head_dim)
+    elif cache is not None:  # pool{r}
+        cache = pool_pages.PoolPages(cache, layout.page_size, c.head_dim)
     return (PagedBytes(cache, getattr(meta, f"{fam}_page_indices"),
                        getattr(meta, f"{fam}_cu_lens")), layout.pages_per_seq(ratio))
 
@@ -131,12 +133,10 @@ def _compress(params, x, layer, layout, caches, states, meta, rb, compress):
         page_id, offset = entry_slots(
             entries, kv_paged.page_indices, kv_paged.cu_lens, page_size=layout.page_size,
             pages_per_seq=per, num_pages=int(kv_paged.cache.shape[1]))
-        if name.startswith("keys"):
-            out[name] = index_pages.write_entries(
-                kv_paged.cache.pages, k, page_id, offset, rows_u8, page_size=layout.page_size,
-                dim=c.index_head_dim)
-        else:
-            out[name] = write_rows(kv_paged.cache, k, page_id, offset, rows_u8)
+        pages = index_pages if name.startswith("keys") else pool_pages
+        out[name] = pages.write_entries(
+            kv_paged.cache.pages, k, page_id, offset, rows_u8, page_size=layout.page_size,
+            dim=c.index_head_dim if name.startswith("keys") else c.head_dim)
     if r == 2:
         i = layout.sources[2].index(layer)
         states = (*states[:i], state, *states[i + 1:])
@@ -228,8 +228,10 @@ def _attend(q, layer, source, topk, layout, caches, meta, rows, sink, rb):
         pool, per = _paged(layout, caches, meta, f"pool{r}", r)
         bp = ragged(pool, meta.kv_lens, meta.cu_q_lens, meta.distribution, pages_per_seq=per,
                     ratio=r)
-        pkv, pok = read_rows(pool, k, topk, bp, rows, formats.decode_compressed_kv,
-                             formats.compressed_kv_bytes(c.head_dim))
+        page, offset, pok = row_slots(topk, bp, rows)
+        got = pool_pages.read_entries(pool.cache.pages, k, page, offset,
+                                      page_size=layout.page_size, dim=c.head_dim)
+        pkv = jnp.where(pok[..., None], formats.decode_compressed_kv(got), 0.0)
         kv, ok = jnp.concatenate([kv, pkv], axis=1), jnp.concatenate([ok, pok], axis=1)
     ok = ok.at[:, 0].set(ok[:, 0] | ~rows.in_seq)  # a row outside every sequence: finite, zeroed
     return L.attend(q[:, None], kv, ok[:, None], sink, c.head_dim ** -0.5, rb)[:, 0]
@@ -341,7 +343,7 @@ def _check_caches(caches, layout: V41StepLayout, num_seqs: int) -> None:
             continue
         shape, rest = tuple(np.shape(got)), ", ".join(str(d) for d in ref.shape[2:])
         what = {"keys": "stack rows, pages, groups, 4, 128: index pages",
-                "pool": "stack rows, pages, page_size, words per row",
+                "pool": "stack rows, pages, record + scale rows, words: pool pages",
                 "wind": "layers, pages, records + scale rows, words: window pages"}[name[:4]]
         if (len(shape) != len(ref.shape) or shape[0] != ref.shape[0]
                 or shape[2:] != ref.shape[2:]):

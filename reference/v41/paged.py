@@ -1,5 +1,7 @@
-"""V4.1's stored caches paged and stacked, read and written in place by row: the flag-off path
-of the V4.1 step (``dsa_jax.v41_step``).
+"""V4.1's stored caches paged and stacked, read and written in place by row. The V4.1 step
+(``dsa_jax.v41_step``) takes its ``PagedBytes`` / ``ragged`` / ``row_slots`` from here and
+stores its caches in the TPU page layouts (``window_pages``, ``pool_pages``, ``index_pages``);
+``read_rows`` / ``write_rows`` keep the plain word-row form below (public, unchanged).
 
 A cache is ``u32[L, P, page_size, ceil(W / 4)]``: ``L`` layers (or KV sources) stacked, each
 row one token or entry in its stored format (``reference.v41.formats``) of ``W`` bytes held as
