@@ -32,11 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from reference.core import checks as _checks
+from reference.formats import fp8_index_pages as fip
 from reference.v41.formats import INDEX_BLOCK, index_fp4_bytes
 
-LANES = 128  # entries per block (one lane each)
-PACK = 4  # bytes per 32-bit word: rows of a group
-GROUP_BYTES = PACK * LANES  # 512
+# the group geometry of the fp8 index pages (one 32-bit row of 128 lanes), declared there
+LANES = fip.LANES  # entries per block (one lane each)
+PACK = fip.PACK  # bytes per 32-bit word: rows of a group
+GROUP_BYTES = fip.GROUP_BYTES  # 512
 _U8 = np.dtype(np.uint8)
 
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import jax
 
-from reference.v41 import row_pages
+from reference.v41 import paged, row_pages
 from reference.v41.formats import COMPRESSED_BLOCK, compressed_kv_bytes
 
-WORD = 4
+WORD = paged.WORD  # bytes per stored word
 PoolPages = row_pages.RowPages  # the pages seen as (K, P, ps, D) rows
 
 

@@ -26,11 +26,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from reference.v41 import row_pages
+from reference.v41 import paged, row_pages
 from reference.v41.formats import WINDOW_BLOCK, window_kv_bytes
 
-PLANES = 4  # bytes per word: byte planes of a record
-SCALE_WORD_BYTES = 4
+PLANES = paged.WORD  # bytes per word: byte planes of a record
+SCALE_WORD_BYTES = paged.WORD
 WindowPages = row_pages.RowPages  # the pages seen as (L, P, ps, D) rows
 
 
