@@ -39,8 +39,12 @@ PAGE = 4
 DECODES = 260
 MAX_SEQ = 288  # 23 + 1 + 260 = 284 tokens at most, even (ratio-2 pairs), 72 pages of 4
 LAYOUT = V41StepLayout(C, PAGE, MAX_SEQ)
+# The Pallas lock-step's pages: the interpreted index-scores kernel costs per page DMA (measured:
+# ~1.3 s a call at pages of 4, ~0.24 s at 16); 29 tokens still cross a page of 16.
+PALLAS_PAGE = 16
 CHUNKS = ((23,), (7, 13))  # per sequence, then DECODES one-token steps each
-OUTSIDE = 2  # rows after the last sequence's: outside every sequence (NaN inputs)
+OUTSIDE = 2  # rows after the last sequence's: outside every sequence (NaN inputs); the chunk
+# steps pad to one row count (more outside rows), so the step compiles once for both
 # The step's attention sums over each row's window and chosen entries only, the statement's over
 # every token and entry under a mask: the same rounding points, f32 sums in other orders, so a
 # bf16 probability or output can flip by one ulp, carried through wo_a / wo_b (two more bf16
@@ -77,39 +81,44 @@ def _schedule(decodes: int):
     return steps, starts
 
 
-def _step_inputs(xs_seq, q_lens, starts):
-    """The step's ``xs [L, T, dim]``: both sequences' rows, then ``OUTSIDE`` NaN rows; meta for
-    3 sequence slots, the third inactive."""
+def _step_inputs(xs_seq, q_lens, starts, layout=LAYOUT, rows=0):
+    """The step's ``xs [L, T, dim]``: both sequences' rows, then NaN rows (``OUTSIDE`` at
+    least, to ``rows``); meta for 3 sequence slots, the third inactive (pages of
+    ``layout.page_size``)."""
     parts = [x[:, s:s + q] for x, q, s in zip(xs_seq, q_lens, starts, strict=True)]
-    pad = np.full((len(C.compress_ratios), OUTSIDE, C.dim), np.nan, np.float32)
+    outside = max(OUTSIDE, rows - sum(q_lens))
+    pad = np.full((len(C.compress_ratios), outside, C.dim), np.nan, np.float32)
     kv = [s + q for s, q in zip(starts, q_lens, strict=True)]
-    meta = v41_meta(LAYOUT, [*kv, 5], [*q_lens, 0], num_active=2, page_order=_page_order)
+    meta = v41_meta(layout, [*kv, 5], [*q_lens, 0], num_active=2, page_order=_page_order)
     # window pages behind every row's window released (id -1): never read, never written
     table = np.asarray(meta.window_page_indices).copy()
-    per = LAYOUT.pages_per_seq(0)
+    per, page = layout.pages_per_seq(0), layout.page_size
     for i, s in enumerate(starts):
-        behind = (s - C.window_size + 1) // PAGE  # pages wholly before the first row's window
+        behind = (s - C.window_size + 1) // page  # pages wholly before the first row's window
         table[i * per:i * per + max(behind, 0)] = -1
     return np.concatenate([*parts, pad], axis=1), meta._replace(window_page_indices=table)
 
 
-def _lockstep(decodes: int, **step_kwargs) -> None:
-    """The step (``v41_step(..., **step_kwargs)``) against the statement over ``_schedule``'s
-    chunks and ``decodes`` decodes (module docstring). Every step: each sequence's outputs on
-    every layer equal the statement's within ``OUT_ULPS`` (max) and ``OUT_MEAN_ULPS`` (mean)
-    bf16 ulps of each row's largest output, its top-k on every FULL and REINDEX layer and its
-    candidate blocks identical; rows outside every sequence zeros."""
+def _lockstep(decodes: int, layout=LAYOUT, **step_kwargs) -> None:
+    """The step (``v41_step(..., layout=layout, **step_kwargs)``) against the statement over
+    ``_schedule``'s chunks and ``decodes`` decodes (module docstring). Every step: each
+    sequence's outputs on every layer equal the statement's within ``OUT_ULPS`` (max) and
+    ``OUT_MEAN_ULPS`` (mean) bf16 ulps of each row's largest output, its top-k on every FULL
+    and REINDEX layer and its candidate blocks identical; rows outside every sequence zeros."""
     params = s41.init_params(C, seed=3)
     rng = np.random.default_rng(7)
     steps, total = _schedule(decodes)
     xs_seq = [rng.standard_normal((len(C.compress_ratios), n, C.dim), dtype=np.float32)
               for n in total]
-    caches, states = _poisoned(LAYOUT, 3)
+    caches, states = _poisoned(layout, 3)
     ref_states = [s41.init_state(C, 1, MAX_SEQ) for _ in CHUNKS]
     worst = worst_mean = 0.0
+    n_chunks = max(len(c) for c in CHUNKS)
+    chunk_rows = max(sum(q) for q, _ in steps[:n_chunks]) + OUTSIDE
     for n_step, (q_lens, starts) in enumerate(steps):
-        xs, meta = _step_inputs(xs_seq, q_lens, starts)
-        res = v41_step(params, xs, caches, states, meta, layout=LAYOUT, **step_kwargs)
+        rows = chunk_rows if n_step < n_chunks else 0
+        xs, meta = _step_inputs(xs_seq, q_lens, starts, layout, rows)
+        res = v41_step(params, xs, caches, states, meta, layout=layout, **step_kwargs)
         caches, states = res.caches, res.states
         out = np.asarray(res.out, np.float32)
         np.testing.assert_array_equal(out[:, sum(q_lens):], 0.0)
@@ -121,7 +130,7 @@ def _lockstep(decodes: int, **step_kwargs) -> None:
             top, mean, _ = out_error(out[:, off:off + q], np.asarray(want[:, 0], np.float32))
             worst, worst_mean = max(worst, top), max(worst_mean, mean)
             assert top <= OUT_ULPS and mean <= OUT_MEAN_ULPS, (msg, top, mean)
-            for j, layer in enumerate(LAYOUT.index_layers):
+            for j, layer in enumerate(layout.index_layers):
                 np.testing.assert_array_equal(
                     np.sort(np.asarray(res.topk[j, off:off + q]), -1),
                     np.sort(np.asarray(sel.topk[layer][0]), -1), err_msg=f"{msg} layer {layer}")
@@ -140,9 +149,11 @@ def test_the_step_meets_the_statement_in_lockstep():
 def test_the_pallas_step_meets_the_statement_in_lockstep():
     """``implementation="pallas"`` (the ratio-2 compressor and the index scores over the index
     pages on their kernels, in the strict interpreter; the selection and attention jnp) over
-    the chunks and 5 decodes (to 29 and 25 tokens: ratio-2 pairs completed from the state,
-    window, page and candidate-block boundaries; the interpreter costs ~6 s a step)."""
-    _lockstep(5, implementation="pallas", kernel_options={"interpret": True})
+    the chunks and 20 decodes (to 44 and 40 tokens: ratio-2 pairs completed from the state,
+    window, candidate-block and page boundaries), at pages of ``PALLAS_PAGE`` (each shape's
+    interpreted compile is most of it: ~15 s; a decode ~0.3 s)."""
+    _lockstep(20, V41StepLayout(C, PALLAS_PAGE, MAX_SEQ), implementation="pallas",
+              kernel_options={"interpret": True})
 
 
 def _one_step(**change):

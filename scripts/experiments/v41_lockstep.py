@@ -5,13 +5,14 @@ one-token decodes of both sequences; 0xFF caches, NaN states, permuted pages, re
 pages; every step each sequence's top-k on every FULL / REINDEX layer and candidate blocks
 identical to the statement's, outputs within ``dsa_jax.v41_cli.OUT_ULPS``).
 
-The suite runs the jnp step over 260 decodes and the Pallas step (strict interpreter) over 5:
-the interpreter costs about 6 s a Pallas step on 2 cores (the index scores' kernel DMAs one
-page of 4 entries at a time), too long for the suite's budget at 260. This runs the long one:
+The suite runs the jnp step over 260 decodes and the Pallas step (strict interpreter) over 20 at
+pages of 16: each step shape's interpreted compile costs ~15 s, a decode ~0.3 s at pages of 16
+(more at pages of 4: the index scores' kernel DMAs one page at a time). This runs the long one:
 
     python -m scripts.experiments.v41_lockstep --implementation pallas --decodes 260
 
-(about 30 minutes on 2 cores; prints the largest error and the time). CPU only."""
+(323 s on 2 cores at pages of 4, session 23; prints the largest error and the time). CPU
+only. ``--page-size`` sets the layout's pages (the suite's Pallas case runs at 16)."""
 
 from __future__ import annotations
 
@@ -26,14 +27,17 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--implementation", choices=("xla", "pallas"), default="pallas")
     ap.add_argument("--decodes", type=int, default=260)
+    ap.add_argument("--page-size", type=int, default=4)
     args = ap.parse_args(argv)
-    from tests.test_v41_step import _lockstep
+    from dsa_jax.v41_step import V41StepLayout
+    from tests.test_v41_step import MAX_SEQ, C, _lockstep
 
     kw = {"implementation": args.implementation}
     if args.implementation == "pallas":
         kw["kernel_options"] = {"interpret": True}  # the strict interpreter
     t0 = time.time()
-    _lockstep(args.decodes, **kw)  # asserts every step; prints the largest errors
+    # asserts every step; prints the largest errors
+    _lockstep(args.decodes, V41StepLayout(C, args.page_size, MAX_SEQ), **kw)
     print(f"{args.implementation}: {args.decodes} decodes passed in {time.time() - t0:.0f} s")
 
 
