@@ -57,7 +57,7 @@ from reference.statements.deepseek_v41 import check_params
 from reference.v4_compressor.ref import entry_slots
 from reference.v41 import formats, index_pages, pool_pages, window_pages
 from reference.v41.compressor import compress_step
-from reference.v41.config import Mode, resolve_layers
+from reference.v41.config import CandidateUse, Mode, resolve_layers
 from reference.v41.paged import PagedBytes, ragged, row_slots
 
 __all__ = ["V41Caches", "V41Meta", "V41StepLayout", "V41StepResult", "init_v41_caches",
@@ -150,7 +150,7 @@ def score_block(num_rows: int, heads: int, dim: int, entries: int) -> int:
     return int(min(entries, max(1, SCORE_BLOCK_BYTES // max(per_entry, 1))))
 
 
-def _scores(iq, w, keys, k, b, rows, meta, precision):
+def _scores(iq, w, keys, k, b, rows, meta, precision, cands=None, block=None):
     """``score f32[T, E]`` of ``iq f32[T, Hi, Di]`` / ``w f32[T, Hi]`` over entries ``0 .. E - 1``
     (``E = b.capacity_tokens``) of stack row ``k`` of ``keys`` (a ``PagedBytes`` of
     ``IndexFp4Pages``; each row its sequence's), in blocks of whole pages (``score_block``
@@ -158,7 +158,10 @@ def _scores(iq, w, keys, k, b, rows, meta, precision):
     ``SCORE_BLOCK_BYTES`` whatever ``T`` and ``E``. Each row gathers its sequence's pages whole
     (one index a page, ``512 G`` bytes: no per-entry gather) and decodes them; an entry past the
     sequence's written entries, on a page out of range, or on a row outside every sequence
-    reads as zeros (its bytes are never decoded into a score)."""
+    reads as zeros (its bytes are never decoded into a score). ``cands`` (a consumer's
+    candidate blocks of ``block`` entries) are not used: static shapes read every page, and
+    ``select`` restricts the scores to them."""
+    del cands, block
     t, heads, dim = iq.shape
     ps = b.page_size
     per = max(1, score_block(t, heads, dim, b.capacity_tokens) // ps)  # pages a block
@@ -185,15 +188,17 @@ def _scores(iq, w, keys, k, b, rows, meta, precision):
     return out[:, :b.capacity_tokens]
 
 
-def _pallas_scores(kernel, iq, w, keys, k, b, rows, meta, precision):
+def _pallas_scores(kernel, iq, w, keys, k, b, rows, meta, precision, cands=None, block=None):
     """``_scores``' array from the Pallas indexer reading the index pages in place at stack row
     ``k`` (``kernel``: ``index_scores_v41`` with the kernel options): ``-inf`` off each row's
-    visible entries, which ``select`` masks the same way."""
+    visible entries, which ``select`` masks the same way. A consumer's ``cands`` (blocks of
+    ``block`` entries) go to the kernel: it fetches only the pages holding a candidate of some
+    row of the sequence, and masks each row to its own candidates (``select`` does again)."""
     del rows  # the kernel derives each row's sequence and position from the batch
     return kernel(iq, w, keys.cache, meta.kv_lens, keys.page_indices, meta.cu_q_lens,
                   keys.cu_lens, meta.distribution, pages_per_seq=b.pages_per_seq,
                   page_size=b.page_size, dim=iq.shape[-1], compression_ratio=b.compression_ratio,
-                  precision=precision, layer=k)
+                  precision=precision, layer=k, candidates=cands, candidate_block=block)
 
 
 def _select(params, x, qr, cos_p, sin_p, source, plan, layout, caches, meta, rows, cands, rb,
@@ -207,7 +212,9 @@ def _select(params, x, qr, cos_p, sin_p, source, plan, layout, caches, meta, row
     b = ragged(keys, meta.kv_lens, meta.cu_q_lens, meta.distribution, pages_per_seq=per,
                ratio=r)
     iq, w = L.index_query(params, x[None], qr[None], cos_p, sin_p, c, rb)
-    score = scores(iq[0], w[0], keys, k, b, rows, meta, precision)
+    use = cands if plan.candidates is CandidateUse.CONSUMES else None
+    score = scores(iq[0], w[0], keys, k, b, rows, meta, precision, use,
+                   None if use is None else c.candidate_block_size)
     lens = jnp.where(rows.in_seq, (rows.abs_pos + 1) // r, 0)
     return L.select(score, lens, plan, c, cands)
 

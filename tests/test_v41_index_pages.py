@@ -241,6 +241,82 @@ def test_bytes_and_dmas_equal_the_model():
         + 3 * PPS * PS * 4  # q and weights, 68 B an entry, the score rows, of the 3 rows
 
 
+def _candidates(rng, q_lens, seq_lens, ratio, block, per_row=3):
+    """Random candidate blocks ``i32[T, per_row + 2]`` per row (its visible blocks, a ``-1``
+    slot, and one id past the capacity: both select nothing) and, per sequence, the set of
+    sequence-local pages holding an entry of some row's blocks (the definition, in NumPy)."""
+    rows, read, cap_blocks = [], [], -(-PPS * PS // block)
+    for n, kl in zip(q_lens, seq_lens, strict=True):
+        pages = set()
+        for i in range(n):
+            vis = (kl - n + i + 1) // ratio
+            ids = rng.choice(max(1, -(-vis // block)), per_row)
+            rows.append([*ids, -1, cap_blocks + 3])
+            for c in ids:
+                pages |= set(range(c * block // PS, (c * block + block - 1) // PS + 1))
+        read.append(pages)
+    rows.append([0] * per_row + [-1, -1])  # the padding row (outside every sequence)
+    return np.asarray(rows, np.int32), read
+
+
+@pytest.mark.parametrize("block", [4, 24])
+def test_candidate_scores_read_only_candidate_pages(block):
+    """``candidates=``: a consumer's scores (prefill rows of 5 and 3, a decode row; blocks of 4,
+    and of 24 entries that straddle pages of 16). Every page holding no row's candidate is
+    overwritten with 0xFF (NaN scales) and must stay unread; each row's scores equal the
+    reference's bit for bit on its own candidates' visible entries and are ``-inf``
+    elsewhere."""
+    rng = np.random.default_rng()
+    ratio, q_lens, seq_lens = 2, [5, 1, 3], [200, 251, 90]
+    q, w, pages, meta, keys = make_case(rng, q_lens=q_lens, seq_lens=seq_lens, ratio=ratio)
+    cands, read = _candidates(rng, q_lens, seq_lens, ratio, block)
+    table = np.asarray(meta[1])
+    unread = [table[s * PPS + p] for s, pages_s in enumerate(read) for p in range(PPS)
+              if p not in pages_s and 0 <= table[s * PPS + p] < NUM_PAGES]
+    assert unread, "the case must leave pages unread"
+    pages = pages.at[1, np.asarray(unread)].set(POISON)
+    got = np.asarray(index_scores_v41(
+        q, w, pages, *meta, pages_per_seq=PPS, page_size=PS, dim=D, compression_ratio=ratio,
+        layer=1, block_rows=4, block_pages=2, candidates=jnp.asarray(cands),
+        candidate_block=block, interpret=True))
+    want = _reference(q, w, keys, q_lens, seq_lens, ratio, "bf16")
+    mine = np.zeros_like(want, bool)
+    for t, ids in enumerate(cands[:-1]):
+        for c in ids[(ids >= 0) & (ids * block < PPS * PS)]:
+            mine[t, c * block:(c + 1) * block] = True
+    want = np.where(mine, want, -np.inf)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert not np.isnan(got).any() and np.isfinite(got).sum() > 20
+
+
+def test_candidate_reads_equal_the_model():
+    """Decode rows with candidates under the interpreter's counter: one DMA per candidate page
+    (the NumPy set of pages holding a row's block), bytes and descriptors equal
+    ``v41_scores.traffic(read_pages=...)``, fewer than without candidates."""
+    rng = np.random.default_rng()
+    ratio, q_lens, seq_lens, block = 2, [1, 1, 1], [230, 17, 250], 8
+    q, w, pages, meta, _ = make_case(rng, q_lens=q_lens, seq_lens=seq_lens, ratio=ratio)
+    cands, read = _candidates(rng, q_lens, seq_lens, ratio, block, per_row=2)
+    blocks = resolve_blocks(None, block_rows=1, block_pages=2, chip=None,
+                            one_token_per_seq=True, pages_per_seq=PPS)
+    with counter.count_hbm_traffic() as mine:
+        index_scores_v41(q, w, pages, *meta, pages_per_seq=PPS, page_size=PS, dim=D,
+                         compression_ratio=ratio, layer=1, one_token_per_seq=True, block_rows=1,
+                         block_pages=2, candidates=jnp.asarray(cands), candidate_block=block,
+                         interpret=pltpu.InterpretParams(dma_execution_mode="eager"))
+    kw = dict(heads=H, dim=D, page_size=PS, pages_per_seq=PPS, q_itemsize=2, blocks=blocks,
+              one_token_per_seq=True, compression_ratio=ratio)
+    model = traffic(q_lens, seq_lens, **kw, read_pages=read)
+    assert mine.dmas_unexecuted == 0
+    assert mine.count("hbm", "vmem", kind="dma") == sum(map(len, read))
+    assert mine.bytes(lane_padded=True) == model.bytes_moved
+    assert mine.descriptors == model.dmas
+    assert model.bytes_moved < traffic(q_lens, seq_lens, **kw).bytes_moved
+    on_read = sum(min(PS, kl // ratio - p * PS) for kl, ps in zip(seq_lens, read, strict=True)
+                  for p in ps)
+    assert model.bytes_min == 3 * H * (D * 2 + 4) + on_read * 68 + 3 * PPS * PS * 4
+
+
 def test_entry_refusals_name_the_numbers():
     q, w, pages, meta, _ = make_case(np.random.default_rng(), q_lens=[1], seq_lens=[8])
     kw = dict(pages_per_seq=PPS, page_size=PS, dim=D, interpret=True)

@@ -12,16 +12,18 @@ from pallas_kernels.tpu import LANES
 
 def replay_items(q_lens, kv_lens, *, row0: int, rows: int, total_rows: int,
                  ladder: tuple[int, ...], page_size: int, capacity: int,
-                 compression_ratio: int = 1):
+                 compression_ratio: int = 1, read_pages=None):
     """Plain-Python replay of ``work_list`` for one chunk: per level, the real items'
     ``(q row, rows n, pages needed)`` in grid order (the traffic model's and tests' view).
     ``kv_lens`` in tokens; ``compression_ratio = r``: pages and ``capacity`` hold entries, a
-    block whose last row sits at token ``p`` needs ``(p + 1) // r`` of them."""
+    block whose last row sits at token ``p`` needs ``(p + 1) // r`` of them. ``read_pages``:
+    per sequence, the sequence-local pages its table lets the kernel fetch (the rest are -1:
+    V4.1's candidate pages); then the third field counts the needed pages among them."""
     r = compression_ratio
     top = ladder[-1]
     levels = [[] for _ in ladder]
     q0 = 0
-    for ql, kl in zip(q_lens, kv_lens, strict=True):
+    for seq, (ql, kl) in enumerate(zip(q_lens, kv_lens, strict=True)):
         lo, hi = min(max(q0, row0), row0 + rows), min(max(q0 + ql, row0), row0 + rows)
         full, rem = divmod(max(hi - lo, 0), top)
         blocks = [(len(ladder) - 1, lo + i * top) for i in range(full)]
@@ -31,7 +33,10 @@ def replay_items(q_lens, kv_lens, *, row0: int, rows: int, total_rows: int,
         for i, a in blocks:
             n = min(ladder[i], hi - a)
             last = min(max((kl - ql + (a - q0) + n) // r, 0), kv_eff)
-            levels[i].append((min(max(a, 0), total_rows - ladder[i]), n, -(-last // page_size)))
+            pages = -(-last // page_size)
+            if read_pages is not None:
+                pages = sum(1 for p in read_pages[seq] if 0 <= p < pages)
+            levels[i].append((min(max(a, 0), total_rows - ladder[i]), n, pages))
         q0 += ql
     return levels
 
@@ -40,7 +45,7 @@ def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_
             key_itemsize: int, q_itemsize: int, blocks: IndexerBlocks, page_mode: bool,
             one_token_per_seq: bool, chunk_bytes: int = SCORE_CHUNK_BYTES,
             scale_lanes: int = 0, compression_ratio: int = 1,
-            index_quant: str | None = None) -> aot.Traffic:
+            index_quant: str | None = None, read_pages=None) -> aot.Traffic:
     """HBM bytes, MXU flops and VMEM of the score kernel (and the page-score row map in XLA)
     for a batch of sequences ``(q_lens[i], kv_lens[i])``, replaying the work lists.
 
@@ -56,6 +61,8 @@ def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_
     bytes as plain keys (the cache is read as stored; the rotation and FP4 rounding happen on
     the tile in VMEM, q is simulated in the glue and moves as ``q_itemsize``), plus the
     rotation's MXU flops ``2 * D * D`` per fetched key, and its VMEM temporaries.
+    ``read_pages`` (``replay_items``): only those pages move; the MXU still runs every needed
+    page's stage (an unfetched page is masked, not skipped).
 
     DMA descriptors (``dmas``), replayed the same way: manual DMAs, one per fetched key page
     (two with an fp8 cache: its keys and its scale row; one per page of tokamax's records) and
@@ -75,20 +82,22 @@ def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_
     keys = flops = q_moved = out = dmas = 0
     page_dmas = 2 if scale_lanes else 1  # an fp8 page: its keys and its scale row
     for row0 in chunks:
-        levels = replay_items(q_lens, kv_lens, row0=row0, rows=c, total_rows=total,
-                              ladder=ladder, page_size=page_size, capacity=cap,
-                              compression_ratio=compression_ratio)
-        for size, items in zip(ladder, levels, strict=True):
+        kw = dict(row0=row0, rows=c, total_rows=total, ladder=ladder, page_size=page_size,
+                  capacity=cap, compression_ratio=compression_ratio)
+        needed = replay_items(q_lens, kv_lens, **kw)
+        levels = needed if read_pages is None else replay_items(q_lens, kv_lens, **kw,
+                                                                read_pages=read_pages)
+        for size, items, need in zip(ladder, levels, needed, strict=True):
             qrows = [qr for qr, _, _ in items] or [0]
             fetches = 1 + sum(a != b for a, b in zip(qrows, qrows[1:], strict=False))
             q_moved += fetches * size * q_row
             dmas += 2 * fetches  # the q block and the weight column: one block copy each
-            for _, n, pages in items:
+            for (_, n, pages), (_, _, computed) in zip(items, need, strict=True):
                 dmas += pages * page_dmas + n  # key pages in, one score row out per row
                 keys += pages * (page_size * key_row + 4 * scale_lanes)
-                flops += 2 * size * heads * dim * pages * page_size
+                flops += 2 * size * heads * dim * computed * page_size
                 if index_quant is not None:  # the key tile's Hadamard rotation
-                    flops += 2 * dim * dim * pages * page_size
+                    flops += 2 * dim * dim * computed * page_size
                 out += n * (page_cols if page_mode else cap) * 4
     min_key = key_row + (4 if scale_lanes else 0)
     keys_min = sum(kl // compression_ratio * min_key for kl in kv_lens)
@@ -104,9 +113,11 @@ def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_
 
 def fetched_pages(q_lens, kv_lens, *, page_size: int, pages_per_seq: int,
                   blocks: IndexerBlocks, one_token_per_seq: bool,
-                  chunk_bytes: int = SCORE_CHUNK_BYTES, compression_ratio: int = 1) -> int:
+                  chunk_bytes: int = SCORE_CHUNK_BYTES, compression_ratio: int = 1,
+                  read_pages=None) -> int:
     """Key pages the token-mode kernel fetches for the batch (``traffic``'s replay, every chunk
-    and level): what a stored format's model counts its one DMA per page from."""
+    and level; ``read_pages`` as ``replay_items``): what a stored format's model counts its one
+    DMA per page from."""
     total = sum(q_lens)
     cap = pages_per_seq * page_size
     c = chunk_rows(total, cap, blocks.block_rows, chunk_bytes)
@@ -115,6 +126,6 @@ def fetched_pages(q_lens, kv_lens, *, page_size: int, pages_per_seq: int,
     for row0 in sorted({min(i * c, total - c) for i in range(-(-total // c))}):
         for items in replay_items(q_lens, kv_lens, row0=row0, rows=c, total_rows=total,
                                   ladder=ladder, page_size=page_size, capacity=cap,
-                                  compression_ratio=compression_ratio):
+                                  compression_ratio=compression_ratio, read_pages=read_pages):
             pages += sum(p for _, _, p in items)
     return pages

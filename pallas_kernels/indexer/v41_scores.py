@@ -17,10 +17,11 @@ from pallas_kernels.indexer import traffic as itraffic
 from pallas_kernels.indexer import v41_pages
 from pallas_kernels.indexer.blocks import IndexerBlocks, check_kernel_knobs, entry_blocks
 from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, score_and_select, select_rows
-from reference.core import batch
+from reference.core import batch, checks
 from reference.formats import stacked
 from reference.indexer.args import check_index_precision, check_indexer_args, check_topk_args
 from reference.indexer.selection import DEFAULT_RECALL_TARGET
+from reference.v41.candidates import candidate_mask, candidate_pages
 from reference.v41.formats import index_fp4_bytes
 
 _STATICS = ("pages_per_seq", "page_size", "dim", "one_token_per_seq", "block_rows",
@@ -57,13 +58,31 @@ def _checks_layer(fn):
     return call
 
 
+def _candidate_table(candidates, candidate_block, q, meta, b, page_size, pages_per_seq,
+                     one_token_per_seq):
+    """The page table with every slot holding no row's candidate entry set to -1 (never
+    fetched: ``reference.v41.candidates.candidate_pages``), after the argument checks."""
+    checks.positive_int("candidate_block", candidate_block,
+                        "index_scores_v41 (candidates given: entries per block)")
+    checks.integer("candidates", candidates)
+    checks.rank("candidates", candidates, 2)
+    checks.dim("candidates", candidates, 0, q.shape[0], "q.shape[0] (rows)")
+    rows = b.rows(q.shape[0], one_token_per_seq=one_token_per_seq)
+    slot0 = jnp.where(rows.in_seq, b.first_slot(rows.seq), -1)
+    table = meta[1]
+    read = candidate_pages(candidates, slot0, table_len=table.shape[0], page_size=page_size,
+                           pages_per_seq=pages_per_seq, block=candidate_block)
+    return jnp.where(read, table, -1).astype(table.dtype)
+
+
 @_checks_layer
-@functools.partial(jax.jit, static_argnames=_STATICS)
+@functools.partial(jax.jit, static_argnames=_STATICS + ("candidate_block",))
 def index_scores_v41(q: jax.Array, weights: jax.Array, cache_kv, seq_lens: jax.Array,
                      page_indices: jax.Array, cu_q_lens: jax.Array, cu_kv_lens: jax.Array,
                      distribution: jax.Array, *, pages_per_seq: int, page_size: int, dim: int,
                      one_token_per_seq: bool = False, compression_ratio: int = 1,
-                     precision: str = "bf16", layer=None, block_rows: int | None = None,
+                     precision: str = "bf16", layer=None, candidates: jax.Array | None = None,
+                     candidate_block: int | None = None, block_rows: int | None = None,
                      block_pages: int | None = None, chip: str | None = None,
                      score_chunk_bytes: int = SCORE_CHUNK_BYTES,
                      vmem_limit_bytes: int | None = None, interpret=False) -> jax.Array:
@@ -79,11 +98,17 @@ def index_scores_v41(q: jax.Array, weights: jax.Array, cache_kv, seq_lens: jax.A
         entries; ``reference.core.batch``).
       compression_ratio: tokens per entry (entry ``j`` visible to position ``p`` iff ``j < (p +
         1) // r``); precision: ``"bf16"`` (the official rounding) or ``"f32"``.
+      candidates: optional ``i32[T, C]`` block ids per row (a V4.1 consumer's,
+        ``reference.v41.candidate_blocks``; ``-1`` slots select nothing), blocks of
+        ``candidate_block`` entries: the kernel then fetches only the pages holding a candidate
+        entry of some row of the sequence (the others' table slots become -1,
+        ``candidate_pages``), and each row's scores are ``-inf`` off its own candidate blocks
+        (``candidate_mask``).
 
     Returns:
       ``f32[T, pages_per_seq * page_size]``: row ``t``'s score of each entry of its sequence,
-      ``-inf`` off its visible entries and on rows outside every sequence (chunks of
-      ``score_chunk_bytes``, one kernel call each)."""
+      ``-inf`` off its visible entries (and its candidates, if given) and on rows outside every
+      sequence (chunks of ``score_chunk_bytes``, one kernel call each)."""
     meta = (seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution)
     cache, one, chip, blocks = _prepare(
         lambda keys: check_indexer_args(q, weights, keys, *meta, pages_per_seq=pages_per_seq,
@@ -93,36 +118,53 @@ def index_scores_v41(q: jax.Array, weights: jax.Array, cache_kv, seq_lens: jax.A
     width = pages_per_seq * page_size
     b = batch.RaggedBatch.of(one, *meta, pages_per_seq=pages_per_seq,
                              compression_ratio=compression_ratio)
-    return score_and_select(q, weights, cache, b, one_token_per_seq=one_token_per_seq,
-                            page_mode=False, blocks=blocks, chunk_bytes=score_chunk_bytes,
-                            vmem_limit_bytes=vmem_limit_bytes, interpret=interpret, chip=chip,
-                            out_width=width, out_dtype=jnp.float32, finish=lambda s, *_: s,
-                            layer=layer, precision=precision)
+    if candidates is not None:
+        table = _candidate_table(candidates, candidate_block, q, meta, b, page_size,
+                                 pages_per_seq, one_token_per_seq)
+        b = batch.RaggedBatch.of(one, seq_lens, table, *meta[2:], pages_per_seq=pages_per_seq,
+                                 compression_ratio=compression_ratio)
+    out = score_and_select(q, weights, cache, b, one_token_per_seq=one_token_per_seq,
+                           page_mode=False, blocks=blocks, chunk_bytes=score_chunk_bytes,
+                           vmem_limit_bytes=vmem_limit_bytes, interpret=interpret, chip=chip,
+                           out_width=width, out_dtype=jnp.float32, finish=lambda s, *_: s,
+                           layer=layer, precision=precision)
+    if candidates is None:
+        return out
+    return jnp.where(candidate_mask(candidates, n=width, block=candidate_block), out, -jnp.inf)
 
 
 def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_seq: int,
             q_itemsize: int, blocks: IndexerBlocks, one_token_per_seq: bool,
-            chunk_bytes: int = SCORE_CHUNK_BYTES, compression_ratio: int = 1) -> aot.Traffic:
+            chunk_bytes: int = SCORE_CHUNK_BYTES, compression_ratio: int = 1,
+            read_pages=None) -> aot.Traffic:
     """HBM bytes, MXU flops, VMEM and DMA descriptors of ``index_scores_v41``'s kernel for a
     batch of sequences ``(q_lens[i], kv_lens[i])`` (tokens; ``page_size`` in entries):
     ``indexer.traffic.traffic``'s replay with a fetched page moving ``512 * G`` bytes in ONE
     DMA (``key_bytes``), the minimum each visible entry's ``index_fp4_bytes(D)`` (68 B at 128)
     once. VMEM: the kernel's estimate, a key counted as ``max(1, nibble bytes // D)`` bytes a
-    feature."""
+    feature. ``read_pages``: per sequence, the sequence-local pages a ``candidates=`` call
+    reads (``reference.v41.candidate_pages``); then only they move, and the minimum counts the
+    visible entries on them (a page-granular reader's minimum)."""
     nib, lanes = v41_pages.key_bytes(page_size, dim)
     itemsize = max(1, nib // dim)  # the kernel's VMEM estimate's (``kernel.score_call``)
     model = itraffic.traffic(q_lens, kv_lens, heads=heads, dim=dim, page_size=page_size,
                              pages_per_seq=pages_per_seq, key_itemsize=itemsize,
                              q_itemsize=q_itemsize, blocks=blocks, page_mode=False,
                              one_token_per_seq=one_token_per_seq, chunk_bytes=chunk_bytes,
-                             scale_lanes=lanes, compression_ratio=compression_ratio)
+                             scale_lanes=lanes, compression_ratio=compression_ratio,
+                             read_pages=read_pages)
     pages = itraffic.fetched_pages(q_lens, kv_lens, page_size=page_size,
                                    pages_per_seq=pages_per_seq, blocks=blocks,
                                    one_token_per_seq=one_token_per_seq, chunk_bytes=chunk_bytes,
-                                   compression_ratio=compression_ratio)
+                                   compression_ratio=compression_ratio, read_pages=read_pages)
     moved = model.bytes_moved - pages * page_size * (dim * itemsize - nib)
-    entries = sum(kl // compression_ratio for kl in kv_lens)
-    bytes_min = model.bytes_min - entries * (dim * itemsize + 4 - index_fp4_bytes(dim))
+    counts = [kl // compression_ratio for kl in kv_lens]
+    entries = sum(counts)
+    read = entries if read_pages is None else sum(
+        sum(max(0, min(page_size, n - p * page_size)) for p in set(ps))
+        for n, ps in zip(counts, read_pages, strict=True))
+    bytes_min = (model.bytes_min - entries * (dim * itemsize + 4)
+                 + read * index_fp4_bytes(dim))
     return dataclasses.replace(model, bytes_moved=moved, bytes_min=bytes_min,
                                dmas=model.dmas - pages)
 

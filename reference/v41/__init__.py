@@ -57,6 +57,7 @@ __all__ = [
 from reference.v41.candidates import (  # noqa: E402
     candidate_blocks,
     candidate_mask,
+    candidate_pages,
     restricted_topk,
     sort_key,
 )
@@ -64,6 +65,7 @@ from reference.v41.candidates import (  # noqa: E402
 __all__ += [
     "candidate_blocks",
     "candidate_mask",
+    "candidate_pages",
     "restricted_topk",
     "sort_key",
 ]

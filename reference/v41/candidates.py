@@ -153,6 +153,45 @@ def candidate_mask(candidates: jax.Array, *, n: int, block: int) -> jax.Array:
     return jnp.repeat(blocks, block, axis=1)[:, :n]
 
 
+@functools.partial(jax.jit, static_argnames=("table_len", "page_size", "pages_per_seq",
+                                             "block"))
+def candidate_pages(candidates: jax.Array, first_slot: jax.Array, *, table_len: int,
+                    page_size: int, pages_per_seq: int, block: int) -> jax.Array:
+    """The page-table slots holding an entry of some row's candidate blocks: what a consumer's
+    index scores need read (``pallas_kernels.indexer.v41_scores``: the other pages of the table
+    become -1, so the kernel never fetches them).
+
+    Args:
+      candidates: i32[T, C] block ids per row (``candidate_blocks``; ``-1`` slots select
+        nothing). Block ``c`` covers entries ``c * block .. c * block + block - 1``: the
+        sequence-local pages ``c * block // page_size .. (c * block + block - 1) //
+        page_size`` (a block may straddle pages), those below ``pages_per_seq``.
+      first_slot: i32[T] the page-table slot of each row's sequence's first page
+        (``RaggedBatch.first_slot``), negative for a row outside every sequence (nothing).
+      table_len: slots in the flat page table; page_size: entries per page.
+
+    Returns:
+      bool[table_len]: slot ``s`` is set iff some row's candidate block has an entry on it (the
+      union over the rows of each sequence: a prefill's rows share their sequence's pages).
+    """
+    _checks.integer("candidates", candidates)
+    _checks.rank("candidates", candidates, 2)
+    _checks.integer("first_slot", first_slot)
+    _checks.dim("first_slot", first_slot, 0, candidates.shape[0], "candidates.shape[0] (rows)")
+    for name, v in (("page_size", page_size), ("pages_per_seq", pages_per_seq),
+                    ("block", block)):
+        _checks.positive_int(name, v)
+    ids = candidates.astype(jnp.int32)
+    lo = ids * block // page_size
+    hi = (ids * block + block - 1) // page_size
+    slot0 = first_slot.astype(jnp.int32)[:, None, None]
+    page = lo[..., None] + jnp.arange(-(-block // page_size) + 1, dtype=jnp.int32)
+    ok = (ids[..., None] >= 0) & (page <= hi[..., None]) & (page < pages_per_seq) & (slot0 >= 0)
+    slot = jnp.where(ok, slot0 + page, table_len)
+    slot = jnp.where(slot < table_len, slot, table_len)  # a dump slot
+    return jnp.zeros((table_len + 1,), jnp.bool_).at[slot.reshape(-1)].set(True)[:table_len]
+
+
 @functools.partial(jax.jit, static_argnames=("k", "block"))
 def restricted_topk(scores: jax.Array, lens: jax.Array, candidates: jax.Array | None, *,
                     k: int, block: int) -> jax.Array:
