@@ -8,7 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from reference.v41 import candidate_blocks, candidate_mask, restricted_topk, sort_key
+from reference.v41 import (
+    candidate_blocks,
+    candidate_mask,
+    candidate_pages,
+    restricted_topk,
+    sort_key,
+)
 
 NAN = float("nan")
 INF = float("inf")
@@ -169,6 +175,28 @@ def test_candidate_mask_and_k_past_n():
     top = restricted_topk(jnp.asarray([[1.0, NAN, 3.0, -INF, 2.0]]), jnp.asarray([5]), None,
                           k=7, block=2)
     assert np.asarray(top).tolist() == [[1, 2, 4, 0, -1, -1, -1]]
+
+
+@pytest.mark.parametrize("page_size,block", [(16, 8), (4, 8), (16, 24), (8, 8)])
+def test_candidate_pages_are_the_pages_holding_a_candidate_entry(page_size, block):
+    """``candidate_pages`` against the definition (slot ``first_slot + j`` is set iff some row of
+    that sequence has a block with an entry on page ``j < pages_per_seq``): blocks straddling
+    pages, ``-1`` slots, ids past the capacity, rows outside every sequence (negative slot)."""
+    rng = np.random.default_rng()
+    pps, seqs, rows = 6, 3, 9
+    first = rng.choice([0, 1, 2, -1], rows) * pps
+    nblk = pps * page_size // block + 2  # a few ids past the capacity
+    cands = rng.integers(-1, nblk, (rows, 4)).astype(np.int32)
+    got = np.asarray(candidate_pages(jnp.asarray(cands), jnp.asarray(first, np.int32),
+                                     table_len=seqs * pps + 1, page_size=page_size,
+                                     pages_per_seq=pps, block=block))
+    want = np.zeros(seqs * pps + 1, bool)
+    for r in range(rows):
+        for c in cands[r]:
+            for e in range(c * block, c * block + block):
+                if c >= 0 and first[r] >= 0 and e // page_size < pps:
+                    want[first[r] + e // page_size] = True
+    np.testing.assert_array_equal(got, want)
 
 
 def test_bad_static_input_names_the_argument():

@@ -263,9 +263,9 @@ def _candidates(rng, q_lens, seq_lens, ratio, block, per_row=3):
 def test_candidate_scores_read_only_candidate_pages(block):
     """``candidates=``: a consumer's scores (prefill rows of 5 and 3, a decode row; blocks of 4,
     and of 24 entries that straddle pages of 16). Every page holding no row's candidate is
-    overwritten with 0xFF (NaN scales) and must stay unread; each row's scores equal the
-    reference's bit for bit on its own candidates' visible entries and are ``-inf``
-    elsewhere."""
+    overwritten with 0xFF (NaN scales: whatever such a page holds cannot matter); each row's
+    scores equal the reference's bit for bit on its own candidates' visible entries and are
+    ``-inf`` elsewhere, none NaN (that those pages are not fetched: the next test)."""
     rng = np.random.default_rng()
     ratio, q_lens, seq_lens = 2, [5, 1, 3], [200, 251, 90]
     q, w, pages, meta, keys = make_case(rng, q_lens=q_lens, seq_lens=seq_lens, ratio=ratio)
@@ -289,12 +289,13 @@ def test_candidate_scores_read_only_candidate_pages(block):
     assert not np.isnan(got).any() and np.isfinite(got).sum() > 20
 
 
-def test_candidate_reads_equal_the_model():
+@pytest.mark.parametrize("block", [8, 24])
+def test_candidate_reads_equal_the_model(block):
     """Decode rows with candidates under the interpreter's counter: one DMA per candidate page
-    (the NumPy set of pages holding a row's block), bytes and descriptors equal
-    ``v41_scores.traffic(read_pages=...)``, fewer than without candidates."""
+    (the NumPy set of pages holding a row's block; blocks of 24 straddle pages of 16), bytes
+    and descriptors equal ``v41_scores.traffic(read_pages=...)``, fewer than without."""
     rng = np.random.default_rng()
-    ratio, q_lens, seq_lens, block = 2, [1, 1, 1], [230, 17, 250], 8
+    ratio, q_lens, seq_lens = 2, [1, 1, 1], [230, 17, 250]
     q, w, pages, meta, _ = make_case(rng, q_lens=q_lens, seq_lens=seq_lens, ratio=ratio)
     cands, read = _candidates(rng, q_lens, seq_lens, ratio, block, per_row=2)
     blocks = resolve_blocks(None, block_rows=1, block_pages=2, chip=None,
@@ -308,12 +309,14 @@ def test_candidate_reads_equal_the_model():
               one_token_per_seq=True, compression_ratio=ratio)
     model = traffic(q_lens, seq_lens, **kw, read_pages=read)
     assert mine.dmas_unexecuted == 0
-    assert mine.count("hbm", "vmem", kind="dma") == sum(map(len, read))
+    fetched = [{p for p in ps if p * PS < kl // ratio} for kl, ps in zip(seq_lens, read,
+                                                                          strict=True)]
+    assert mine.count("hbm", "vmem", kind="dma") == sum(map(len, fetched))  # written pages
     assert mine.bytes(lane_padded=True) == model.bytes_moved
     assert mine.descriptors == model.dmas
     assert model.bytes_moved < traffic(q_lens, seq_lens, **kw).bytes_moved
-    on_read = sum(min(PS, kl // ratio - p * PS) for kl, ps in zip(seq_lens, read, strict=True)
-                  for p in ps)
+    on_read = sum(min(PS, kl // ratio - p * PS) for kl, ps in zip(seq_lens, fetched,
+                                                                  strict=True) for p in ps)
     assert model.bytes_min == 3 * H * (D * 2 + 4) + on_read * 68 + 3 * PPS * PS * 4
 
 
@@ -326,6 +329,13 @@ def test_entry_refusals_name_the_numbers():
         index_scores_v41(q, w, pages, *meta, **{**kw, "page_size": 256}, layer=1)
     with pytest.raises(ValueError, match="precision"):
         index_scores_v41(q, w, pages, *meta, **kw, layer=1, precision="fp8")
+    cands = jnp.zeros((q.shape[0], 4), jnp.int32)
+    with pytest.raises(TypeError, match="candidate_block must be a static Python int"):
+        index_scores_v41(q, w, pages, *meta, **kw, layer=1, candidates=cands)
+    with pytest.raises(ValueError,
+                       match=r"candidates.shape\[0\] must equal q.shape\[0\] \(rows\) = 2, got 3"):
+        index_scores_v41(q, w, pages, *meta, **kw, layer=1, candidates=jnp.zeros((3, 4), int),
+                         candidate_block=8)
 
 
 # ------------------------------------------------------------------------------- AOT gate
