@@ -40,14 +40,20 @@ def test_pages_hold_the_format_bit_for_bit(ps, dim):
 
 
 def test_record_planes_and_scale_words():
-    """Hand case: feature ``f`` of token 5 is byte ``f // 128`` of record word ``f % 128`` (row
-    5); its 16 scale bytes are words 20..23 of row ``ps`` (32 tokens a scale row)."""
+    """Hand case: feature ``f`` of token 5 sits at position ``P = 64 (f % 8) + f // 8`` of the
+    lane order, byte ``P // 128`` of record word ``P % 128`` (row 5); its 16 scale bytes are
+    words 20..23 of row ``ps`` (32 tokens a scale row)."""
     x = np.zeros((1, 128, 512), np.float32)
     x[0, 5, 130] = 448.0  # block 4 (features 128..159): scale 2^0, code 0x7E
     x[0, 5, 3] = -2.0 ** -8  # block 0: amax 2^-8 -> scale 2^-16 (2^-8 / 448 -> 2^-16)
     pages = np.asarray(wp.to_pages(encode_window_kv(jnp.asarray(x))))[0]
-    assert pages[5, 2] >> 8 & 0xFF == 0x7E  # feature 130 = 128 + 2: plane 1 of word 2
-    assert pages[5, 3] & 0xFF == 0x80 | 0x78  # -256 x 2^-16: sign | e4m3 256 (0x78)
+    assert pages[5, 16] >> 8 & 0xFF == 0x7E  # feature 130: P = 128 + 16, plane 1 of word 16
+    assert pages[5, 64] >> 8 & 0xFF == 0x80 | 0x78  # feature 3: P = 192; -256 x 2^-16
+    assert (pp.lane_order(512)[[144, 192]] == [130, 3]).all()
+    f = np.arange(512.0)
+    np.testing.assert_array_equal(np.asarray(pp.to_lane_order(jnp.asarray(f))),
+                                  pp.lane_order(512))
+    np.testing.assert_array_equal(np.asarray(pp.from_lane_order(pp.to_lane_order(f))), f)
     assert pages[128, 20] & 0xFF == 127 - 16 and pages[128, 21] & 0xFF == 127  # blocks 0, 4
 
 

@@ -21,6 +21,7 @@ pages yet (Pallas attention over V4.1's formats is issue 31's open part)."""
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 from reference.v41 import paged, row_pages
 from reference.v41.formats import COMPRESSED_BLOCK, compressed_kv_bytes
@@ -33,6 +34,29 @@ def layout(dim: int) -> row_pages.RowLayout:
     """``W = D / 4``, a record ``D / 8`` words (two a row), scales ``D / 64`` (sixteen a row)."""
     return row_pages.RowLayout(dim // WORD, dim // (2 * WORD),
                                -(-(dim // COMPRESSED_BLOCK) // WORD))
+
+
+def lane_order(dim: int) -> np.ndarray:
+    """``i64[D]``: the feature at each position of the *lane order* a kernel decodes a record to
+    (``pallas_kernels.v41_attention``): nibble plane ``q`` (bits ``4 q ..`` of every word) of an
+    entry's ``D / 8`` words holds features ``8 w + q``, so position ``P = q D / 8 + w`` is
+    feature ``8 (P % (D / 8)) + P // (D / 8)``: the features seen as ``[D / 8, 8]``,
+    transposed. The window records store their bytes in this order too, so both caches decode
+    to it with no lane shuffle (a query is permuted to it once)."""
+    return np.arange(dim).reshape(dim // 8, 8).T.reshape(-1)
+
+
+def to_lane_order(x: jax.Array) -> jax.Array:
+    """``x[..., D]`` in feature order -> lane order (``lane_order``): a reshape and a transpose,
+    no gather."""
+    d = x.shape[-1]
+    return jax.numpy.swapaxes(x.reshape(*x.shape[:-1], d // 8, 8), -1, -2).reshape(x.shape)
+
+
+def from_lane_order(x: jax.Array) -> jax.Array:
+    """``to_lane_order``'s inverse."""
+    d = x.shape[-1]
+    return jax.numpy.swapaxes(x.reshape(*x.shape[:-1], 8, d // 8), -1, -2).reshape(x.shape)
 
 
 def page_rows(page_size: int, dim: int) -> int:

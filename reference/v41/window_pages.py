@@ -5,10 +5,12 @@ scale bytes in scale rows after the records.
 Layout ``u32[L, P, R, W]`` (``W = D / 4`` words a record: 128 at ``D = 512``; ``R = ps +
 scale_rows(ps, D)``):
 
-- rows ``[0, ps)``: token ``t``'s record, row ``t``. Word ``l`` holds features ``l``, ``W + l``,
-  ``2 W + l``, ``3 W + l`` in its bytes 0..3 (little-endian): byte plane ``j`` of the record is
-  features ``j W .. (j + 1) W - 1``, MODEL1's record order (``reference.formats.model1``), so a
-  kernel decodes plane ``j`` to the ``j``-th quarter of the row on lanes, in feature order.
+- rows ``[0, ps)``: token ``t``'s record, row ``t``. Byte ``j`` (little-endian) of word ``l``
+  holds the feature at position ``j W + l`` of the pool's lane order
+  (``pool_pages.lane_order``: feature ``8 (P % (D / 8)) + P // (D / 8)`` at position ``P``):
+  byte plane ``j`` is positions ``j W .. (j + 1) W - 1``, so a kernel decodes plane ``j`` to
+  the ``j``-th quarter of the row on lanes, in the same order as the pool's nibble planes
+  (each lane's scale block depends on ``l % (D / 8)`` only: ``(l % (D / 8)) // 4``).
 - rows ``[ps, R)``: the ``D / 32`` ue8m0 bytes of each token as ``S = ceil(D / 128)`` words
   (little-endian, zero bytes padding the last), ``W / S`` tokens a row (32 at ``D = 512``):
   token ``t``'s words at row ``ps + t // (W / S)``, lanes ``S (t % (W / S)) ..``.
@@ -26,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from reference.v41 import paged, row_pages
+from reference.v41 import paged, pool_pages, row_pages
 from reference.v41.formats import WINDOW_BLOCK, window_kv_bytes
 
 PLANES = paged.WORD  # bytes per word: byte planes of a record
@@ -73,7 +75,7 @@ def bytes_per_token(page_size: int, dim: int) -> float:
 def _split(rows: jax.Array, dim: int):
     """Official rows ``u8[..., 33 D / 32]`` -> ``(record u32[..., W], scales u32[..., S])``."""
     w, s = record_words(dim), scale_words(dim)
-    planes = rows[..., :dim].reshape(*rows.shape[:-1], PLANES, w)
+    planes = pool_pages.to_lane_order(rows[..., :dim]).reshape(*rows.shape[:-1], PLANES, w)
     record = jax.lax.bitcast_convert_type(jnp.swapaxes(planes, -1, -2), jnp.uint32)
     sb = rows[..., dim:]
     sb = jnp.pad(sb, [(0, 0)] * (sb.ndim - 1) + [(0, s * SCALE_WORD_BYTES - sb.shape[-1])])
@@ -85,7 +87,7 @@ def _split(rows: jax.Array, dim: int):
 def _join(record: jax.Array, scales: jax.Array, dim: int) -> jax.Array:
     """``_split``'s inverse."""
     planes = jnp.swapaxes(jax.lax.bitcast_convert_type(record, jnp.uint8), -1, -2)
-    codes = planes.reshape(*record.shape[:-1], dim)
+    codes = pool_pages.from_lane_order(planes.reshape(*record.shape[:-1], dim))
     sb = jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(*scales.shape[:-1], -1)
     return jnp.concatenate([codes, sb[..., :dim // WINDOW_BLOCK]], axis=-1)
 
