@@ -108,42 +108,44 @@ def vmem_estimate(cfg: AttnConfig) -> int:
 
 def _window_keys(cfg: AttnConfig, meta, wbuf, wsbuf):
     """The window's decoded rows ``f32[S * seg, D]`` (zero where not attended) and their
-    validity ``bool[S * seg, 128]`` from the row's meta (SMEM) and the gathered rows."""
+    validity ``i32[S * seg, 128]`` (0 / 1; Mosaic selects no i1 vectors) from the row's meta
+    (SMEM) and the gathered rows."""
     s_n, seg, ps = cfg.segments, cfg.seg, cfg.page_size
     shape = (cfg.window_rows, INFO_LANES)
     r = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
     which, i = r // seg, r % seg
     base = jnp.zeros(shape, jnp.int32)
-    has = jnp.zeros(shape, jnp.bool_)
+    has = jnp.zeros(shape, jnp.int32)
     for s in range(s_n):
         base = jnp.where(which == s, meta[2 + s_n + s], base)
-        has = jnp.where(which == s, meta[2 + s] >= 0, has)
+        has = jnp.where(which == s, jnp.where(meta[2 + s] >= 0, 1, 0), has)
     tok = base + i
-    ok = has & (tok >= meta[1]) & (tok <= meta[0])
+    ok = jnp.where((has > 0) & (tok >= meta[1]) & (tok <= meta[0]), 1, 0)
     per = window_pages.tokens_per_scale_row(cfg.dim)
     slot = ((base % ps) + i) % per
     scales = jnp.concatenate([jnp.broadcast_to(wsbuf[s:s + 1], (seg, cfg.width))
                               for s in range(s_n)], axis=0)
     vals = decode.window_values(wbuf[...], scales, slot[:, :1], cfg.dim)
-    return jnp.where(ok[:, :1], vals, 0.0), ok
+    return jnp.where(ok[:, :1] > 0, vals, 0.0), ok
 
 
 def _pool_keys(cfg: AttnConfig, pinfo, pbuf, psbuf):
-    """The listed entries' decoded rows ``f32[k, D]`` and validity ``bool[k, 128]``."""
+    """The listed entries' decoded rows ``f32[k, D]`` and validity ``i32[k, 128]`` (0 / 1)."""
     off = pinfo[...]
-    ok = off >= 0
+    ok = jnp.where(off >= 0, 1, 0)
     lay = pool_pages.layout(cfg.dim)
     col = off[:, :1]
     vals = decode.pool_values(pbuf[...], col % lay.per_row, psbuf[...],
                               col % lay.per_scale_row, cfg.dim)
-    return jnp.where(ok[:, :1], vals, 0.0), ok
+    return jnp.where(ok[:, :1] > 0, vals, 0.0), ok
 
 
 def _to_lanes(ok):
-    """``bool[N, 128]`` (rows all equal along lanes) -> ``bool[1, N]``: a one-hot matmul on the
-    MXU (0 / 1 values: exact), the sublane vector onto lanes."""
-    e0 = (jax.lax.broadcasted_iota(jnp.int32, (tpu.SUBLANES, INFO_LANES), 1) == 0)
-    got = jax.lax.dot_general(e0.astype(jnp.float32), ok.astype(jnp.float32),
+    """``i32[N, 128]`` 0 / 1 (rows all equal along lanes) -> ``bool[1, N]``: a one-hot matmul on
+    the MXU (0 / 1 values: exact), the sublane vector onto lanes."""
+    lane = jax.lax.broadcasted_iota(jnp.int32, (tpu.SUBLANES, INFO_LANES), 1)
+    e0 = jnp.where(lane == 0, 1.0, 0.0)
+    got = jax.lax.dot_general(e0, ok.astype(jnp.float32),
                               (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return got[0:1] > 0.5
 
