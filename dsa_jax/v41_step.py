@@ -49,6 +49,7 @@ from dsa_jax.v41_model import (
     init_v41_states,
     v41_meta,
 )
+from pallas_kernels.v41_attention.entry import window_segments
 from reference.core import batch
 from reference.core import checks as _checks
 from reference.quant.bf16 import V4_DEFAULT_PRECISION, check_precision, rounding
@@ -72,25 +73,30 @@ SCORE_BLOCK_BYTES = 64 * 2**20
 
 class _Ops(NamedTuple):
     """The ops an implementation runs on its own code: ``compress`` (ratio-2 KV sources'
-    compressor, ``reference.v41.compress_step``'s signature) and ``scores`` (``_scores``')."""
+    compressor, ``reference.v41.compress_step``'s signature), ``scores`` (``_scores``') and
+    ``attend`` (``_attend``')."""
 
     compress: object
     scores: object
+    attend: object
 
 
 def _ops(implementation: str, kernel_options: tuple) -> _Ops:
-    """``"xla"``: ``reference.v41.compress_step`` and the jnp ``_scores``. ``"pallas"``:
-    ``pallas_kernels.v41_compressor.compress_step`` and the Pallas indexer over the index pages
-    (``pallas_kernels.indexer.v41_scores``), each with ``kernel_options`` (``interpret``,
-    ``vmem_limit_bytes``). Ratio 1's compressor is row-wise XLA on both."""
+    """``"xla"``: ``reference.v41.compress_step``, the jnp ``_scores`` and ``_attend``.
+    ``"pallas"``: ``pallas_kernels.v41_compressor.compress_step``, the Pallas indexer over the
+    index pages (``pallas_kernels.indexer.v41_scores``) and the Pallas attention over the
+    window and pool pages (``pallas_kernels.v41_attention``), each with ``kernel_options``
+    (``interpret``, ``vmem_limit_bytes``). Ratio 1's compressor is row-wise XLA on both."""
     if implementation == "xla":
-        return _Ops(compress_step, _scores)
+        return _Ops(compress_step, _scores, _attend)
     from pallas_kernels.indexer.v41_scores import index_scores_v41
+    from pallas_kernels.v41_attention import v41_attention
     from pallas_kernels.v41_compressor import compress_step as pallas_compress
 
     opts = dict(kernel_options)
     return _Ops(functools.partial(pallas_compress, **opts),
-                functools.partial(_pallas_scores, functools.partial(index_scores_v41, **opts)))
+                functools.partial(_pallas_scores, functools.partial(index_scores_v41, **opts)),
+                functools.partial(_pallas_attend, functools.partial(v41_attention, **opts)))
 
 
 def _paged(layout, caches: V41Caches, meta: V41Meta, name: str, ratio: int):
@@ -219,10 +225,10 @@ def _select(params, x, qr, cos_p, sin_p, source, plan, layout, caches, meta, row
     return L.select(score, lens, plan, c, cands)
 
 
-def _attend(q, layer, source, topk, layout, caches, meta, rows, sink, rb):
+def _attend(q, layer, source, topk, layout, caches, meta, rows, sink, precision):
     """One softmax per head of ``q f32[T, H, D]`` over each row's window tokens and (``source``
     not None) the ``topk i32[T, k]`` entries of that KV source's pool; ``f32[T, H, D]``."""
-    c = layout.config
+    c, rb = layout.config, rounding(precision)
     window, per = _paged(layout, caches, meta, "window", 0)
     bw = ragged(window, meta.kv_lens, meta.cu_q_lens, meta.distribution, pages_per_seq=per)
     idx = rows.abs_pos[:, None] + jnp.arange(1 - c.window_size, 1, dtype=jnp.int32)[None]
@@ -242,6 +248,32 @@ def _attend(q, layer, source, topk, layout, caches, meta, rows, sink, rb):
         kv, ok = jnp.concatenate([kv, pkv], axis=1), jnp.concatenate([ok, pok], axis=1)
     ok = ok.at[:, 0].set(ok[:, 0] | ~rows.in_seq)  # a row outside every sequence: finite, zeroed
     return L.attend(q[:, None], kv, ok[:, None], sink, c.head_dim ** -0.5, rb)[:, 0]
+
+
+def _pallas_attend(kernel, q, layer, source, topk, layout, caches, meta, rows, sink, precision):
+    """``_attend``'s array from the Pallas attention (``kernel``: ``v41_attention`` with the
+    kernel options) reading the window pages at stack row ``layer`` and the source's pool pages
+    in place: each window segment's and listed entry's page looked up here (``row_slots``,
+    ``-1`` where released, unwritten or outside the sequence)."""
+    c = layout.config
+    window, per = _paged(layout, caches, meta, "window", 0)
+    bw = ragged(window, meta.kv_lens, meta.cu_q_lens, meta.distribution, pages_per_seq=per)
+    pos = jnp.where(rows.in_seq, rows.abs_pos, -1)
+    base = window_segments(pos, window_size=c.window_size, page_size=layout.page_size,
+                           dim=c.head_dim)
+    page, _, ok = row_slots(jnp.where(rows.in_seq[:, None], base, -1), bw, rows)
+    pool = {}
+    if source is not None:
+        r, k = layout.source_slot(source)
+        kv, per = _paged(layout, caches, meta, f"pool{r}", r)
+        bp = ragged(kv, meta.kv_lens, meta.cu_q_lens, meta.distribution, pages_per_seq=per,
+                    ratio=r)
+        ppage, poff, pok = row_slots(topk, bp, rows)
+        pool = dict(pool_pages_=getattr(caches, f"pool{r}"), pool_page=jnp.where(pok, ppage, -1),
+                    pool_offset=poff, pool_layer=k)
+    return kernel(q, sink, caches.window, jnp.where(ok, page, -1), base, pos,
+                  window_size=c.window_size, page_size=layout.page_size, window_layer=layer,
+                  precision=precision, **pool)
 
 
 class _Projected(NamedTuple):
@@ -286,7 +318,7 @@ def _write_windows(rows_u8, layout, caches, meta):
         page_size=layout.page_size, dim=layout.config.head_dim))
 
 
-def _read_layer(p: _Projected, plan, layout, caches, meta, rows, pub, precision, scores):
+def _read_layer(p: _Projected, plan, layout, caches, meta, rows, pub, precision, ops):
     """Layer ``plan.layer``'s reads: its top-k (an index source) and attention, then the
     output stage; ``pub`` (source, topk, candidates) updated in place. ``f32[T, dim]``."""
     c, rb = layout.config, rounding(precision)
@@ -295,11 +327,11 @@ def _read_layer(p: _Projected, plan, layout, caches, meta, rows, pub, precision,
     if plan.mode in (Mode.FULL, Mode.REINDEX):
         pub["topk"], pub["candidates"] = _select(
             p.params, p.x, p.qr, p.cos_p, p.sin_p, pub["source"], plan, layout, caches, meta,
-            rows, pub["candidates"], rb, precision, scores)
+            rows, pub["candidates"], rb, precision, ops.scores)
         pub["tops"].append(pub["topk"])
     source = None if plan.mode is Mode.SWA else pub["source"]
-    o = _attend(p.q, plan.layer, source, pub["topk"], layout, caches, meta, rows,
-                p.params["attn_sink"], rb)
+    o = ops.attend(p.q, plan.layer, source, pub["topk"], layout, caches, meta, rows,
+                   p.params["attn_sink"], precision)
     out = L.layer_output(p.params, o[None], c, p.cos_p, p.sin_p, rb)[0]
     return jnp.where(rows.in_seq[:, None], out, 0.0)
 
@@ -322,7 +354,7 @@ def v41_step_body(params, xs, caches: V41Caches, states: tuple, meta: V41Meta, *
         windows.append(w)
     caches = _write_windows(jnp.stack(windows), layout, caches, meta)
     pub = {"source": None, "topk": None, "candidates": None, "tops": []}
-    out = jnp.stack([_read_layer(p, plan, layout, caches, meta, rows, pub, precision, ops.scores)
+    out = jnp.stack([_read_layer(p, plan, layout, caches, meta, rows, pub, precision, ops)
                      for p, plan in zip(projected, plans, strict=True)])
     out = out if precision == "f32" else out.astype(jnp.bfloat16)
     topk = (jnp.stack(pub["tops"]) if pub["tops"]

@@ -5,13 +5,14 @@ one-token decodes of both sequences; 0xFF caches, NaN states, permuted pages, re
 pages; every step each sequence's top-k on every FULL / REINDEX layer and candidate blocks
 identical to the statement's, outputs within ``dsa_jax.v41_cli.OUT_ULPS``).
 
-The suite runs the jnp step over 260 decodes and the Pallas step (strict interpreter) over 20 at
-pages of 16: each step shape's interpreted compile costs ~15 s, a decode ~0.3 s at pages of 16
-(more at pages of 4: the index scores' kernel DMAs one page at a time). This runs the long one:
+The suite runs the jnp step over 260 decodes and the Pallas step (strict interpreter: the
+compressor, the index scores and the attention on their kernels) over 10 at pages of 16: the
+step shapes' interpreted compiles cost ~55 s, a decode ~1.2 s at pages of 16 (more at pages of
+4: the kernels DMA one page or segment at a time). This runs the long one:
 
     python -m scripts.experiments.v41_lockstep --implementation pallas --decodes 260
 
-(323 s on 2 cores at pages of 4, session 23; prints the largest error and the time). CPU
+(prints the largest error and the time; BENCHMARKS.md has the runs). CPU
 only. ``--page-size`` sets the layout's pages (the suite's Pallas case runs at 16)."""
 
 from __future__ import annotations
