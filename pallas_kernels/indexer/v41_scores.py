@@ -81,11 +81,12 @@ def index_scores_v41(q: jax.Array, weights: jax.Array, cache_kv, seq_lens: jax.A
                      page_indices: jax.Array, cu_q_lens: jax.Array, cu_kv_lens: jax.Array,
                      distribution: jax.Array, *, pages_per_seq: int, page_size: int, dim: int,
                      one_token_per_seq: bool = False, compression_ratio: int = 1,
-                     precision: str = "bf16", layer=None, candidates: jax.Array | None = None,
-                     candidate_block: int | None = None, block_rows: int | None = None,
+                     precision: str = "bf16", layer=None, block_rows: int | None = None,
                      block_pages: int | None = None, chip: str | None = None,
                      score_chunk_bytes: int = SCORE_CHUNK_BYTES,
-                     vmem_limit_bytes: int | None = None, interpret=False) -> jax.Array:
+                     vmem_limit_bytes: int | None = None, interpret=False,
+                     candidates: jax.Array | None = None,
+                     candidate_block: int | None = None) -> jax.Array:
     """The lightning indexer's scores over V4.1 fp4 index pages, Pallas (the keys read in place,
     decoded in VMEM).
 

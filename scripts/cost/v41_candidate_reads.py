@@ -52,7 +52,7 @@ def rows(seed: int = 0):
     out = []
     for n in ENTRIES:
         pps = n // PAGE
-        blocks = resolve_blocks(None, block_rows=1, block_pages=None, chip="v6e",
+        blocks = resolve_blocks(None, block_rows=1, block_pages=None, chip=None,
                                 one_token_per_seq=True, pages_per_seq=pps, page_size=PAGE,
                                 mosaic=True)
         kw = dict(heads=c.index_n_heads, dim=c.index_head_dim, page_size=PAGE,
