@@ -163,7 +163,7 @@ def test_refusals_name_the_argument():
     args, kw, _ = make_case(np.random.default_rng(), **CASES["tiny_dims"])
     with pytest.raises(ValueError, match=r"window_page must be \[T, S\] = \[4, 3\]"):
         v41_attention(args[0], args[1], args[2], args[3][:, :2], *args[4:], **kw)
-    with pytest.raises(ValueError, match=r"window_pages must be u32\[L, P, 5, 16\]"):
+    with pytest.raises(ValueError, match=r"window_pages must be u32\[L, P, 8, 16\]"):
         v41_attention(args[0], args[1], args[2][:, :, :4], *args[3:], **kw)
     with pytest.raises(ValueError, match="precision"):
         v41_attention(*args, **kw, precision="fp8")

@@ -3,8 +3,9 @@ the window pages (``window_pages``: a record row of whole lanes per token in MOD
 byte-plane order, 32 tokens' ue8m0 scale words a scale row) and the pool pages (``pool_pages``:
 two entries' nibbles a record row, sixteen entries' e4m3 scale words a scale row) hold
 ``encode_window_kv``'s / ``encode_compressed_kv``'s bytes exactly, written and read per entry
-(several layers in one scatter, out-of-range pages dropped / read as zeros); 528 B a token and
-288 B an entry at V4.1's ``D = 512`` (pages of 128)."""
+(several layers in one scatter, out-of-range pages dropped / read as zeros); 544 B a token (528
+at pages of 256: rows padded to a multiple of 8) and 288 B an entry at V4.1's ``D = 512`` (pages
+of 128)."""
 
 from __future__ import annotations
 
@@ -35,8 +36,10 @@ def test_pages_hold_the_format_bit_for_bit(ps, dim):
     assert not np.asarray(wp.read_tokens(written, 0, 3, 0, page_size=ps, dim=dim)).any()
     dropped = wp.write_tokens(written, 0, 3, 0, rows[0, 0, 0], page_size=ps, dim=dim)
     np.testing.assert_array_equal(dropped, written)  # page 3 of 3: dropped
-    if dim == 512 and ps % 128 == 0:
+    if dim == 512 and ps % 256 == 0:  # 256 records + 8 scale rows: a multiple of 8 (TILE_ROWS)
         assert wp.bytes_per_token(ps, dim) == 528
+    if dim == 512 and ps == 128:  # 132 rows padded to 136
+        assert wp.bytes_per_token(ps, dim) == 544
 
 
 def test_record_planes_and_scale_words():

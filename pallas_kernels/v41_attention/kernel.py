@@ -106,6 +106,17 @@ def vmem_estimate(cfg: AttnConfig) -> int:
     return rows + keys + logits + blocks
 
 
+def cost_estimate(cfg: AttnConfig, rows: int, q_itemsize: int) -> pl.CostEstimate:
+    """Upper bound for ``rows`` rows (XLA's view of the call): every segment and listed entry
+    read (``entry.traffic`` counts the ones with a page), q and the f32 output once."""
+    row = 4 * cfg.width
+    per_row = (4 * cfg.meta_words + cfg.segments * (cfg.seg + 1) * row + 2 * cfg.topk * row
+               + cfg.heads * cfg.dim * (q_itemsize + 4))
+    keys = cfg.window_rows + cfg.topk
+    return pl.CostEstimate(flops=4 * rows * cfg.heads * cfg.dim * keys,
+                           transcendentals=rows * cfg.heads * keys, bytes_accessed=rows * per_row)
+
+
 def _window_keys(cfg: AttnConfig, meta, wbuf, wsbuf):
     """The window's decoded rows ``f32[S * seg, D]`` (zero where not attended) and their
     validity ``i32[S * seg, 128]`` (0 / 1; Mosaic selects no i1 vectors) from the row's meta
@@ -255,5 +266,6 @@ def attention_call(q, sink, meta, window_pages_, pool_pages_, layers, *, cfg: At
         out_shape=jax.ShapeDtypeStruct((t, cfg.heads, cfg.dim), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
                                              vmem_limit_bytes=vmem_limit_bytes),
+        cost_estimate=cost_estimate(cfg, t, q.dtype.itemsize),
         interpret=tpu.interpret_params(interpret),
     )(layers, *operands)

@@ -185,7 +185,8 @@ def candidate_pages(candidates: jax.Array, first_slot: jax.Array, *, table_len: 
     lo = ids * block // page_size
     hi = (ids * block + block - 1) // page_size
     slot0 = first_slot.astype(jnp.int32)[:, None, None]
-    page = lo[..., None] + jnp.arange(-(-block // page_size) + 1, dtype=jnp.int32)
+    span = 1 if page_size % block == 0 else -(-block // page_size) + 1  # pages a block touches
+    page = lo[..., None] + jnp.arange(span, dtype=jnp.int32)
     ok = (ids[..., None] >= 0) & (page <= hi[..., None]) & (page < pages_per_seq) & (slot0 >= 0)
     slot = jnp.where(ok, slot0 + page, table_len)
     slot = jnp.where(slot < table_len, slot, table_len)  # a dump slot

@@ -18,6 +18,13 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+# A 32-bit TPU tile's rows (sublanes; pallas_kernels.tpu.SUBLANES on the kernel side). A page's
+# row count is a multiple of it: with 132 rows (pages of 128 window tokens: 128 records + 4
+# scale rows) TPU's default layout of the stack u32[L, P, 132, W] put the page axis second-minor
+# (no row padding), and a kernel reading the stack in place (Mosaic takes the row-major layout)
+# then cost a copy of the whole stack per step (scripts/cost/v41_step_cost.py, measured).
+TILE_ROWS = 8
+
 
 @dataclass(frozen=True)
 class RowLayout:
@@ -44,8 +51,10 @@ class RowLayout:
         return -(-page_size // self.per_scale_row)
 
     def rows(self, page_size: int) -> int:
-        """Rows of a page, ``R``."""
-        return self.record_rows(page_size) + self.scale_rows(page_size)
+        """Rows of a page, ``R``: the record and scale rows, rounded up to ``TILE_ROWS`` (padding
+        rows after them, never read)."""
+        used = self.record_rows(page_size) + self.scale_rows(page_size)
+        return -(-used // TILE_ROWS) * TILE_ROWS
 
     def bytes_per_entry(self, page_size: int) -> float:
         return 4 * self.rows(page_size) * self.width / page_size
@@ -96,7 +105,7 @@ def read(lay: RowLayout, pages: jax.Array, layer, page_id, offset, *,
 
 def pack(lay: RowLayout, record: jax.Array, scales: jax.Array) -> jax.Array:
     """``record u32[..., ps, record]``, ``scales u32[..., ps, scale]`` -> pages ``u32[..., R,
-    W]`` (unused words zero)."""
+    W]`` (unused words and the padding rows zero)."""
     *lead, ps, _ = record.shape
 
     def rows_of(x, n, words, count):
@@ -104,22 +113,23 @@ def pack(lay: RowLayout, record: jax.Array, scales: jax.Array) -> jax.Array:
         x = x.reshape(*lead, count, n * words)
         return jnp.pad(x, [(0, 0)] * len(lead) + [(0, 0), (0, lay.width - n * words)])
 
+    pad = lay.rows(ps) - lay.record_rows(ps) - lay.scale_rows(ps)
     return jnp.concatenate([rows_of(record, lay.per_row, lay.record, lay.record_rows(ps)),
-                            rows_of(scales, lay.per_scale_row, lay.scale, lay.scale_rows(ps))],
-                           axis=-2)
+                            rows_of(scales, lay.per_scale_row, lay.scale, lay.scale_rows(ps)),
+                            jnp.zeros((*lead, pad, lay.width), record.dtype)], axis=-2)
 
 
 def unpack(lay: RowLayout, pages: jax.Array, page_size: int) -> tuple[jax.Array, jax.Array]:
     """``pack``'s inverse: ``(record u32[..., ps, record], scales u32[..., ps, scale])``."""
     *lead, _, _ = pages.shape
-    nr = lay.record_rows(page_size)
+    nr, ns = lay.record_rows(page_size), lay.scale_rows(page_size)
 
     def of_rows(x, n, words):
         x = x[..., :n * words].reshape(*lead, -1, words)
         return x[..., :page_size, :]
 
     return (of_rows(pages[..., :nr, :], lay.per_row, lay.record),
-            of_rows(pages[..., nr:, :], lay.per_scale_row, lay.scale))
+            of_rows(pages[..., nr:nr + ns, :], lay.per_scale_row, lay.scale))
 
 
 @dataclass(frozen=True)
