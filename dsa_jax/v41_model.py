@@ -7,14 +7,14 @@ whole 128-lane rows at V4.1-Flash's dims), stacked and read in place by stack ro
 
 - ``window u32[L, Pw, R, W]``: every layer's window kv (fp8 e4m3, ue8m0 per 32) as window pages
   (``reference.v41.window_pages``: a 512-B record row per token, then scale rows; ``W = 128``
-  and 528 B a token at ``D = 512`` and page sizes that are multiples of 128), page table
+  and 544 B a token at ``D = 512`` and pages of 128, 528 at multiples of 256), page table
   ``window_page_indices`` / ``window_cu_lens`` in tokens;
 - per compressed ratio ``r`` in {1, 2} that has a KV source, row ``k`` of each stack the
   ``k``-th KV source of that ratio (page table ``r{r}_page_indices`` / ``r{r}_cu_lens`` in
   entries of ratio ``r``; ``None`` for a ratio without KV sources):
   ``pool{r} u32[Kr, Pr, R, W]``, the compressed kv (fp4 e2m1, e4m3 per 16) as pool pages
   (``reference.v41.pool_pages``: two entries' codes a record row, sixteen entries' scales a
-  scale row; 288 B an entry at ``D = 512`` and page sizes that are multiples of 16), and
+  scale row; 288 B an entry at ``D = 512`` and page sizes that are multiples of 128), and
   ``keys{r} u8[Kr, Pr, G, 4, 128]``, the index keys (fp4, ue8m0 per 32) as V4.1 index pages
   (``reference.v41.index_pages``: entries along lanes, 68 B an entry at page sizes that are
   multiples of 128; what the Pallas indexer reads with one DMA a page).

@@ -26,9 +26,11 @@ on its own input rows; the window rows of all layers go in one scatter), so ever
 precedes every read and XLA keeps one buffer per donated stack; every cache is read in place at
 its stack row. The output is the layer's ``wo_b`` output (bf16 values under ``"bf16"``), rows
 outside every sequence zeros. ``implementation``: ``"xla"`` (this pure-jnp path, the default) or
-``"pallas"``: the ratio-2 compressor on its Pallas kernel (``pallas_kernels.v41_compressor``)
-and the index scores on the Pallas indexer over the index pages
-(``pallas_kernels.indexer.v41_scores``); the selection and attention jnp on both."""
+``"pallas"``: the ratio-2 compressor on its Pallas kernel (``pallas_kernels.v41_compressor``),
+the index scores on the Pallas indexer over the index pages
+(``pallas_kernels.indexer.v41_scores``; a candidate consumer's fetching only the pages holding
+its candidates) and the attention on the Pallas kernel over the window and pool pages
+(``pallas_kernels.v41_attention``); the selection jnp on both."""
 
 from __future__ import annotations
 

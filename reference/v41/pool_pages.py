@@ -10,13 +10,16 @@ Layout ``u32[K, P, R, W]``, ``W = D / 4`` words a row (128 at ``D = 512``):
 - scale rows: its ``D / 16`` e4m3 scale bytes as ``D / 64`` words at row ``ceil(ps / 2) + e //
   16``, lanes ``(e % 16) D / 64 ..``.
 
-Bytes per entry ``4 R W / ps``: **288** for ``D = 512`` at page sizes that are multiples of 16
-(the format's own). Why: the step's pool rows ``u32[.., 72]`` (288 B as words) are not whole
-lane rows, so every top-k entry was a gather of 72 words, one index an entry of less than a
-row, which XLA's TPU model prices as a per-element gather; here each entry is two row-sized
-gathers (its record row, its scale row) and a compare-select. Pure bit moves of
-``encode_compressed_kv``'s bytes: ``read_entries`` returns them exactly. No kernel reads these
-pages yet (Pallas attention over V4.1's formats is issue 31's open part)."""
+Bytes per entry ``4 R W / ps``: **288** for ``D = 512`` at page sizes that are multiples of 128
+(the format's own; a page's rows are padded to a multiple of 8, ``row_pages.TILE_ROWS``). Why:
+the step's pool rows ``u32[.., 72]`` (288 B as words) are not whole lane rows, so every top-k
+entry was a gather of 72 words, one index an entry of less than a row, which XLA's TPU model
+prices as a per-element gather; here each entry is two row-sized gathers (its record row, its
+scale row) and a compare-select.
+Pure bit moves of
+``encode_compressed_kv``'s bytes: ``read_entries`` returns them exactly. The Pallas attention
+(``pallas_kernels.v41_attention``) reads them in place, a record row and a scale row an entry,
+decoded to the lane order (``lane_order``)."""
 
 from __future__ import annotations
 

@@ -15,9 +15,10 @@ scale_rows(ps, D)``):
   (little-endian, zero bytes padding the last), ``W / S`` tokens a row (32 at ``D = 512``):
   token ``t``'s words at row ``ps + t // (W / S)``, lanes ``S (t % (W / S)) ..``.
 
-The rows, reads and writes are ``row_pages``' (one record a row here). Bytes per token ``4 R W /
-ps``: **528** for ``D = 512`` at page sizes that are multiples of 128
-(512 record + 16 scale bytes: the format's own), nothing padded. Why: the stored rows are
+The rows, reads and writes are ``row_pages``' (one record a row here; a page's rows padded to a
+multiple of 8, ``row_pages.TILE_ROWS``). Bytes per token ``4 R W / ps``: **544** for ``D = 512``
+at pages of 128 (132 rows padded to 136), **528** at multiples of 256 (512 record + 16 scale
+bytes: the format's own, nothing padded). Why: the stored rows are
 whole 128-lane rows at V4.1's ``D``, so XLA keeps the stack in its own layout. The earlier
 ``u32[.., 132]`` rows (528 B as words) are not whole lane tiles, and XLA laid the donated stack
 out transposed and copied it twice a step (``scripts/cost/v41_step_cost.py``). Pure bit moves
