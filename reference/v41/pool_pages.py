@@ -15,9 +15,8 @@ Bytes per entry ``4 R W / ps``: **288** for ``D = 512`` at page sizes that are m
 the step's pool rows ``u32[.., 72]`` (288 B as words) are not whole lane rows, so every top-k
 entry was a gather of 72 words, one index an entry of less than a row, which XLA's TPU model
 prices as a per-element gather; here each entry is two row-sized gathers (its record row, its
-scale row) and a compare-select.
-Pure bit moves of
-``encode_compressed_kv``'s bytes: ``read_entries`` returns them exactly. The Pallas attention
+scale row) and a compare-select. Pure bit moves of ``encode_compressed_kv``'s bytes:
+``read_entries`` returns them exactly. The Pallas attention
 (``pallas_kernels.v41_attention``) reads them in place, a record row and a scale row an entry,
 decoded to the lane order (``lane_order``)."""
 
