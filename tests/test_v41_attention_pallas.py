@@ -14,11 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from dsa_jax.v41_cli import OUT_MEAN_ULPS, OUT_ULPS
-from pallas_kernels import aot, chips
+from pallas_kernels import aot, chips, tpu
 from pallas_kernels.measure import interpret_counter as counter
+from pallas_kernels.v41_attention import decode
 from pallas_kernels.v41_attention.entry import traffic, v41_attention, window_segments
 from pallas_kernels.v41_attention.kernel import AttnConfig
 from reference.quant.bf16 import rounding
@@ -92,6 +94,39 @@ def make_case(rng, *, dim, heads, ps, window, topk, positions, pool_len):
     kw = dict(window_size=window, page_size=ps, window_layer=1, pool_pages_=pool,
               pool_page=jnp.asarray(ppage), pool_offset=jnp.asarray(poff), pool_layer=1)
     return args, kw, (wrows, prows, lists)
+
+
+@pytest.mark.parametrize("dim,ps", [(512, 128), (64, 16)])
+def test_decode_is_the_format_bit_for_bit(dim, ps):
+    """``decode.window_values`` / ``pool_values`` in a kernel (strict interpreter) equal
+    ``decode_window_kv`` / ``decode_compressed_kv`` of the official bytes, in the lane order,
+    bit for bit: every token of a page (each scale slot, each record half), block magnitudes
+    2^-20..2^20, NaN blocks."""
+    rng = np.random.default_rng()
+    x = rng.standard_normal((ps, dim)) * 2.0 ** rng.integers(-20, 20, (ps, 1))
+    x[3, 40:45] = np.nan
+    t = np.arange(ps)
+    for encode, decode_ref, to_pages, lay, fn in (
+            (encode_window_kv, decode_window_kv, wp.to_pages, wp.layout(dim), "window"),
+            (encode_compressed_kv, decode_compressed_kv, pp.to_pages, pp.layout(dim), "pool")):
+        rows = encode(jnp.asarray(x, jnp.float32))
+        page = to_pages(rows[None])[0]
+        rec = page[t // lay.per_row]
+        scales = page[lay.record_rows(ps) + t // lay.per_scale_row]
+        half = jnp.asarray((t % lay.per_row)[:, None], jnp.int32)
+        slot = jnp.asarray((t % lay.per_scale_row)[:, None], jnp.int32)
+
+        def kernel(r, h, sc, sl, o, fn=fn):
+            if fn == "window":
+                o[...] = decode.window_values(r[...], sc[...], sl[...], dim)
+            else:
+                o[...] = decode.pool_values(r[...], h[...], sc[...], sl[...], dim)
+
+        got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((ps, dim), jnp.float32),
+                             interpret=tpu.interpret_params(True))(rec, half, scales, slot)
+        want = pp.to_lane_order(decode_ref(rows))
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint32),
+                                      np.asarray(want).view(np.uint32), err_msg=fn)
 
 
 def _reference(q, sink, positions, window, truth, precision):
