@@ -227,23 +227,28 @@ def _select(params, x, qr, cos_p, sin_p, source, plan, layout, caches, meta, row
     return L.select(score, lens, plan, c, cands)
 
 
+def _slots(layout, caches, meta, rows, name: str, ratio: int, idx):
+    """``(PagedBytes, page, offset, ok)`` of rows ``idx i32[T, n]`` (sequence-local, ``-1``
+    none) of cache ``name`` (``window``, ``pool{r}``): ``row_slots`` under its page table."""
+    kv, per = _paged(layout, caches, meta, name, ratio)
+    b = ragged(kv, meta.kv_lens, meta.cu_q_lens, meta.distribution, pages_per_seq=per,
+               ratio=max(ratio, 1))
+    return (kv, *row_slots(idx, b, rows))
+
+
 def _attend(q, layer, source, topk, layout, caches, meta, rows, sink, precision):
     """One softmax per head of ``q f32[T, H, D]`` over each row's window tokens and (``source``
     not None) the ``topk i32[T, k]`` entries of that KV source's pool; ``f32[T, H, D]``."""
     c, rb = layout.config, rounding(precision)
-    window, per = _paged(layout, caches, meta, "window", 0)
-    bw = ragged(window, meta.kv_lens, meta.cu_q_lens, meta.distribution, pages_per_seq=per)
     idx = rows.abs_pos[:, None] + jnp.arange(1 - c.window_size, 1, dtype=jnp.int32)[None]
-    page, offset, ok = row_slots(jnp.where(idx >= 0, idx, -1), bw, rows)
+    window, page, offset, ok = _slots(layout, caches, meta, rows, "window", 0,
+                                      jnp.where(idx >= 0, idx, -1))
     got = window_pages.read_tokens(window.cache.pages, layer, page, offset,
                                    page_size=layout.page_size, dim=c.head_dim)
     kv = jnp.where(ok[..., None], formats.decode_window_kv(got), 0.0)
     if source is not None:
         r, k = layout.source_slot(source)
-        pool, per = _paged(layout, caches, meta, f"pool{r}", r)
-        bp = ragged(pool, meta.kv_lens, meta.cu_q_lens, meta.distribution, pages_per_seq=per,
-                    ratio=r)
-        page, offset, pok = row_slots(topk, bp, rows)
+        pool, page, offset, pok = _slots(layout, caches, meta, rows, f"pool{r}", r, topk)
         got = pool_pages.read_entries(pool.cache.pages, k, page, offset,
                                       page_size=layout.page_size, dim=c.head_dim)
         pkv = jnp.where(pok[..., None], formats.decode_compressed_kv(got), 0.0)
@@ -258,19 +263,15 @@ def _pallas_attend(kernel, q, layer, source, topk, layout, caches, meta, rows, s
     in place: each window segment's and listed entry's page looked up here (``row_slots``,
     ``-1`` where released, unwritten or outside the sequence)."""
     c = layout.config
-    window, per = _paged(layout, caches, meta, "window", 0)
-    bw = ragged(window, meta.kv_lens, meta.cu_q_lens, meta.distribution, pages_per_seq=per)
     pos = jnp.where(rows.in_seq, rows.abs_pos, -1)
     base = window_segments(pos, window_size=c.window_size, page_size=layout.page_size,
                            dim=c.head_dim)
-    page, _, ok = row_slots(jnp.where(rows.in_seq[:, None], base, -1), bw, rows)
+    _, page, _, ok = _slots(layout, caches, meta, rows, "window", 0,
+                            jnp.where(rows.in_seq[:, None], base, -1))
     pool = {}
     if source is not None:
         r, k = layout.source_slot(source)
-        kv, per = _paged(layout, caches, meta, f"pool{r}", r)
-        bp = ragged(kv, meta.kv_lens, meta.cu_q_lens, meta.distribution, pages_per_seq=per,
-                    ratio=r)
-        ppage, poff, pok = row_slots(topk, bp, rows)
+        _, ppage, poff, pok = _slots(layout, caches, meta, rows, f"pool{r}", r, topk)
         pool = dict(pool_pages_=getattr(caches, f"pool{r}"), pool_page=jnp.where(pok, ppage, -1),
                     pool_offset=poff, pool_layer=k)
     return kernel(q, sink, caches.window, jnp.where(ok, page, -1), base, pos,
