@@ -148,8 +148,9 @@ def run_v41(args, progress) -> int:
     cmp = None
     if args.dsa_use_pallas:
         pal = results["pallas"]
-        print("pallas: the ratio-2 compressor on its Pallas kernel, the other ops jnp (no "
-              "Pallas kernel reads V4.1's cache formats yet)")
+        print("pallas: the ratio-2 compressor, the index scores over the index pages and the "
+              "attention over the window and pool pages on their Pallas kernels; the selection "
+              "jnp")
         cmp = compare(res.out, pal.out, res.topk, pal.topk, "bf16")
     with progress("statement"):
         line, ok = _statement_check(params, xs, res, q_lens, kv_lens, c, layout)
@@ -157,6 +158,6 @@ def run_v41(args, progress) -> int:
     lines, status = verdict("the V4.1 step", nan, timings, cmp,
                             None if ok else "the step disagrees with the statement",
                             hint="and agrees with the statement; --dsa-use-pallas adds the "
-                                 "Pallas compressor")
+                                 "Pallas kernels")
     print("\n".join(lines))
     return status

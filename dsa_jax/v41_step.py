@@ -67,7 +67,8 @@ __all__ = ["V41Caches", "V41Meta", "V41StepLayout", "V41StepResult", "init_v41_c
            "init_v41_states", "v41_meta", "v41_step"]
 
 IMPLEMENTATIONS = ("xla", "pallas")
-KERNEL_OPTIONS = ("interpret", "vmem_limit_bytes")  # the Pallas compressor's and indexer's
+# every Pallas kernel's options (compressor, indexer, attention)
+KERNEL_OPTIONS = ("interpret", "vmem_limit_bytes")
 # What the jnp index scores hold at once (``_scores``: gathered bytes, decoded keys, dots of a
 # block of entries for every row); the scores themselves are ``f32[T, E]``.
 SCORE_BLOCK_BYTES = 64 * 2**20
