@@ -35,6 +35,7 @@ from reference.v41.formats import (
 )
 from tests.v4_bf16_oracle import out_error
 
+pytestmark = pytest.mark.kernel_gate  # the three gates: also run on the newest jax (README)
 POISON = 0xFFFFFFFF
 NUM_PAGES = 24
 
