@@ -203,6 +203,28 @@ def test_refusals_name_the_argument():
         v41_attention(args[0], args[1], args[2][:, :, :4], *args[3:], **kw)
     with pytest.raises(ValueError, match="precision"):
         v41_attention(*args, **kw, precision="fp8")
+    with pytest.raises(ValueError, match=r"pool_layer=2 is outside \[0, 2\)"):
+        v41_attention(*args, **{**kw, "pool_layer": 2})
+
+
+def test_bad_runtime_values_read_nothing():
+    """A traced layer outside its stack, page ids outside ``[0, P)`` and offsets outside the
+    page are never read (the strict interpreter raises on an out-of-bounds read): the window
+    only, or nothing (zeros)."""
+    case = CASES["tiny_dims"]
+    args, kw, truth = make_case(np.random.default_rng(), **case)
+    only_window = _reference(np.asarray(args[0]), np.asarray(args[1]), case["positions"],
+                             case["window"], (*truth[:2], np.full_like(truth[2], -1)), "bf16")
+    bad = {**kw, "pool_page": jnp.where(kw["pool_page"] >= 0, NUM_PAGES + 3, -1)}
+    bad_off = {**kw, "pool_offset": kw["pool_offset"] + case["ps"]}
+    rows = [r for r, (s, _) in enumerate(case["positions"]) if s >= 0]
+    for change in (bad, bad_off):
+        got = np.asarray(v41_attention(*args, **change, interpret=True))
+        assert max(out_error(got[r], only_window[r])[0] for r in rows) <= OUT_ULPS
+    got = jax.jit(lambda layer: v41_attention(*args, **{**kw, "window_layer": layer,
+                                                         "pool_layer": layer},
+                                              interpret=True))(jnp.int32(5))
+    np.testing.assert_array_equal(np.asarray(got), 0.0)
 
 
 @pytest.mark.parametrize("chip", chips.NAMES)

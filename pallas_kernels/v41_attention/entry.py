@@ -62,8 +62,16 @@ def _check(q, sink, window_pages_, window_page, window_base, positions, pool, cf
                              f"pool_pages, got {None if x is None else list(x.shape)}")
 
 
-@functools.partial(jax.jit, static_argnames=("window_size", "page_size", "precision", "chip",
-                                             "vmem_limit_bytes", "interpret"))
+def _valid(page, num_pages: int, layer, num_layers: int, offset=None, page_size: int = 0):
+    """``page`` where it can be read (``[0, num_pages)``, the stack row ``layer`` inside
+    ``[0, num_layers)``, ``offset`` inside ``[0, page_size)``), else ``-1`` (never read)."""
+    layer = jnp.asarray(layer, jnp.int32)
+    ok = (page >= 0) & (page < num_pages) & (layer >= 0) & (layer < num_layers)
+    if offset is not None:
+        ok = ok & (offset >= 0) & (offset < page_size)
+    return jnp.where(ok, page, -1).astype(jnp.int32)
+
+
 def v41_attention(q: jax.Array, sink: jax.Array, window_pages_: jax.Array,
                   window_page: jax.Array, window_base: jax.Array, positions: jax.Array, *,
                   window_size: int, page_size: int, window_layer=0,
@@ -80,7 +88,30 @@ def v41_attention(q: jax.Array, sink: jax.Array, window_pages_: jax.Array,
     sequence); ``positions i32[T]``: each row's token position (its window ``max(0, p -
     window_size + 1) .. p``; tokens outside it are never attended). ``pool_page / pool_offset
     i32[T, k]``: each listed entry's page id (``-1``: not attended) and offset in it.
-    ``sink f32[H]``. Returns ``f32[T, H, D]`` (rounded to bf16 values under ``"bf16"``)."""
+    ``sink f32[H]``. Returns ``f32[T, H, D]`` (rounded to bf16 values under ``"bf16"``).
+
+    Bad values: a Python-int layer outside its stack is a ``ValueError``; a traced one, a page
+    id outside ``[0, P)`` or an offset outside the page reads nothing (the segment or entry is
+    not attended; a row left with no key gives zeros)."""
+    for name, layer, stack in (("window_layer", window_layer, window_pages_),
+                               ("pool_layer", pool_layer, pool_pages_)):
+        if stack is not None and isinstance(layer, (int, np.integer)) \
+                and not isinstance(layer, bool) and not 0 <= int(layer) < stack.shape[0]:
+            raise ValueError(f"{_WHERE}: {name}={int(layer)} is outside [0, {stack.shape[0]}) "
+                             f"(the stack's rows)")
+    return _attention(q, sink, window_pages_, window_page, window_base, positions,
+                      window_size=window_size, page_size=page_size, window_layer=window_layer,
+                      pool_pages_=pool_pages_, pool_page=pool_page, pool_offset=pool_offset,
+                      pool_layer=pool_layer, precision=precision, chip=chip,
+                      vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("window_size", "page_size", "precision", "chip",
+                                             "vmem_limit_bytes", "interpret"))
+def _attention(q, sink, window_pages_, window_page, window_base, positions, *, window_size,
+               page_size, window_layer, pool_pages_, pool_page, pool_offset, pool_layer,
+               precision, chip, vmem_limit_bytes, interpret) -> jax.Array:
+    """``v41_attention`` after its static layer checks (jitted)."""
     checks.positive_int("window_size", window_size, _WHERE)
     checks.positive_int("page_size", page_size, _WHERE)
     if precision not in ("bf16", "f32"):
@@ -92,10 +123,12 @@ def v41_attention(q: jax.Array, sink: jax.Array, window_pages_: jax.Array,
     t = q.shape[0]
     pos = positions.astype(jnp.int32)
     first = jnp.maximum(pos - window_size + 1, 0)
-    parts = [pos[:, None], first[:, None], window_page.astype(jnp.int32),
-             window_base.astype(jnp.int32)]
+    wpage = _valid(window_page, window_pages_.shape[1], window_layer, window_pages_.shape[0])
+    parts = [pos[:, None], first[:, None], wpage, window_base.astype(jnp.int32)]
     if topk:
-        parts += [pool_page.astype(jnp.int32), pool_offset.astype(jnp.int32)]
+        ppage = _valid(pool_page, pool_pages_.shape[1], pool_layer, pool_pages_.shape[0],
+                       pool_offset, page_size)
+        parts += [ppage, pool_offset.astype(jnp.int32)]
     meta = jnp.concatenate(parts, axis=1)
     if t == 0:
         return jnp.zeros(q.shape, jnp.float32)
