@@ -227,10 +227,12 @@ def test_bad_runtime_values_read_nothing():
     np.testing.assert_array_equal(np.asarray(got), 0.0)
 
 
+@pytest.mark.parametrize("with_pool", [True, False], ids=["window+pool", "window only"])
 @pytest.mark.parametrize("chip", chips.NAMES)
-def test_compiles_at_flash_dims(chip):
+def test_compiles_at_flash_dims(chip, with_pool):
     """AOT Mosaic compile (libtpu on CPU) at V4.1-Flash's attention: 64 heads x 512, window
-    128, top-512 entries, pages of 128, a 16-row decode, stacks of 2 read at layer 1."""
+    128, top-512 entries, pages of 128, a 16-row decode, stacks of 2 read at layer 1; and the
+    window-only kernel of the SWA layers (no pool operands)."""
     t, h, d, ps, k = 16, 64, 512, 128, 512
     seg_n = AttnConfig(h, d, 128, ps, k, "bf16").segments
     f = jax.ShapeDtypeStruct
@@ -240,9 +242,9 @@ def test_compiles_at_flash_dims(chip):
     pool = (f((2, 64, pp.page_rows(ps, d), d // 4), jnp.uint32), f((t, k), jnp.int32),
             f((t, k), jnp.int32))
 
-    def call(q, sink, win, wpage, base, pos, pool_, ppage, poff):
+    def call(q, sink, win, wpage, base, pos, *pool_args):
+        kw = dict(zip(("pool_pages_", "pool_page", "pool_offset"), pool_args, strict=False))
         return v41_attention(q, sink, win, wpage, base, pos, window_size=128, page_size=ps,
-                             window_layer=1, pool_pages_=pool_, pool_page=ppage,
-                             pool_offset=poff, pool_layer=1, chip=chip)
+                             window_layer=1, pool_layer=1, chip=chip, **kw)
 
-    aot.aot_compile(call, [*args, *pool], chip, "V4.1 attention pages")
+    aot.aot_compile(call, [*args, *(pool if with_pool else ())], chip, "V4.1 attention pages")
