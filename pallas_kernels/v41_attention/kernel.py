@@ -175,12 +175,13 @@ def _issue(cfg: AttnConfig, layers, meta, win_hbm, pool_hbm, wbuf, wsbuf, pbuf, 
     """Start (``wait=False``) or wait for (``True``) every DMA of the row: two a window segment
     with a page, two a listed entry with a page. The pool offsets column is written on start."""
     s_n, seg, ps = cfg.segments, cfg.seg, cfg.page_size
-    per_w = window_pages.tokens_per_scale_row(cfg.dim)
+    wlay = window_pages.layout(cfg.dim)
+    per_w, w_rec = wlay.per_scale_row, wlay.record_rows(ps)
     for s in range(s_n):
         pid, off = meta[2 + s], meta[2 + s_n + s] % ps
         _dmas(pid >= 0, ((win_hbm.at[layers[0], pid, pl.ds(off, seg)],
                           wbuf.at[pl.ds(s * seg, seg)]),
-                         (win_hbm.at[layers[0], pid, pl.ds(ps + off // per_w, 1)],
+                         (win_hbm.at[layers[0], pid, pl.ds(w_rec + off // per_w, 1)],
                           wsbuf.at[pl.ds(s, 1)])), sem, wait)
 
     if not cfg.topk:
