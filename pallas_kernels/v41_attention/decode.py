@@ -29,16 +29,12 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from reference.quant import fp8
-from reference.v41.formats import (
-    COMPRESSED_BLOCK,
-    WINDOW_BLOCK,
-    e2m1_values,
-    ue8m0_values,
-)
+from reference.v41 import paged, pool_pages, window_pages
+from reference.v41.formats import COMPRESSED_BLOCK, WINDOW_BLOCK, e2m1_values, ue8m0_values
 
 BYTE_BITS = 8
-WORD_BYTES = 4
-NIBBLES = 8  # nibbles a word
+WORD_BYTES = paged.WORD
+NIBBLES = 2 * WORD_BYTES  # nibbles a word
 
 
 def _align(rows, slot, words: int):
@@ -78,7 +74,7 @@ def _e4m3(codes):
 def window_values(records, scale_rows, slot, dim: int):
     """Window tokens -> ``f32[N, D]`` in the lane order (module docstring)."""
     records, scale_rows = records.astype(jnp.uint32), scale_rows.astype(jnp.uint32)
-    words = -(-(dim // WINDOW_BLOCK) // WORD_BYTES)
+    words = window_pages.scale_words(dim)
     blocks = _lane_blocks(records.shape, dim, WINDOW_BLOCK)
     scale = ue8m0_values(_spread_bytes(_align(scale_rows, slot, words)[:, :words], blocks))
     planes = [_e4m3((records >> (BYTE_BITS * j)) & jnp.uint32(0xFF)) * scale
@@ -89,8 +85,8 @@ def window_values(records, scale_rows, slot, dim: int):
 def pool_values(records, half, scale_rows, slot, dim: int):
     """Pool entries -> ``f32[N, D]`` in the lane order (module docstring)."""
     records, scale_rows = records.astype(jnp.uint32), scale_rows.astype(jnp.uint32)
-    width, part = records.shape[-1], dim // NIBBLES  # W lanes; D / 8 words an entry
-    words = dim // COMPRESSED_BLOCK // WORD_BYTES
+    lay = pool_pages.layout(dim)
+    width, part, words = records.shape[-1], lay.record, lay.scale  # W; D / 8; D / 64 words
     blocks = _lane_blocks(records.shape, dim, COMPRESSED_BLOCK)
     scale = _e4m3(_spread_bytes(_align(scale_rows, slot, words)[:, :words], blocks))
     mine = jnp.where(half == 1, pltpu.roll(records, width - part, 1), records)  # lanes < D/8
