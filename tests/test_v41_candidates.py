@@ -211,3 +211,21 @@ def test_bad_static_input_names_the_argument():
         restricted_topk(s, jnp.zeros(2), None, k=2, block=4)
     with pytest.raises(ValueError, match="candidates"):
         restricted_topk(s, lens, jnp.zeros((3, 2), jnp.int32), k=2, block=4)
+
+
+@pytest.mark.parametrize("n,block,c", [(50, 4, 5), (50, 4, 13), (33, 1, 7)])
+def test_restricted_topk_takes_candidates_in_any_order(n, block, c):
+    """Unsorted ids, repeats, ``-1`` anywhere and ids past the row: the set they name, on both
+    of ``restricted_topk``'s paths (``c * block < n``: only the candidate entries gathered and
+    ranked; otherwise the whole row masked), against the oracle; bf16 ties included."""
+    rng = np.random.default_rng()
+    s, lens = _random_rows(rng, 12, n)
+    s = np.round(s * 2) / 2  # coarse values: ties across blocks
+    nb = -(-n // block)
+    cands = rng.integers(-1, nb + 3, (12, c)).astype(np.int32)
+    cands[:, -1] = cands[:, 0]  # a repeat in every row
+    for dtype in (jnp.float32, jnp.bfloat16):
+        top = np.asarray(restricted_topk(jnp.asarray(s, dtype), jnp.asarray(lens, jnp.int32),
+                                         jnp.asarray(cands), k=9, block=block))
+        sv = np.asarray(jnp.asarray(s, dtype).astype(jnp.float32))
+        assert (top == oracle_topk(sv, lens, cands, 9, block)).all()

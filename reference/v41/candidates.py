@@ -202,7 +202,10 @@ def restricted_topk(scores: jax.Array, lens: jax.Array, candidates: jax.Array | 
     Args:
       scores: f32|bf16[T, N] this layer's index scores; entries ``j >= lens[t]`` never read.
       lens: i32[T] visible entries per row, in ``[0, N]``.
-      candidates: i32[T, C] block ids per row (``candidate_blocks``), ``-1`` tail; or None.
+      candidates: i32[T, C] block ids per row (``candidate_blocks``: ascending, ``-1`` tail;
+        any order works: ``-1``, ids outside ``[0, ceil(N / block))`` and repeats add nothing);
+        or None. Where ``C * block < N`` only the candidate entries are gathered (one index a
+        block) and ranked: the same result for ``C * block`` entries' work, not ``N``'s.
       k: ``index_topk`` (may exceed ``N``); block: ``candidate_block_size``.
 
     Returns:
@@ -216,8 +219,45 @@ def restricted_topk(scores: jax.Array, lens: jax.Array, candidates: jax.Array | 
     _checks.positive_int("block", block)
     ok = _visible(lens, n)
     if candidates is not None:
+        _checks.integer("candidates", candidates)
+        _checks.rank("candidates", candidates, 2)
         _checks.dim("candidates", candidates, 0, rows, "scores.shape[0] (rows)")
+        if candidates.shape[1] * block < n:  # fewer candidate entries than entries
+            return _compact_topk(scores, lens, candidates, k, block)
         ok = ok & candidate_mask(candidates, n=n, block=block)
     key = jnp.where(ok, sort_key(scores), jnp.int32(KEY_NEG_INF))
     top, idx = _top_keys(key, k)
+    return jnp.where(top > KEY_NEG_INF, idx, -1).astype(jnp.int32)
+
+
+def _unique_blocks(candidates: jax.Array, num_blocks: int) -> jax.Array:
+    """``i32[T, C]`` block ids -> each row's distinct ids in ``[0, num_blocks)`` ascending, the
+    rest (``-1``, out of range, repeats) as ``num_blocks`` at the end: a sort, then repeats
+    dropped."""
+    ids = candidates.astype(jnp.int32)
+    ids = jnp.sort(jnp.where((ids >= 0) & (ids < num_blocks), ids, num_blocks), axis=-1)
+    repeat = jnp.pad(ids[:, 1:] == ids[:, :-1], ((0, 0), (1, 0)))
+    return jnp.sort(jnp.where(repeat, num_blocks, ids), axis=-1)
+
+
+def _compact_topk(scores, lens, candidates, k, block):
+    """``restricted_topk`` over the candidate entries only: each row's distinct blocks gathered
+    whole (one index a block of ``block`` scores, ascending: a compact position orders as its
+    entry, so the lower-index tie rule carries over), the top-``k`` over ``C * block`` keys,
+    mapped back to entries. The same result as masking the whole row, at ``C * block`` entries'
+    work instead of ``N``'s (the long rows: 16384 against 10^6 at V4.1-Flash)."""
+    rows, n = scores.shape
+    nb = -(-n // block)
+    ids = _unique_blocks(candidates, nb)  # [T, C], nb = none
+    x = jnp.pad(scores, ((0, 0), (0, nb * block - n))) if n % block else scores
+    start = jnp.minimum(ids, nb - 1) * block  # a real block for the none slots (masked below)
+    # one slice of ``block`` scores an index, the row left as it lies (viewing it [nb, block]
+    # would pad ``block`` lanes to 128 on TPU: a 16x copy of the row)
+    got = jax.vmap(lambda r, st: jax.vmap(
+        lambda s0: jax.lax.dynamic_slice_in_dim(r, s0, block))(st))(x, start)  # [T, C, block]
+    ent = ids[..., None] * block + jnp.arange(block, dtype=jnp.int32)
+    ok = (ids[..., None] < nb) & (ent < jnp.minimum(lens.astype(jnp.int32), n)[:, None, None])
+    key = jnp.where(ok, sort_key(got), jnp.int32(KEY_NEG_INF)).reshape(rows, -1)
+    top, pos = _top_keys(key, k)
+    idx = jnp.take_along_axis(ent.reshape(rows, -1), jnp.maximum(pos, 0), axis=1)
     return jnp.where(top > KEY_NEG_INF, idx, -1).astype(jnp.int32)
