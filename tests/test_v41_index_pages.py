@@ -259,6 +259,15 @@ def _candidates(rng, q_lens, seq_lens, ratio, block, per_row=3):
     return np.asarray(rows, np.int32), read
 
 
+def _poison_unread(pages, meta, read):
+    """Layer 1's pages that no sequence's candidates touch (``read``) overwritten with 0xFF."""
+    table = np.asarray(meta[1])
+    unread = [table[s * PPS + p] for s, pages_s in enumerate(read) for p in range(PPS)
+              if p not in pages_s and 0 <= table[s * PPS + p] < NUM_PAGES]
+    assert unread, "the case must leave pages unread"
+    return pages.at[1, np.asarray(unread)].set(POISON)
+
+
 @pytest.mark.parametrize("block", [4, 24])
 def test_candidate_scores_read_only_candidate_pages(block):
     """``candidates=``: a consumer's scores (prefill rows of 5 and 3, a decode row; blocks of 4,
@@ -270,11 +279,7 @@ def test_candidate_scores_read_only_candidate_pages(block):
     ratio, q_lens, seq_lens = 2, [5, 1, 3], [200, 251, 90]
     q, w, pages, meta, keys = make_case(rng, q_lens=q_lens, seq_lens=seq_lens, ratio=ratio)
     cands, read = _candidates(rng, q_lens, seq_lens, ratio, block)
-    table = np.asarray(meta[1])
-    unread = [table[s * PPS + p] for s, pages_s in enumerate(read) for p in range(PPS)
-              if p not in pages_s and 0 <= table[s * PPS + p] < NUM_PAGES]
-    assert unread, "the case must leave pages unread"
-    pages = pages.at[1, np.asarray(unread)].set(POISON)
+    pages = _poison_unread(pages, meta, read)
     got = np.asarray(index_scores_v41(
         q, w, pages, *meta, pages_per_seq=PPS, page_size=PS, dim=D, compression_ratio=ratio,
         layer=1, block_rows=4, block_pages=2, candidates=jnp.asarray(cands),
@@ -287,6 +292,30 @@ def test_candidate_scores_read_only_candidate_pages(block):
     want = np.where(mine, want, -np.inf)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     assert not np.isnan(got).any() and np.isfinite(got).sum() > 20
+
+
+@pytest.mark.parametrize("block", [4, 32])
+def test_topk_among_candidates(block):
+    """``index_topk_v41(candidates=)`` in chunks of 4 rows (each chunk takes its own rows'
+    candidates), pages no candidate touches poisoned: each row's top-``k`` among its own
+    candidate entries in the declared order (the definition's oracle, ``test_v41_candidates``)
+    over the reference's scores; ``-1`` tail and on the padding row. Blocks of 4: 5 ids x 4 <
+    128 entries, only the candidate entries ranked; of 32: 160 >= 128, the whole row masked."""
+    from tests.test_v41_candidates import oracle_topk
+
+    rng = np.random.default_rng()
+    ratio, q_lens, seq_lens, k = 2, [5, 1, 3], [200, 251, 90], 12
+    q, w, pages, meta, keys = make_case(rng, q_lens=q_lens, seq_lens=seq_lens, ratio=ratio)
+    cands, read = _candidates(rng, q_lens, seq_lens, ratio, block)
+    got = np.asarray(index_topk_v41(
+        q, w, _poison_unread(pages, meta, read), *meta, k=k, pages_per_seq=PPS, page_size=PS,
+        dim=D, compression_ratio=ratio, layer=1, block_rows=1,
+        score_chunk_bytes=4 * PPS * PS * 4, candidates=jnp.asarray(cands),
+        candidate_block=block, interpret=True))
+    scores = _reference(q, w, keys, q_lens, seq_lens, ratio, "bf16")
+    want = oracle_topk(scores, [PPS * PS] * len(scores), cands, k, block)
+    np.testing.assert_array_equal(got, want)
+    assert (got[-1] == -1).all() and (got[:-1, 0] >= 0).all()
 
 
 @pytest.mark.parametrize("block", [8, 24])

@@ -4,15 +4,16 @@ package's token top-k at ratio 1 and V4.1's indexer dims (32 heads x 128, top-51
 (``scripts/cost/v41_long_rows.py`` has every shape, chip and key format; the numbers are in
 ``docs/v41.md``).
 
-Three compiles, one chip each: a 4 x 1M decode with bf16 keys (one chunk of 4 rows, 16 MiB);
+Compiles, one chip each: a 4 x 1M decode with bf16 keys (one chunk of 4 rows, 16 MiB);
 the same decode over fp8 index pages with a 4 MiB score chunk (4 chunks of 1 row in a loop: the
 bound is a quarter of the 16 MiB of all rows' scores, so it holds only if the chunks are not
 materialised together); and a 1024-row prefill chunk at 128K (8 chunks of 128 rows, 64 MiB
-each, against 512 MiB of all rows' scores). A 1M prefill at the table's block rows (16: the
-kernel's score row buffers ``f32[2, 16, 1M]``, 128 MiB, outgrow VMEM) now compiles because the
-entry cuts the row block to fit (``blocks.resolve_blocks``): gated on the chip with the least
-VMEM. Not gated: the 32 x 1M decode at pages of 64 (refused: its page table outgrows SMEM;
-the script records it)."""
+each, against 512 MiB of all rows' scores); the 4 x 1M decode over V4.1's fp4 index pages,
+plain and as a candidate consumer's exact top-k among 2048 blocks of 8. A 1M prefill at the
+table's block rows (16: the kernel's score row buffers ``f32[2, 16, 1M]``, 128 MiB, outgrow
+VMEM) now compiles because the entry cuts the row block to fit (``blocks.resolve_blocks``):
+gated on the chip with the least VMEM. Not gated: the 32 x 1M decode at pages of 64
+(refused: its page table outgrows SMEM; the script records it)."""
 
 from __future__ import annotations
 
@@ -74,3 +75,25 @@ def test_the_row_block_is_cut_to_fit_the_score_rows_in_vmem():
             blocks.vmem_budget(chip) or b.block_rows == 1
         assert blocks.resolve_blocks(None, pages_per_seq=16384, mosaic=False,
                                      **kw).block_rows == 16
+
+
+def test_a_candidate_consumers_top_k_compiles_bounded():
+    """``index_topk_v41(candidates=i32[4, 2048])`` at 4 x 1M (a REINDEX layer's exact top-k
+    among its candidate blocks of 8): its temporaries within one score chunk plus 64 B a
+    candidate entry (the exact top-k over whole rows needs 8 chunks: a sort) and no XLA array
+    above the chunk. The ranking sees only the 16384 candidate entries of a row. Refused by
+    this bound, as measured: gathering them through a ``[N / 8, 8]`` view of the row (256 MiB
+    of temp: 8 lanes padded to 128), and the chunk's ``-inf`` row mask left unfused before the
+    gather (a second chunk in VMEM)."""
+    chip = list(aot.CHIPS)[len(_GATES) % len(aot.CHIPS)]
+    case = icases.v41_long_case("V4.1 decode 4x1048576", "fp4 pages", exact=True,
+                                candidates=True)
+    cfg = icases.v41_flash()
+    entries = cfg.candidate_topk_blocks * cfg.candidate_block_size
+    r = lr.measure(case, chip, k=K, exact=True, candidate_entries=entries)
+    assert r["ok"], r.get("error")
+    # one chunk, not the exact sort's 8: 16 MiB + 4 MiB of candidate entries + the k term
+    assert r["bound"] == lr.temp_bound(r["chunk_bytes"], r["rows"], K, True, entries)
+    assert r["bound"] < lr.temp_bound(r["chunk_bytes"], r["rows"], K, False) + 5 * lr.MiB
+    assert r["temp"] + r["xla_vmem"] <= r["bound"], r
+    assert r["largest"].bytes <= r["chunk_bytes"], r["largest"]

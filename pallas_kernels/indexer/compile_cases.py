@@ -226,8 +226,8 @@ V41_FP4_MIN_PAGE = v41_index_pages.LANES  # fp4 pages below 128 entries pad thei
 
 
 def v41_long_case(name: str, key_format: str = "bf16", *, exact: bool = False,
-                  score_chunk_bytes: int | None = None,
-                  shape: tuple | None = None) -> aot.CompileCase:
+                  score_chunk_bytes: int | None = None, shape: tuple | None = None,
+                  candidates: bool = False) -> aot.CompileCase:
     """One V4.1 long-row case: ``streamindex_topk`` (bf16 keys),
     ``streamindex_topk_fp8_pages`` (``key_format="fp8 pages"``) or ``v41_scores.index_topk_v41``
     (``"fp4 pages"``, V4.1's own format, pages of at least ``V41_FP4_MIN_PAGE``) at
@@ -235,9 +235,14 @@ def v41_long_case(name: str, key_format: str = "bf16", *, exact: bool = False,
     (or ``shape``: ``(q_lens, kv_lens, one_token_per_seq, page_size[, quick, block_rows])``),
     ratio 1, V4.1's indexer dims; ``exact``: ``lax.top_k`` (the official ``torch.topk``'s
     exact set) instead of the default approximate top-k; ``score_chunk_bytes``: the entry's
-    knob (``None``: its default ``SCORE_CHUNK_BYTES``)."""
+    knob (``None``: its default ``SCORE_CHUNK_BYTES``); ``candidates`` (fp4 pages only): a
+    candidate consumer's top-k, ``candidates i32[T, candidate_topk_blocks]`` of
+    ``candidate_block_size`` entries (the last spec; exact, the model reads every page: an
+    upper bound, the pages read depend on the ids)."""
     if key_format not in V41_KEY_FORMATS:
         raise ValueError(f"key_format must be one of {V41_KEY_FORMATS}, got {key_format!r}")
+    if candidates and key_format != "fp4 pages":
+        raise ValueError(f"candidates need key_format='fp4 pages', got {key_format!r}")
     cfg = v41_flash()
     heads, dim, k = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
     q_lens, kv_lens, otp, page, *rest = shape if shape is not None else V41_LONG_SHAPES[name]
@@ -257,6 +262,11 @@ def v41_long_case(name: str, key_format: str = "bf16", *, exact: bool = False,
             (specs[2].shape[0], *v41_pages.page_shape(page, dim)), jnp.uint8)
         entry = v41_scores.index_topk_v41
         knobs.update(page_size=page, dim=dim)
+    if candidates:
+        specs.append(jax.ShapeDtypeStruct((specs[0].shape[0], cfg.candidate_topk_blocks),
+                                          jnp.int32))
+        entry = functools.partial(_last_as_candidates, entry)
+        knobs["candidate_block"] = cfg.candidate_block_size
     if block_rows is not None:
         knobs["block_rows"] = block_rows
     chunk = SCORE_CHUNK_BYTES if score_chunk_bytes is None else score_chunk_bytes
@@ -282,8 +292,15 @@ def v41_long_case(name: str, key_format: str = "bf16", *, exact: bool = False,
                        page_mode=False, one_token_per_seq=otp, chunk_bytes=chunk)
 
     tags = ("v41", "long", "decode" if otp else "prefill") + (("exact",) if exact else ())
-    label = f"{name} {key_format} keys k={k}" + (" exact" if exact else "")
+    label = (f"{name} {key_format} keys k={k}" + (" exact" if exact else "")
+             + (f" among {cfg.candidate_topk_blocks} blocks" if candidates else ""))
     return aot.CompileCase("streamindex_topk V4.1 r=1", label, fn_for_chip, specs, model, tags)
+
+
+def _last_as_candidates(entry, *arrays, **knobs):
+    """``entry(*arrays[:-1], candidates=arrays[-1], **knobs)``: a compile case's specs are
+    positional."""
+    return entry(*arrays[:-1], candidates=arrays[-1], **knobs)
 
 
 def v41_long_cases(quick: bool) -> list[aot.CompileCase]:

@@ -49,7 +49,7 @@ def select_rows(q, weights, cache_kv, meta, *, k: int, page_mode: bool, pages_pe
     b = batch.RaggedBatch.of(cache_kv, *meta, pages_per_seq=pages_per_seq,
                              compression_ratio=compression_ratio)
 
-    def finish(scores, row_ok, key_pos, kv_eff):  # keys: work_list's per-row facts
+    def finish(scores, row_ok, key_pos, kv_eff, _row0):  # keys: work_list's per-row facts
         context = (causal_page_count(key_pos, kv_eff, b.page_size) if page_mode
                    else selection.causal_token_count(key_pos, kv_eff))
         idx = selection.select_and_merge(scores, k, jnp.where(row_ok, context, 0),
@@ -69,11 +69,12 @@ def score_and_select(q, weights, cache_kv, b: batch.RaggedBatch, *, one_token_pe
                      vmem_limit_bytes: int | None, interpret, out_width: int, out_dtype,
                      finish, chip: str | None = None, layer=None,
                      index_quant: str | None = None, precision: str = "f32",
-                     causal_rule: str = "official") -> jax.Array:
+                     causal_rule: str = "official", mask_rows: bool = True) -> jax.Array:
     """Score the rows in chunks of ``C`` rows (one kernel call each, inside a ``fori_loop``) and
     hand each chunk to ``finish(scores f32[C, N], row_ok bool[C], key_pos i32[C],
-    kv_eff i32[C]) -> [C, out_width]`` (``key_pos``: the row's last visible key, its absolute
-    position for tokens; ``kv_eff``: its sequence's keys; ``work_list``). Rows outside every
+    kv_eff i32[C], row0 i32[]) -> [C, out_width]`` (``key_pos``: the row's last visible key, its
+    absolute position for tokens; ``kv_eff``: its sequence's keys; ``work_list``; ``row0``: the
+    chunk's first row, its rows ``row0 .. row0 + C - 1``). Rows outside every
     sequence get ``-inf`` scores.
     ``cache_kv`` is one layer, or a stacked cache read in place at ``layer``
     (``reference.stacked``: the kernel gets the stack and the layer as a scalar).
@@ -83,7 +84,10 @@ def score_and_select(q, weights, cache_kv, b: batch.RaggedBatch, *, one_token_pe
     (checked by the entry): ``"bf16"`` casts q to bf16 and rounds the weights to bf16 here, the
     kernel casts the key tiles and rounds as ``reference.indexer.scores.index_scores``.
     ``causal_rule``: ``"official"`` (``j < (p + 1) // r``) or ``"tpu_inference"`` (``j <= p //
-    r``, tokamax's; ``records``)."""
+    r``, tokamax's; ``records``). ``mask_rows=False``: the rows outside every sequence reach
+    ``finish`` as the kernel left them (unwritten), for a ``finish`` that masks its output by
+    ``row_ok`` itself and reads only part of the scores (where the ``-inf`` select would not
+    fuse into its reads: a copy of the chunk)."""
     read = stacked.resolve("cache_kv", cache_kv, layer)
     cache_kv = read.stacked
     total_rows, pages_per_seq = q.shape[0], b.pages_per_seq
@@ -113,8 +117,9 @@ def score_and_select(q, weights, cache_kv, b: batch.RaggedBatch, *, one_token_pe
                                 vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
         scores = scores[:, :width]
         row_ok = row_slot >= 0
-        scores = jnp.where(row_ok[:, None], scores, NEG_INF)
-        return finish(scores, row_ok, abs_pos, kv_eff)
+        if mask_rows:
+            scores = jnp.where(row_ok[:, None], scores, NEG_INF)
+        return finish(scores, row_ok, abs_pos, kv_eff, row0)
 
     n_chunks = -(-total_rows // c)
     if n_chunks == 1:

@@ -229,7 +229,7 @@ def streamindex_topk_records(q: jax.Array, weights: jax.Array, cache_kv: jax.Arr
                              distribution, pages_per_seq=pages_per_seq,
                              compression_ratio=compression_ratio)
 
-    def finish(scores, row_ok, _key_pos, _kv_eff):
+    def finish(scores, row_ok, *_):
         idx, vals = selection.select_topk_scored(scores, k, exact=True)
         bits = jax.lax.bitcast_convert_type(vals.astype(jnp.float32), jnp.int32)
         neg = jax.lax.bitcast_convert_type(jnp.float32(-jnp.inf), jnp.int32)

@@ -21,7 +21,7 @@ from reference.core import batch, checks
 from reference.formats import stacked
 from reference.indexer.args import check_index_precision, check_indexer_args, check_topk_args
 from reference.indexer.selection import DEFAULT_RECALL_TARGET
-from reference.v41.candidates import candidate_mask, candidate_pages
+from reference.v41.candidates import candidate_mask, candidate_pages, restricted_topk
 from reference.v41.formats import index_fp4_bytes
 
 _STATICS = ("pages_per_seq", "page_size", "dim", "one_token_per_seq", "block_rows",
@@ -171,7 +171,8 @@ def traffic(q_lens, kv_lens, *, heads: int, dim: int, page_size: int, pages_per_
 
 
 @_checks_layer
-@functools.partial(jax.jit, static_argnames=_STATICS + ("k", "recall_target", "exact"))
+@functools.partial(jax.jit, static_argnames=_STATICS + ("k", "recall_target", "exact",
+                                                       "candidate_block"))
 def index_topk_v41(q: jax.Array, weights: jax.Array, cache_kv, seq_lens: jax.Array,
                    page_indices: jax.Array, cu_q_lens: jax.Array, cu_kv_lens: jax.Array,
                    distribution: jax.Array, *, k: int, pages_per_seq: int, page_size: int,
@@ -180,16 +181,24 @@ def index_topk_v41(q: jax.Array, weights: jax.Array, cache_kv, seq_lens: jax.Arr
                    exact: bool = False, layer=None, block_rows: int | None = None,
                    block_pages: int | None = None, chip: str | None = None,
                    score_chunk_bytes: int = SCORE_CHUNK_BYTES,
-                   vmem_limit_bytes: int | None = None, interpret=False) -> jax.Array:
+                   vmem_limit_bytes: int | None = None, interpret=False,
+                   candidates: jax.Array | None = None,
+                   candidate_block: int | None = None) -> jax.Array:
     """Token (entry) top-``k`` over V4.1 fp4 index pages: ``index_scores_v41``' scores, one chunk
     of ``score_chunk_bytes`` rows at a time, each chunk reduced to its rows' top-``k`` before the
     next (``scoring.select_rows``: the package's token selection, ``exact`` ``lax.top_k`` or
     the approximate top-k at ``recall_target``), so the program's temporaries are bounded by the
     chunk and ``k``, not by rows x context (the long rows of ``scripts.cost.v41_long_rows``).
-    Arguments as ``index_scores_v41``. Returns ``i32[T, k]`` sequence-local entries by
-    descending score, ``-1`` padding (and for rows outside every sequence)."""
+    Arguments as ``index_scores_v41``. ``candidates`` (a V4.1 consumer's ``i32[T, C]`` block
+    ids of ``candidate_block`` entries): only the pages holding a candidate of some row of the
+    sequence are fetched (as ``index_scores_v41``), and each chunk's rows take the top-``k``
+    among their own candidate entries by ``reference.v41.restricted_topk`` (exact, the declared
+    V4.1 tie rule: NaN first, value descending, lower index; ``recall_target`` and ``exact`` do
+    not apply), which ranks only the ``C * candidate_block`` candidate entries where they are
+    fewer than the row's. Returns ``i32[T, k]`` sequence-local entries by descending score,
+    ``-1`` padding (and for rows outside every sequence)."""
     meta = (seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution)
-    cache, _, chip, blocks = _prepare(
+    cache, one, chip, blocks = _prepare(
         lambda keys: check_topk_args(
             (q, weights, keys, *meta), k=k, k_name="k", pages_per_seq=pages_per_seq,
             one_token_per_seq=one_token_per_seq, num_segments=0, fill="tail",
@@ -197,9 +206,43 @@ def index_topk_v41(q: jax.Array, weights: jax.Array, cache_kv, seq_lens: jax.Arr
             compression_ratio=compression_ratio),
         cache_kv, layer, page_size, dim, precision, score_chunk_bytes, vmem_limit_bytes, chip,
         block_rows, block_pages, one_token_per_seq, pages_per_seq, interpret)
+    if candidates is not None:
+        return _restricted_topk(q, weights, cache, one, meta, candidates, candidate_block, k=k,
+                                pages_per_seq=pages_per_seq, page_size=page_size,
+                                one_token_per_seq=one_token_per_seq,
+                                compression_ratio=compression_ratio, blocks=blocks, chip=chip,
+                                chunk_bytes=score_chunk_bytes, vmem_limit_bytes=vmem_limit_bytes,
+                                interpret=interpret, layer=layer, precision=precision)
     return select_rows(q, weights, cache, meta, k=k, page_mode=False,
                        pages_per_seq=pages_per_seq, one_token_per_seq=one_token_per_seq,
                        num_segments=0, fill="tail", recall_target=recall_target, exact=exact,
                        blocks=blocks, chip=chip, chunk_bytes=score_chunk_bytes,
                        vmem_limit_bytes=vmem_limit_bytes, interpret=interpret, layer=layer,
                        compression_ratio=compression_ratio, precision=precision)
+
+
+def _restricted_topk(q, weights, cache, one, meta, candidates, candidate_block, *, k, pages_per_seq,
+                     page_size, one_token_per_seq, compression_ratio, blocks, chip, chunk_bytes,
+                     vmem_limit_bytes, interpret, layer, precision):
+    """``index_topk_v41`` given ``candidates``: the candidate pages' scores a chunk of rows at a
+    time, each chunk's top-``k`` among its rows' candidates (``restricted_topk``)."""
+    b = batch.RaggedBatch.of(one, *meta, pages_per_seq=pages_per_seq,
+                             compression_ratio=compression_ratio)
+    table = _candidate_table(candidates, candidate_block, q, meta, b, page_size, pages_per_seq,
+                             one_token_per_seq)
+    b = batch.RaggedBatch.of(one, meta[0], table, *meta[2:], pages_per_seq=pages_per_seq,
+                             compression_ratio=compression_ratio)
+    ids = candidates.astype(jnp.int32)
+
+    def finish(scores, row_ok, _key_pos, _kv_eff, row0):
+        rows = scores.shape[0]
+        mine = jax.lax.dynamic_slice_in_dim(ids, row0, rows, 0)
+        every = jnp.full((rows,), scores.shape[1], jnp.int32)  # the kernel masked the rest
+        top = restricted_topk(scores, every, mine, k=k, block=candidate_block)
+        return jnp.where(row_ok[:, None], top, -1)  # other rows' scores unwritten: mask_rows
+
+    return score_and_select(q, weights, cache, b, one_token_per_seq=one_token_per_seq,
+                            page_mode=False, blocks=blocks, chunk_bytes=chunk_bytes,
+                            vmem_limit_bytes=vmem_limit_bytes, interpret=interpret, chip=chip,
+                            out_width=k, out_dtype=jnp.int32, finish=finish, layer=layer,
+                            precision=precision, mask_rows=False)

@@ -25,8 +25,14 @@ The jnp reference path (``implementation="xla"``) is compiled beside it for cont
 Nothing here is a TPU time; every number is XLA's compile-time memory analysis or a model.
 
     PYTHONPATH=. JAX_PLATFORMS=cpu python -m scripts.cost.v41_long_rows [--quick] [--exact]
-        [--chips v5e,v6e,tpu7x] [--formats bf16,fp8 pages,fp4 pages] [--no-reference]
-        [--markdown]
+        [--chips v5e,v6e,tpu7x] [--formats bf16,fp8 pages,fp4 pages] [--candidates]
+        [--no-reference] [--markdown]
+
+``--candidates``: beside each fp4-pages case, a V4.1 candidate consumer's top-k
+(``index_topk_v41(candidates=i32[T, 2048])``, blocks of 8: exact, ``restricted_topk`` ranking
+only the 16384 candidate entries of each row, against ``temp_bound``'s candidate form: one
+chunk plus ``CANDIDATE_ENTRY_BYTES`` a candidate entry); its HBM model reads
+every page (an upper bound: the pages read depend on the ids, ``v41_candidate_reads``).
 """
 
 from __future__ import annotations
@@ -56,6 +62,10 @@ CHUNK_COPIES = {False: 1, True: 8}
 # (``approx_max_k`` aggregates to at most 4 * k per row before its sort), with room to spare.
 FIXED_SLACK_BYTES = 4 * MiB
 CANDIDATE_BYTES_PER_K = 64  # per row and per unit of k: 4 k candidates x (value + index) x 2
+# A candidate consumer's restricted top-k (``reference.v41.restricted_topk`` over the gathered
+# candidate entries): its arrays per row and candidate entry (gathered scores, keys, entry ids,
+# masks, the sort's copies: ~52 B measured at 4 x 1M and 32 x 1M on v6e), with room to spare.
+CANDIDATE_ENTRY_BYTES = 64
 
 
 @dataclass(frozen=True)
@@ -125,16 +135,22 @@ def _page_size(cache, keywords: dict) -> int:
     return cache.shape[1]
 
 
-def temp_bound(chunk_bytes: int, rows: int, k: int, exact: bool) -> int:
+def temp_bound(chunk_bytes: int, rows: int, k: int, exact: bool,
+               candidate_entries: int = 0) -> int:
     """Declared bound on the top-k program's XLA temporaries (HBM temp plus XLA arrays in
     VMEM): ``CHUNK_COPIES[exact]`` score chunks, ``CANDIDATE_BYTES_PER_K * k`` per row and
-    ``FIXED_SLACK_BYTES``. Independent of the context ``N`` beyond the chunk."""
+    ``FIXED_SLACK_BYTES``. Independent of the context ``N`` beyond the chunk. A candidate
+    consumer's (``candidate_entries`` per row, its exact top-k among them): ONE chunk, no
+    sort over it, plus ``CANDIDATE_ENTRY_BYTES`` per row and candidate entry."""
+    if candidate_entries:
+        return (chunk_bytes + CANDIDATE_ENTRY_BYTES * candidate_entries * rows
+                + CANDIDATE_BYTES_PER_K * k * rows + FIXED_SLACK_BYTES)
     return (CHUNK_COPIES[exact] * chunk_bytes + CANDIDATE_BYTES_PER_K * k * rows
             + FIXED_SLACK_BYTES)
 
 
 def measure(case: aot.CompileCase, chip: str, *, k: int, exact: bool,
-            chunk_bytes: int = SCORE_CHUNK_BYTES) -> dict:
+            chunk_bytes: int = SCORE_CHUNK_BYTES, candidate_entries: int = 0) -> dict:
     """Compile ``case`` for ``chip``; XLA's memory analysis, the HLO's arrays, the traffic
     model and the bound verdict (``ok=False`` and ``error`` when Mosaic/XLA refuse)."""
     q = case.specs[0]
@@ -156,7 +172,7 @@ def measure(case: aot.CompileCase, chip: str, *, k: int, exact: bool,
     # XLA reuses buffers: the sum of the arrays it places in VMEM over-counts; the chip never
     # holds more than its VMEM at once
     vmem_xla = min(sum(a.bytes for a in arrays if a.vmem), tpu.chip_vmem(chip))
-    bound = temp_bound(chunk, rows, k, exact)
+    bound = temp_bound(chunk, rows, k, exact, candidate_entries)
     largest = arrays[0] if arrays else XlaArray("-", "-", 0, False)
     return row | {
         "ok": True, "temp": mem.temp_size_in_bytes, "argument": mem.argument_size_in_bytes,
@@ -218,6 +234,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--chips", default=",".join(aot.CHIPS))
     p.add_argument("--formats", default=",".join(icases.V41_KEY_FORMATS))
     p.add_argument("--shapes", default="", help="substring filter on the case names")
+    p.add_argument("--candidates", action="store_true",
+                   help="also a candidate consumer's top-k (fp4 pages, exact, among "
+                        "candidate_topk_blocks blocks)")
     p.add_argument("--no-reference", action="store_true")
     p.add_argument("--markdown", action="store_true")
     a = p.parse_args(argv)
@@ -235,6 +254,12 @@ def main(argv=None) -> list[dict]:
                     r["reference_temp"] = reference_temp(case, chip, k=k, exact=a.exact)
                 out.append(r)
                 print(_summary(r), flush=True)
+                if a.candidates and fmt == "fp4 pages":  # exact: restricted_topk's rule
+                    case = icases.v41_long_case(name, fmt, exact=True, candidates=True)
+                    cfg = icases.v41_flash()
+                    out.append(measure(case, chip, k=k, exact=True, candidate_entries=(
+                        cfg.candidate_topk_blocks * cfg.candidate_block_size)))
+                    print(_summary(out[-1]), flush=True)
     if a.markdown:
         print(markdown(out))
     return out
