@@ -148,8 +148,9 @@ def test_the_step_meets_the_statement_in_lockstep():
 
 def test_the_pallas_step_meets_the_statement_in_lockstep():
     """``implementation="pallas"`` (the ratio-2 compressor, the index scores over the index
-    pages, a consumer's reading only its candidate pages, and the attention over the window and
-    pool pages on their kernels, in the strict interpreter; the selection jnp) over the chunks
+    pages, a consumer's top-k from ``index_topk_v41(candidates=)``, reading only its candidate
+    pages, and the attention over the window and pool pages on their kernels, in the strict
+    interpreter; the other selections jnp) over the chunks
     and 10 decodes (to 34 and 30 tokens: ratio-2 pairs completed from the state, window,
     candidate-block and page boundaries), at pages of ``PALLAS_PAGE`` (each step shape's
     interpreted compile is most of it, ~55 s in all; a decode ~1.2 s)."""
