@@ -28,11 +28,10 @@ its stack row. The output is the layer's ``wo_b`` output (bf16 values under ``"b
 outside every sequence zeros. ``implementation``: ``"xla"`` (this pure-jnp path, the default) or
 ``"pallas"``: the ratio-2 compressor on its Pallas kernel (``pallas_kernels.v41_compressor``),
 the index scores on the Pallas indexer over the index pages
-(``pallas_kernels.indexer.v41_scores``; a candidate consumer's top-k from
-``index_topk_v41(candidates=)``: only the pages holding its candidates fetched, scored a chunk of
-rows at a time and ranked among its candidate entries, no ``f32[T, E]``) and the attention on
-the Pallas kernel over the window and pool pages (``pallas_kernels.v41_attention``); the other
-index sources' selection jnp on both."""
+(``pallas_kernels.indexer.v41_scores.index_select_v41``: each index source's selection a chunk
+of rows at a time, no ``f32[T, E]`` scores; a candidate consumer fetching only the pages
+holding its candidates) and the attention on the Pallas kernel over the window and pool pages
+(``pallas_kernels.v41_attention``)."""
 
 from __future__ import annotations
 
@@ -78,34 +77,34 @@ SCORE_BLOCK_BYTES = 64 * 2**20
 
 class _Ops(NamedTuple):
     """The ops an implementation runs on its own code: ``compress`` (ratio-2 KV sources'
-    compressor, ``reference.v41.compress_step``'s signature), ``scores`` (``_scores``'),
-    ``attend`` (``_attend``') and ``consumer_topk`` (``_pallas_topk``'s, or None: a candidate
-    consumer's top-k from ``scores`` and ``select``)."""
+    compressor, ``reference.v41.compress_step``'s signature), ``attend`` (``_attend``') and an
+    index source's selection: ``scores`` (``_scores``', then ``deepseek_v41_layer.select``) or
+    ``select`` (``_pallas_select``'s, scoring and selecting at once), the other None."""
 
     compress: object
-    scores: object
     attend: object
-    consumer_topk: object = None
+    scores: object = None
+    select: object = None
 
 
 def _ops(implementation: str, kernel_options: tuple) -> _Ops:
     """``"xla"``: ``reference.v41.compress_step``, the jnp ``_scores`` and ``_attend``.
     ``"pallas"``: ``pallas_kernels.v41_compressor.compress_step``, the Pallas indexer over the
-    index pages (``pallas_kernels.indexer.v41_scores``; a candidate consumer's top-k from
-    ``index_topk_v41(candidates=)``) and the Pallas attention over the window and pool pages
-    (``pallas_kernels.v41_attention``), each with ``kernel_options`` (``interpret``,
-    ``vmem_limit_bytes``). Ratio 1's compressor is row-wise XLA on both."""
+    index pages with each index source's selection a chunk of rows at a time
+    (``pallas_kernels.indexer.v41_scores.index_select_v41``) and the Pallas attention over the
+    window and pool pages (``pallas_kernels.v41_attention``), each with ``kernel_options``
+    (``interpret``, ``vmem_limit_bytes``). Ratio 1's compressor is row-wise XLA on both."""
     if implementation == "xla":
-        return _Ops(compress_step, _scores, _attend)
-    from pallas_kernels.indexer.v41_scores import index_scores_v41, index_topk_v41
+        return _Ops(compress_step, _attend, scores=_scores)
+    from pallas_kernels.indexer.v41_scores import index_select_v41
     from pallas_kernels.v41_attention import v41_attention
     from pallas_kernels.v41_compressor import compress_step as pallas_compress
 
     opts = dict(kernel_options)
     return _Ops(functools.partial(pallas_compress, **opts),
-                functools.partial(_pallas_scores, functools.partial(index_scores_v41, **opts)),
                 functools.partial(_pallas_attend, functools.partial(v41_attention, **opts)),
-                functools.partial(_pallas_topk, functools.partial(index_topk_v41, **opts)))
+                select=functools.partial(_pallas_select,
+                                         functools.partial(index_select_v41, **opts)))
 
 
 def _paged(layout, caches: V41Caches, meta: V41Meta, name: str, ratio: int):
@@ -203,47 +202,36 @@ def _scores(iq, w, keys, k, b, rows, meta, precision, cands=None, block=None):
     return out[:, :b.capacity_tokens]
 
 
-def _pallas_scores(kernel, iq, w, keys, k, b, rows, meta, precision, cands=None, block=None):
-    """``_scores``' array from the Pallas indexer reading the index pages in place at stack row
-    ``k`` (``kernel``: ``index_scores_v41`` with the kernel options): ``-inf`` off each row's
-    visible entries, which ``select`` masks the same way. A consumer's ``cands`` (blocks of
-    ``block`` entries) go to the kernel: it fetches only the pages holding a candidate of some
-    row of the sequence, and masks each row to its own candidates (``select`` does again)."""
-    del rows  # the kernel derives each row's sequence and position from the batch
-    return kernel(iq, w, keys.cache, meta.kv_lens, keys.page_indices, meta.cu_q_lens,
-                  keys.cu_lens, meta.distribution, pages_per_seq=b.pages_per_seq,
-                  page_size=b.page_size, dim=iq.shape[-1], compression_ratio=b.compression_ratio,
-                  precision=precision, layer=k, candidates=cands, candidate_block=block)
-
-
-def _pallas_topk(kernel, iq, w, keys, k, b, meta, precision, cands, block, index_topk):
-    """A candidate consumer's ``i32[T, index_topk]`` from the Pallas indexer reading the index
-    pages in place at stack row ``k`` (``kernel``: ``index_topk_v41`` with the kernel options):
-    only the pages holding a candidate of some row of the sequence fetched, the scores a chunk
-    of rows at a time, each row's top-k among its own candidate entries
-    (``reference.v41.restricted_topk``, as ``select``): no ``f32[T, E]`` scores."""
-    return kernel(iq, w, keys.cache, meta.kv_lens, keys.page_indices, meta.cu_q_lens,
-                  keys.cu_lens, meta.distribution, k=index_topk, pages_per_seq=b.pages_per_seq,
-                  page_size=b.page_size, dim=iq.shape[-1], compression_ratio=b.compression_ratio,
-                  precision=precision, layer=k, candidates=cands, candidate_block=block)
+def _pallas_select(kernel, iq, w, keys, k, b, meta, precision, plan, c, cands):
+    """``deepseek_v41_layer.select``'s ``(topk, candidates)`` from the Pallas indexer reading
+    the index pages in place at stack row ``k`` (``kernel``: ``index_select_v41`` with the
+    kernel options), a chunk of rows at a time: no ``f32[T, E]`` scores. A consumer fetches
+    only the pages holding its candidates; the candidate source publishes its blocks."""
+    use = cands if plan.candidates is CandidateUse.CONSUMES else None
+    made = plan.candidates is CandidateUse.PRODUCES
+    top, blocks = kernel(
+        iq, w, keys.cache, meta.kv_lens, keys.page_indices, meta.cu_q_lens, keys.cu_lens,
+        meta.distribution, k=c.index_topk, pages_per_seq=b.pages_per_seq, page_size=b.page_size,
+        dim=iq.shape[-1], compression_ratio=b.compression_ratio, precision=precision, layer=k,
+        candidates=use, candidate_block=c.candidate_block_size,
+        num_blocks=c.candidate_topk_blocks if made else None)
+    return top, (blocks if made else cands)
 
 
 def _select(params, x, qr, cos_p, sin_p, source, plan, layout, caches, meta, rows, cands, rb,
             precision, ops):
-    """An index source's scores (``ops.scores``: ``_scores`` or ``_pallas_scores``) over every
-    visible entry of KV source ``source``'s keys (read in place), then its top-k (and, the
-    candidate source, its candidate blocks); a candidate consumer's top-k straight from
-    ``ops.consumer_topk`` where the implementation has one."""
+    """An index source's top-k (and, the candidate source, its candidate blocks) over every
+    visible entry of KV source ``source``'s keys (read in place): ``ops.select``'s (scored and
+    selected a chunk of rows at a time), or ``ops.scores``' array then ``select``."""
     c = layout.config
     r, k = layout.source_slot(source)
     keys, per = _paged(layout, caches, meta, f"keys{r}", r)
     b = ragged(keys, meta.kv_lens, meta.cu_q_lens, meta.distribution, pages_per_seq=per,
                ratio=r)
     iq, w = L.index_query(params, x[None], qr[None], cos_p, sin_p, c, rb)
+    if ops.select is not None:
+        return ops.select(iq[0], w[0], keys, k, b, meta, precision, plan, c, cands)
     use = cands if plan.candidates is CandidateUse.CONSUMES else None
-    if use is not None and ops.consumer_topk is not None:
-        return ops.consumer_topk(iq[0], w[0], keys, k, b, meta, precision, use,
-                                 c.candidate_block_size, c.index_topk), cands
     score = ops.scores(iq[0], w[0], keys, k, b, rows, meta, precision, use,
                        None if use is None else c.candidate_block_size)
     lens = jnp.where(rows.in_seq, (rows.abs_pos + 1) // r, 0)
@@ -463,10 +451,10 @@ def v41_step(params, xs, caches: V41Caches, states: tuple, meta: V41Meta, *,
       precision: ``"bf16"`` (the official regime, default) or ``"f32"``.
       implementation: ``"xla"`` / ``None`` (every op in jnp) or ``"pallas"``: the ops that have
         a V4.1 Pallas kernel run on it: the ratio-2 compressor
-        (``pallas_kernels.v41_compressor``), the index scores over the index pages (a
-        candidate consumer's top-k too: ``pallas_kernels.indexer.v41_scores``) and the
-        attention (``pallas_kernels.v41_attention``); the other selections stay jnp
-        (docs/v41.md). Anything else: ``ValueError``.
+        (``pallas_kernels.v41_compressor``), the index scores over the index pages with the
+        selection chunk by chunk (``pallas_kernels.indexer.v41_scores.index_select_v41``) and
+        the attention (``pallas_kernels.v41_attention``) (docs/v41.md). Anything else:
+        ``ValueError``.
       kernel_options: those kernels' ``interpret`` / ``vmem_limit_bytes`` (``"pallas"`` only).
 
     Returns ``V41StepResult(out [L, T, dim], topk [Li, T, index_topk], candidates, caches,

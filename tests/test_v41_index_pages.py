@@ -23,7 +23,12 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import aot, chips
 from pallas_kernels.indexer import v41_pages
 from pallas_kernels.indexer.blocks import resolve_blocks
-from pallas_kernels.indexer.v41_scores import index_scores_v41, index_topk_v41, traffic
+from pallas_kernels.indexer.v41_scores import (
+    index_scores_v41,
+    index_select_v41,
+    index_topk_v41,
+    traffic,
+)
 from pallas_kernels.measure import interpret_counter as counter
 from reference.indexer.scores import index_scores
 from reference.v41 import index_pages as ip
@@ -316,6 +321,39 @@ def test_topk_among_candidates(block):
     want = oracle_topk(scores, [PPS * PS] * len(scores), cands, k, block)
     np.testing.assert_array_equal(got, want)
     assert (got[-1] == -1).all() and (got[:-1, 0] >= 0).all()
+
+
+def test_the_candidate_sources_selection_in_chunks():
+    """``index_select_v41(num_blocks=)`` (the candidate source: its own top-k unrestricted and
+    its rows' candidate blocks) in chunks of 4 rows over the reference's scores, against the
+    definition's oracles (``test_v41_candidates``), per-row sets in a prefill; then a consumer
+    given those blocks (pages no candidate touches poisoned) equals ``index_topk_v41``'s."""
+    from tests.test_v41_candidates import oracle_blocks, oracle_topk
+
+    rng = np.random.default_rng()
+    ratio, q_lens, seq_lens, k, nb, block = 1, [5, 1, 3], [100, 126, 45], 7, 3, 4
+    q, w, pages, meta, keys = make_case(rng, q_lens=q_lens, seq_lens=seq_lens, ratio=ratio)
+    kw = dict(k=k, pages_per_seq=PPS, page_size=PS, dim=D, compression_ratio=ratio, layer=1,
+              block_rows=1, score_chunk_bytes=4 * PPS * PS * 4, candidate_block=block,
+              interpret=True)
+    top, blocks = (np.asarray(a) for a in index_select_v41(q, w, pages, *meta, num_blocks=nb,
+                                                           **kw))
+    scores = _reference(q, w, keys, q_lens, seq_lens, ratio, "bf16")
+    lens = [(kl - n + i + 1) // ratio for n, kl in zip(q_lens, seq_lens, strict=True)
+            for i in range(n)] + [0]
+    np.testing.assert_array_equal(top, oracle_topk(scores, lens, None, k, block))
+    np.testing.assert_array_equal(blocks, oracle_blocks(scores, lens, nb, block))
+    assert len({tuple(r) for r in blocks[:5]}) > 1  # the prefill's rows differ
+    read = [set() for _ in q_lens]
+    seq_of = [s for s, n in enumerate(q_lens) for _ in range(n)]
+    for t, s in enumerate(seq_of):
+        read[s] |= {int(c) * block // PS for c in blocks[t] if c >= 0}
+    got, none = index_select_v41(q, w, _poison_unread(pages, meta, read), *meta,
+                                 candidates=jnp.asarray(blocks), **kw)
+    assert none is None
+    np.testing.assert_array_equal(np.asarray(got), oracle_topk(scores, lens, blocks, k, block))
+    with pytest.raises(ValueError, match="both candidates= and num_blocks="):
+        index_select_v41(q, w, pages, *meta, candidates=jnp.asarray(blocks), num_blocks=nb, **kw)
 
 
 @pytest.mark.parametrize("block", [8, 24])

@@ -20,8 +20,13 @@ from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, score_and_select, 
 from reference.core import batch, checks
 from reference.formats import stacked
 from reference.indexer.args import check_index_precision, check_indexer_args, check_topk_args
-from reference.indexer.selection import DEFAULT_RECALL_TARGET
-from reference.v41.candidates import candidate_mask, candidate_pages, restricted_topk
+from reference.indexer.selection import DEFAULT_RECALL_TARGET, causal_token_count
+from reference.v41.candidates import (
+    candidate_blocks,
+    candidate_mask,
+    candidate_pages,
+    restricted_topk,
+)
 from reference.v41.formats import index_fp4_bytes
 
 _STATICS = ("pages_per_seq", "page_size", "dim", "one_token_per_seq", "block_rows",
@@ -207,12 +212,13 @@ def index_topk_v41(q: jax.Array, weights: jax.Array, cache_kv, seq_lens: jax.Arr
         cache_kv, layer, page_size, dim, precision, score_chunk_bytes, vmem_limit_bytes, chip,
         block_rows, block_pages, one_token_per_seq, pages_per_seq, interpret)
     if candidates is not None:
-        return _restricted_topk(q, weights, cache, one, meta, candidates, candidate_block, k=k,
-                                pages_per_seq=pages_per_seq, page_size=page_size,
-                                one_token_per_seq=one_token_per_seq,
-                                compression_ratio=compression_ratio, blocks=blocks, chip=chip,
-                                chunk_bytes=score_chunk_bytes, vmem_limit_bytes=vmem_limit_bytes,
-                                interpret=interpret, layer=layer, precision=precision)
+        return _select_chunks(q, weights, cache, one, meta, k=k, candidates=candidates,
+                              candidate_block=candidate_block, num_blocks=None,
+                              pages_per_seq=pages_per_seq, page_size=page_size,
+                              one_token_per_seq=one_token_per_seq,
+                              compression_ratio=compression_ratio, blocks=blocks, chip=chip,
+                              chunk_bytes=score_chunk_bytes, vmem_limit_bytes=vmem_limit_bytes,
+                              interpret=interpret, layer=layer, precision=precision)
     return select_rows(q, weights, cache, meta, k=k, page_mode=False,
                        pages_per_seq=pages_per_seq, one_token_per_seq=one_token_per_seq,
                        num_segments=0, fill="tail", recall_target=recall_target, exact=exact,
@@ -221,28 +227,92 @@ def index_topk_v41(q: jax.Array, weights: jax.Array, cache_kv, seq_lens: jax.Arr
                        compression_ratio=compression_ratio, precision=precision)
 
 
-def _restricted_topk(q, weights, cache, one, meta, candidates, candidate_block, *, k, pages_per_seq,
-                     page_size, one_token_per_seq, compression_ratio, blocks, chip, chunk_bytes,
-                     vmem_limit_bytes, interpret, layer, precision):
-    """``index_topk_v41`` given ``candidates``: the candidate pages' scores a chunk of rows at a
-    time, each chunk's top-``k`` among its rows' candidates (``restricted_topk``)."""
+def _select_chunks(q, weights, cache, one, meta, *, k, candidates, candidate_block, num_blocks,
+                   pages_per_seq, page_size, one_token_per_seq, compression_ratio, blocks, chip,
+                   chunk_bytes, vmem_limit_bytes, interpret, layer, precision):
+    """V4.1's selection (``deepseek_v41_layer.select``) a chunk of rows at a time: each chunk's
+    scores, then its rows' ``restricted_topk`` (among their own ``candidates``, or every visible
+    entry) and, given ``num_blocks``, their ``candidate_blocks``. Given ``candidates``, only the
+    pages holding one are fetched. Returns ``i32[T, k + (num_blocks or 0)]``."""
     b = batch.RaggedBatch.of(one, *meta, pages_per_seq=pages_per_seq,
                              compression_ratio=compression_ratio)
-    table = _candidate_table(candidates, candidate_block, q, meta, b, page_size, pages_per_seq,
-                             one_token_per_seq)
-    b = batch.RaggedBatch.of(one, meta[0], table, *meta[2:], pages_per_seq=pages_per_seq,
-                             compression_ratio=compression_ratio)
-    ids = candidates.astype(jnp.int32)
+    if candidates is not None:
+        table = _candidate_table(candidates, candidate_block, q, meta, b, page_size,
+                                 pages_per_seq, one_token_per_seq)
+        b = batch.RaggedBatch.of(one, meta[0], table, *meta[2:], pages_per_seq=pages_per_seq,
+                                 compression_ratio=compression_ratio)
 
-    def finish(scores, row_ok, _key_pos, _kv_eff, row0):
-        rows = scores.shape[0]
-        mine = jax.lax.dynamic_slice_in_dim(ids, row0, rows, 0)
-        every = jnp.full((rows,), scores.shape[1], jnp.int32)  # the kernel masked the rest
-        top = restricted_topk(scores, every, mine, k=k, block=candidate_block)
-        return jnp.where(row_ok[:, None], top, -1)  # other rows' scores unwritten: mask_rows
+    def finish(scores, row_ok, key_pos, kv_eff, row0):
+        # rows outside every sequence: length 0, their (unwritten: mask_rows) scores never read
+        lens = jnp.where(row_ok, causal_token_count(key_pos, kv_eff), 0)
+        mine = None if candidates is None else jax.lax.dynamic_slice_in_dim(
+            candidates.astype(jnp.int32), row0, scores.shape[0], 0)
+        top = restricted_topk(scores, lens, mine, k=k, block=candidate_block)
+        if not num_blocks:
+            return top
+        made = candidate_blocks(scores, lens, num_blocks=num_blocks, block=candidate_block)
+        return jnp.concatenate([top, made], axis=1)
 
     return score_and_select(q, weights, cache, b, one_token_per_seq=one_token_per_seq,
                             page_mode=False, blocks=blocks, chunk_bytes=chunk_bytes,
                             vmem_limit_bytes=vmem_limit_bytes, interpret=interpret, chip=chip,
-                            out_width=k, out_dtype=jnp.int32, finish=finish, layer=layer,
-                            precision=precision, mask_rows=False)
+                            out_width=k + (num_blocks or 0), out_dtype=jnp.int32, finish=finish,
+                            layer=layer, precision=precision, mask_rows=False)
+
+
+@_checks_layer
+@functools.partial(jax.jit, static_argnames=_STATICS + ("k", "candidate_block", "num_blocks"))
+def index_select_v41(q: jax.Array, weights: jax.Array, cache_kv, seq_lens: jax.Array,
+                     page_indices: jax.Array, cu_q_lens: jax.Array, cu_kv_lens: jax.Array,
+                     distribution: jax.Array, *, k: int, pages_per_seq: int, page_size: int,
+                     dim: int, one_token_per_seq: bool = False, compression_ratio: int = 1,
+                     precision: str = "bf16", layer=None, block_rows: int | None = None,
+                     block_pages: int | None = None, chip: str | None = None,
+                     score_chunk_bytes: int = SCORE_CHUNK_BYTES,
+                     vmem_limit_bytes: int | None = None, interpret=False,
+                     candidates: jax.Array | None = None, candidate_block: int | None = None,
+                     num_blocks: int | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """A V4.1 index source's whole selection over the fp4 index pages, bounded by the score
+    chunk (``reference.statements.deepseek_v41_layer.select``'s result, no ``f32[T, E]``
+    scores): each chunk of ``score_chunk_bytes`` rows is scored (``index_scores_v41``'s kernel)
+    and reduced by ``reference.v41``'s exact selection, the declared tie rule (NaN first, value
+    descending, lower index) before the next.
+
+    Args (the rest as ``index_scores_v41``):
+      k: ``index_topk``.
+      candidates: a consumer's ``i32[T, C]`` block ids: its top-``k`` among them
+        (``restricted_topk``; only the pages holding a candidate of some row of the sequence
+        fetched). None: among every visible entry.
+      num_blocks: the candidate source's ``candidate_topk_blocks``: also publish each row's
+        ``candidate_blocks`` (its own top-``k`` unrestricted: not with ``candidates``).
+      candidate_block: entries per block (``candidate_block_size``), needed by either.
+
+    Returns:
+      ``(topk i32[T, k], blocks i32[T, num_blocks] or None)``: sequence-local entries in the
+      declared order, ``-1`` tail; block ids ascending, ``-1`` tail; rows outside every
+      sequence all ``-1``."""
+    if candidates is not None and num_blocks is not None:
+        raise ValueError("index_select_v41: a candidate source (num_blocks=) takes its own top-k "
+                         "unrestricted; got both candidates= and num_blocks=")
+    if candidates is not None or num_blocks is not None:
+        checks.positive_int("candidate_block", candidate_block,
+                            "index_select_v41 (candidates or num_blocks given)")
+    if num_blocks is not None:
+        checks.positive_int("num_blocks", num_blocks, "index_select_v41")
+    meta = (seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution)
+    cache, one, chip, blocks = _prepare(
+        lambda keys: check_topk_args(
+            (q, weights, keys, *meta), k=k, k_name="k", pages_per_seq=pages_per_seq,
+            one_token_per_seq=one_token_per_seq, num_segments=0, fill="tail",
+            refuse_full_overwrite=False, recall_target=DEFAULT_RECALL_TARGET, exact=True,
+            compression_ratio=compression_ratio),
+        cache_kv, layer, page_size, dim, precision, score_chunk_bytes, vmem_limit_bytes, chip,
+        block_rows, block_pages, one_token_per_seq, pages_per_seq, interpret)
+    out = _select_chunks(q, weights, cache, one, meta, k=k, candidates=candidates,
+                         candidate_block=candidate_block or 1, num_blocks=num_blocks,
+                         pages_per_seq=pages_per_seq, page_size=page_size,
+                         one_token_per_seq=one_token_per_seq,
+                         compression_ratio=compression_ratio, blocks=blocks, chip=chip,
+                         chunk_bytes=score_chunk_bytes, vmem_limit_bytes=vmem_limit_bytes,
+                         interpret=interpret, layer=layer, precision=precision)
+    return out[:, :k], (out[:, k:] if num_blocks else None)

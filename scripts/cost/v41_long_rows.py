@@ -30,8 +30,8 @@ Nothing here is a TPU time; every number is XLA's compile-time memory analysis o
 
 ``--candidates``: beside each fp4-pages case, a V4.1 candidate consumer's top-k
 (``index_topk_v41(candidates=i32[T, 2048])``, blocks of 8: exact, ``restricted_topk`` ranking
-only the 16384 candidate entries of each row, against ``temp_bound``'s candidate form: one
-chunk plus ``CANDIDATE_ENTRY_BYTES`` a candidate entry); its HBM model reads
+only the 16384 candidate entries of each row, against ``temp_bound``'s candidate form: two
+chunks plus ``CANDIDATE_ENTRY_BYTES`` a candidate entry); its HBM model reads
 every page (an upper bound: the pages read depend on the ids, ``v41_candidate_reads``).
 """
 
@@ -64,8 +64,11 @@ FIXED_SLACK_BYTES = 4 * MiB
 CANDIDATE_BYTES_PER_K = 64  # per row and per unit of k: 4 k candidates x (value + index) x 2
 # A candidate consumer's restricted top-k (``reference.v41.restricted_topk`` over the gathered
 # candidate entries): its arrays per row and candidate entry (gathered scores, keys, entry ids,
-# masks, the sort's copies: ~52 B measured at 4 x 1M and 32 x 1M on v6e), with room to spare.
+# masks, the sort's copies: ~50 B measured at 4 x 1M and 32 x 128K), with room to spare; and
+# its chunk copies: the chunk, plus on tpu7x memory-space assignment's copy of it between
+# VMEM and HBM (measured at 4 x 1M and 32 x 128K). No sort over the chunk.
 CANDIDATE_ENTRY_BYTES = 64
+CANDIDATE_CHUNK_COPIES = 2
 
 
 @dataclass(frozen=True)
@@ -140,10 +143,12 @@ def temp_bound(chunk_bytes: int, rows: int, k: int, exact: bool,
     """Declared bound on the top-k program's XLA temporaries (HBM temp plus XLA arrays in
     VMEM): ``CHUNK_COPIES[exact]`` score chunks, ``CANDIDATE_BYTES_PER_K * k`` per row and
     ``FIXED_SLACK_BYTES``. Independent of the context ``N`` beyond the chunk. A candidate
-    consumer's (``candidate_entries`` per row, its exact top-k among them): ONE chunk, no
-    sort over it, plus ``CANDIDATE_ENTRY_BYTES`` per row and candidate entry."""
+    consumer's (``candidate_entries`` per row, its exact top-k among them):
+    ``CANDIDATE_CHUNK_COPIES`` chunks, no sort over them, plus ``CANDIDATE_ENTRY_BYTES`` per
+    row and candidate entry."""
     if candidate_entries:
-        return (chunk_bytes + CANDIDATE_ENTRY_BYTES * candidate_entries * rows
+        return (CANDIDATE_CHUNK_COPIES * chunk_bytes
+                + CANDIDATE_ENTRY_BYTES * candidate_entries * rows
                 + CANDIDATE_BYTES_PER_K * k * rows + FIXED_SLACK_BYTES)
     return (CHUNK_COPIES[exact] * chunk_bytes + CANDIDATE_BYTES_PER_K * k * rows
             + FIXED_SLACK_BYTES)
