@@ -77,22 +77,23 @@ def test_the_row_block_is_cut_to_fit_the_score_rows_in_vmem():
                                      **kw).block_rows == 16
 
 
-def test_a_candidate_consumers_top_k_compiles_bounded():
-    """``index_topk_v41(candidates=i32[4, 2048])`` at 4 x 1M (a REINDEX layer's exact top-k
-    among its candidate blocks of 8): its temporaries within two score chunks plus 64 B a
-    candidate entry (the exact top-k over whole rows is bounded by 8 chunks: a sort) and no XLA
-    array above the chunk. The ranking sees only the 16384 candidate entries of a row. Refused
-    by this bound, as measured: gathering them through a ``[N / 8, 8]`` view of the row (256
-    MiB of temp: 8 lanes padded to 128)."""
-    chip = list(aot.CHIPS)[len(_GATES) % len(aot.CHIPS)]
+@pytest.mark.parametrize("selection", icases.V41_SELECTIONS)
+def test_the_candidate_selections_compile_bounded(selection):
+    """At 4 x 1M over fp4 pages, exact: a REINDEX layer's top-k among its 2048 candidate blocks
+    of 8 (``index_topk_v41(candidates=)``: temporaries within two score chunks plus 64 B a
+    candidate entry, where an exact top-k over whole rows is bounded by 8 chunks: a sort; it
+    ranks only the 16384 candidate entries of a row), and the candidate source's selection
+    (``index_select_v41(num_blocks=2048)``: the exact bound plus its blocks' sort). No XLA array
+    above the chunk. Refused by these bounds, as measured: gathering the candidates through a
+    ``[N / 8, 8]`` view of the row or max-pooling the blocks through one (256 MiB of temp: 8
+    lanes padded to 128)."""
+    chip = list(aot.CHIPS)[(len(_GATES) + icases.V41_SELECTIONS.index(selection)) % len(aot.CHIPS)]
     case = icases.v41_long_case("V4.1 decode 4x1048576", "fp4 pages", exact=True,
-                                candidates=True)
-    cfg = icases.v41_flash()
-    entries = cfg.candidate_topk_blocks * cfg.candidate_block_size
-    r = lr.measure(case, chip, k=K, exact=True, candidate_entries=entries)
+                                selection=selection)
+    r = lr.measure(case, chip, k=K, exact=True, selection=selection)
     assert r["ok"], r.get("error")
-    # 2 chunks, not the exact sort's 8: 32 MiB + 4 MiB of candidate entries + the k term
-    assert r["bound"] == lr.temp_bound(r["chunk_bytes"], r["rows"], K, True, entries)
-    assert r["bound"] < lr.temp_bound(r["chunk_bytes"], r["rows"], K, True) / 3
+    assert r["bound"] == lr.temp_bound(r["chunk_bytes"], r["rows"], K, True, selection)
+    if selection == "consumer":  # 2 chunks, not the exact sort's 8
+        assert r["bound"] < lr.temp_bound(r["chunk_bytes"], r["rows"], K, True) / 3
     assert r["temp"] + r["xla_vmem"] <= r["bound"], r
     assert r["largest"].bytes <= r["chunk_bytes"], r["largest"]

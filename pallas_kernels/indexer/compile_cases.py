@@ -222,12 +222,13 @@ V41_LONG_SHAPES = {
     "V4.1 prefill 64@1048576 block_rows=4": ([64], [1048576], False, GATE_PAGE, False, 4),
 }
 V41_KEY_FORMATS = ("bf16", "fp8 pages", "fp4 pages")
+V41_SELECTIONS = ("consumer", "source")  # a candidate consumer's top-k, the candidate source's
 V41_FP4_MIN_PAGE = v41_index_pages.LANES  # fp4 pages below 128 entries pad their lanes
 
 
 def v41_long_case(name: str, key_format: str = "bf16", *, exact: bool = False,
                   score_chunk_bytes: int | None = None, shape: tuple | None = None,
-                  candidates: bool = False) -> aot.CompileCase:
+                  selection: str | None = None) -> aot.CompileCase:
     """One V4.1 long-row case: ``streamindex_topk`` (bf16 keys),
     ``streamindex_topk_fp8_pages`` (``key_format="fp8 pages"``) or ``v41_scores.index_topk_v41``
     (``"fp4 pages"``, V4.1's own format, pages of at least ``V41_FP4_MIN_PAGE``) at
@@ -235,14 +236,16 @@ def v41_long_case(name: str, key_format: str = "bf16", *, exact: bool = False,
     (or ``shape``: ``(q_lens, kv_lens, one_token_per_seq, page_size[, quick, block_rows])``),
     ratio 1, V4.1's indexer dims; ``exact``: ``lax.top_k`` (the official ``torch.topk``'s
     exact set) instead of the default approximate top-k; ``score_chunk_bytes``: the entry's
-    knob (``None``: its default ``SCORE_CHUNK_BYTES``); ``candidates`` (fp4 pages only): a
-    candidate consumer's top-k, ``candidates i32[T, candidate_topk_blocks]`` of
-    ``candidate_block_size`` entries (the last spec; exact, the model reads every page: an
-    upper bound, the pages read depend on the ids)."""
+    knob (``None``: its default ``SCORE_CHUNK_BYTES``); ``selection`` (fp4 pages only, exact,
+    ``V41_SELECTIONS``): ``"consumer"``, a candidate consumer's top-k (``index_topk_v41`` given
+    ``candidates i32[T, candidate_topk_blocks]`` of ``candidate_block_size`` entries, the last
+    spec; the model reads every page: an upper bound, the pages read depend on the ids), or
+    ``"source"``, the candidate source's (``index_select_v41``: its top-k and its blocks)."""
     if key_format not in V41_KEY_FORMATS:
         raise ValueError(f"key_format must be one of {V41_KEY_FORMATS}, got {key_format!r}")
-    if candidates and key_format != "fp4 pages":
-        raise ValueError(f"candidates need key_format='fp4 pages', got {key_format!r}")
+    if selection is not None and (selection not in V41_SELECTIONS or key_format != "fp4 pages"):
+        raise ValueError(f"selection must be one of {V41_SELECTIONS} with key_format='fp4 "
+                         f"pages', got {selection!r} with {key_format!r}")
     cfg = v41_flash()
     heads, dim, k = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
     q_lens, kv_lens, otp, page, *rest = shape if shape is not None else V41_LONG_SHAPES[name]
@@ -262,10 +265,14 @@ def v41_long_case(name: str, key_format: str = "bf16", *, exact: bool = False,
             (specs[2].shape[0], *v41_pages.page_shape(page, dim)), jnp.uint8)
         entry = v41_scores.index_topk_v41
         knobs.update(page_size=page, dim=dim)
-    if candidates:
+    if selection == "consumer":
         specs.append(jax.ShapeDtypeStruct((specs[0].shape[0], cfg.candidate_topk_blocks),
                                           jnp.int32))
         entry = functools.partial(_last_as_candidates, entry)
+    if selection == "source":
+        entry = _candidate_source
+        knobs["num_blocks"] = cfg.candidate_topk_blocks
+    if selection is not None:
         knobs["candidate_block"] = cfg.candidate_block_size
     if block_rows is not None:
         knobs["block_rows"] = block_rows
@@ -293,8 +300,15 @@ def v41_long_case(name: str, key_format: str = "bf16", *, exact: bool = False,
 
     tags = ("v41", "long", "decode" if otp else "prefill") + (("exact",) if exact else ())
     label = (f"{name} {key_format} keys k={k}" + (" exact" if exact else "")
-             + (f" among {cfg.candidate_topk_blocks} blocks" if candidates else ""))
+             + {None: "", "consumer": f" among {cfg.candidate_topk_blocks} blocks",
+                "source": f" + {cfg.candidate_topk_blocks} candidate blocks"}[selection])
     return aot.CompileCase("streamindex_topk V4.1 r=1", label, fn_for_chip, specs, model, tags)
+
+
+def _candidate_source(*arrays, exact: bool, **knobs):
+    """``v41_scores.index_select_v41(*arrays, **knobs)`` (exact whatever ``exact`` says)."""
+    del exact
+    return v41_scores.index_select_v41(*arrays, **knobs)
 
 
 def _last_as_candidates(entry, *arrays, **knobs):

@@ -30,8 +30,9 @@ Nothing here is a TPU time; every number is XLA's compile-time memory analysis o
 
 ``--candidates``: beside each fp4-pages case, a V4.1 candidate consumer's top-k
 (``index_topk_v41(candidates=i32[T, 2048])``, blocks of 8: exact, ``restricted_topk`` ranking
-only the 16384 candidate entries of each row, against ``temp_bound``'s candidate form: two
-chunks plus ``CANDIDATE_ENTRY_BYTES`` a candidate entry); its HBM model reads
+only the 16384 candidate entries of each row, against ``temp_bound``'s consumer form: two
+chunks plus ``CANDIDATE_ENTRY_BYTES`` a candidate entry) and the candidate source's selection
+(``index_select_v41(num_blocks=2048)``: its exact top-k and its blocks); the HBM models read
 every page (an upper bound: the pages read depend on the ids, ``v41_candidate_reads``).
 """
 
@@ -139,23 +140,28 @@ def _page_size(cache, keywords: dict) -> int:
 
 
 def temp_bound(chunk_bytes: int, rows: int, k: int, exact: bool,
-               candidate_entries: int = 0) -> int:
+               selection: str | None = None) -> int:
     """Declared bound on the top-k program's XLA temporaries (HBM temp plus XLA arrays in
     VMEM): ``CHUNK_COPIES[exact]`` score chunks, ``CANDIDATE_BYTES_PER_K * k`` per row and
-    ``FIXED_SLACK_BYTES``. Independent of the context ``N`` beyond the chunk. A candidate
-    consumer's (``candidate_entries`` per row, its exact top-k among them):
-    ``CANDIDATE_CHUNK_COPIES`` chunks, no sort over them, plus ``CANDIDATE_ENTRY_BYTES`` per
-    row and candidate entry."""
-    if candidate_entries:
-        return (CANDIDATE_CHUNK_COPIES * chunk_bytes
-                + CANDIDATE_ENTRY_BYTES * candidate_entries * rows
+    ``FIXED_SLACK_BYTES``. Independent of the context ``N`` beyond the chunk.
+    ``selection="consumer"`` (a candidate consumer's exact top-k among its
+    ``candidate_topk_blocks * candidate_block_size`` entries): ``CANDIDATE_CHUNK_COPIES``
+    chunks, no sort over them, plus ``CANDIDATE_ENTRY_BYTES`` per row and candidate entry.
+    ``"source"`` (the candidate source: its exact top-k, then its blocks' max-pool and top
+    blocks): the exact bound plus the blocks' sort, ``CHUNK_COPIES[True]`` chunks of
+    ``1 / candidate_block_size`` the size."""
+    cfg = icases.v41_flash()
+    if selection == "consumer":
+        entries = cfg.candidate_topk_blocks * cfg.candidate_block_size
+        return (CANDIDATE_CHUNK_COPIES * chunk_bytes + CANDIDATE_ENTRY_BYTES * entries * rows
                 + CANDIDATE_BYTES_PER_K * k * rows + FIXED_SLACK_BYTES)
+    blocks = CHUNK_COPIES[True] * chunk_bytes // cfg.candidate_block_size
     return (CHUNK_COPIES[exact] * chunk_bytes + CANDIDATE_BYTES_PER_K * k * rows
-            + FIXED_SLACK_BYTES)
+            + FIXED_SLACK_BYTES + (blocks if selection == "source" else 0))
 
 
 def measure(case: aot.CompileCase, chip: str, *, k: int, exact: bool,
-            chunk_bytes: int = SCORE_CHUNK_BYTES, candidate_entries: int = 0) -> dict:
+            chunk_bytes: int = SCORE_CHUNK_BYTES, selection: str | None = None) -> dict:
     """Compile ``case`` for ``chip``; XLA's memory analysis, the HLO's arrays, the traffic
     model and the bound verdict (``ok=False`` and ``error`` when Mosaic/XLA refuse)."""
     q = case.specs[0]
@@ -177,7 +183,7 @@ def measure(case: aot.CompileCase, chip: str, *, k: int, exact: bool,
     # XLA reuses buffers: the sum of the arrays it places in VMEM over-counts; the chip never
     # holds more than its VMEM at once
     vmem_xla = min(sum(a.bytes for a in arrays if a.vmem), tpu.chip_vmem(chip))
-    bound = temp_bound(chunk, rows, k, exact, candidate_entries)
+    bound = temp_bound(chunk, rows, k, exact, selection)
     largest = arrays[0] if arrays else XlaArray("-", "-", 0, False)
     return row | {
         "ok": True, "temp": mem.temp_size_in_bytes, "argument": mem.argument_size_in_bytes,
@@ -259,11 +265,9 @@ def main(argv=None) -> list[dict]:
                     r["reference_temp"] = reference_temp(case, chip, k=k, exact=a.exact)
                 out.append(r)
                 print(_summary(r), flush=True)
-                if a.candidates and fmt == "fp4 pages":  # exact: restricted_topk's rule
-                    case = icases.v41_long_case(name, fmt, exact=True, candidates=True)
-                    cfg = icases.v41_flash()
-                    out.append(measure(case, chip, k=k, exact=True, candidate_entries=(
-                        cfg.candidate_topk_blocks * cfg.candidate_block_size)))
+                for sel in icases.V41_SELECTIONS if a.candidates and fmt == "fp4 pages" else ():
+                    case = icases.v41_long_case(name, fmt, exact=True, selection=sel)
+                    out.append(measure(case, chip, k=k, exact=True, selection=sel))
                     print(_summary(out[-1]), flush=True)
     if a.markdown:
         print(markdown(out))
