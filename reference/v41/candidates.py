@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from reference.core import checks as _checks
+from reference.indexer.page_topk import page_max
 
 KEY_NAN = 2 ** 31 - 1  # every NaN: above every number
 KEY_POS_INF = 0x7F800000  # the key of +inf (the forced newest block)
@@ -90,15 +91,6 @@ def _top_keys(key: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
             jnp.pad(idx.astype(jnp.int32), pad, constant_values=-1))
 
 
-def _block_max(x: jax.Array, ok: jax.Array, block: int) -> jax.Array:
-    """``f32[T, nb * block] -> f32[T, nb]``: each block's max over its ``ok`` entries (``-inf``
-    if none; NaN propagates: ``lax.max``), as ``reference.indexer.page_topk.page_max``, but a
-    strided window over the row as it lies: viewing it ``[T, nb, block]`` pads ``block`` lanes to
-    128 on TPU (256 MiB of temp for 4 rows of 1M entries at blocks of 8, measured)."""
-    masked = jnp.where(ok, x, -jnp.inf)
-    return jax.lax.reduce_window(masked, -jnp.inf, jax.lax.max, (1, block), (1, block), "VALID")
-
-
 @functools.partial(jax.jit, static_argnames=("num_blocks", "block"))
 def candidate_blocks(scores: jax.Array, lens: jax.Array, *, num_blocks: int,
                      block: int) -> jax.Array:
@@ -127,7 +119,7 @@ def candidate_blocks(scores: jax.Array, lens: jax.Array, *, num_blocks: int,
     pad = ((0, 0), (0, nb * block - n))
     x = jnp.pad(scores.astype(jnp.float32), pad)
     ok = jnp.pad(_visible(lens, n), pad)
-    key = sort_key(_block_max(x, ok, block))  # f32[T, nb]: NaN propagates, -inf if none visible
+    key = sort_key(page_max(x, ok, block))  # f32[T, nb]: NaN propagates, -inf if none visible
     newest = (lens.astype(jnp.int32) - 1) // block  # floor: -1 for an empty row
     key = jnp.where(jnp.arange(nb, dtype=jnp.int32)[None, :] == newest[:, None],
                     jnp.int32(KEY_POS_INF), key)
