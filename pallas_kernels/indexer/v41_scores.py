@@ -50,6 +50,20 @@ def _prepare(check, cache_kv, layer, page_size, dim, precision, chunk_bytes, vme
     return cache, one, chip, blocks
 
 
+def _prepare_topk(q, weights, cache_kv, meta, k, recall_target, exact, compression_ratio, layer,
+                  page_size, dim, precision, chunk_bytes, vmem_limit_bytes, chip, block_rows,
+                  block_pages, one_token_per_seq, pages_per_seq, interpret):
+    """``_prepare`` for the top-k entries: their arguments checked by ``check_topk_args``."""
+    return _prepare(
+        lambda keys: check_topk_args(
+            (q, weights, keys, *meta), k=k, k_name="k", pages_per_seq=pages_per_seq,
+            one_token_per_seq=one_token_per_seq, num_segments=0, fill="tail",
+            refuse_full_overwrite=False, recall_target=recall_target, exact=exact,
+            compression_ratio=compression_ratio),
+        cache_kv, layer, page_size, dim, precision, chunk_bytes, vmem_limit_bytes, chip,
+        block_rows, block_pages, one_token_per_seq, pages_per_seq, interpret)
+
+
 def _checks_layer(fn):
     """A Python-int ``layer=`` checked against the stack before tracing (as the fp8 pages'
     entry: ``reference.formats.stacked.resolve``'s ValueError naming the numbers)."""
@@ -203,22 +217,18 @@ def index_topk_v41(q: jax.Array, weights: jax.Array, cache_kv, seq_lens: jax.Arr
     fewer than the row's. Returns ``i32[T, k]`` sequence-local entries by descending score,
     ``-1`` padding (and for rows outside every sequence)."""
     meta = (seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution)
-    cache, one, chip, blocks = _prepare(
-        lambda keys: check_topk_args(
-            (q, weights, keys, *meta), k=k, k_name="k", pages_per_seq=pages_per_seq,
-            one_token_per_seq=one_token_per_seq, num_segments=0, fill="tail",
-            refuse_full_overwrite=False, recall_target=recall_target, exact=exact,
-            compression_ratio=compression_ratio),
-        cache_kv, layer, page_size, dim, precision, score_chunk_bytes, vmem_limit_bytes, chip,
-        block_rows, block_pages, one_token_per_seq, pages_per_seq, interpret)
     if candidates is not None:
-        return _select_chunks(q, weights, cache, one, meta, k=k, candidates=candidates,
-                              candidate_block=candidate_block, num_blocks=None,
-                              pages_per_seq=pages_per_seq, page_size=page_size,
-                              one_token_per_seq=one_token_per_seq,
-                              compression_ratio=compression_ratio, blocks=blocks, chip=chip,
-                              chunk_bytes=score_chunk_bytes, vmem_limit_bytes=vmem_limit_bytes,
-                              interpret=interpret, layer=layer, precision=precision)
+        return index_select_v41(
+            q, weights, cache_kv, *meta, k=k, pages_per_seq=pages_per_seq, page_size=page_size,
+            dim=dim, one_token_per_seq=one_token_per_seq, compression_ratio=compression_ratio,
+            precision=precision, layer=layer, block_rows=block_rows, block_pages=block_pages,
+            chip=chip, score_chunk_bytes=score_chunk_bytes, vmem_limit_bytes=vmem_limit_bytes,
+            interpret=interpret, candidates=candidates,
+            candidate_block=candidate_block)[0]
+    cache, _, chip, blocks = _prepare_topk(
+        q, weights, cache_kv, meta, k, recall_target, exact, compression_ratio, layer, page_size,
+        dim, precision, score_chunk_bytes, vmem_limit_bytes, chip, block_rows, block_pages,
+        one_token_per_seq, pages_per_seq, interpret)
     return select_rows(q, weights, cache, meta, k=k, page_mode=False,
                        pages_per_seq=pages_per_seq, one_token_per_seq=one_token_per_seq,
                        num_segments=0, fill="tail", recall_target=recall_target, exact=exact,
@@ -300,14 +310,10 @@ def index_select_v41(q: jax.Array, weights: jax.Array, cache_kv, seq_lens: jax.A
     if num_blocks is not None:
         checks.positive_int("num_blocks", num_blocks, "index_select_v41")
     meta = (seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution)
-    cache, one, chip, blocks = _prepare(
-        lambda keys: check_topk_args(
-            (q, weights, keys, *meta), k=k, k_name="k", pages_per_seq=pages_per_seq,
-            one_token_per_seq=one_token_per_seq, num_segments=0, fill="tail",
-            refuse_full_overwrite=False, recall_target=DEFAULT_RECALL_TARGET, exact=True,
-            compression_ratio=compression_ratio),
-        cache_kv, layer, page_size, dim, precision, score_chunk_bytes, vmem_limit_bytes, chip,
-        block_rows, block_pages, one_token_per_seq, pages_per_seq, interpret)
+    cache, one, chip, blocks = _prepare_topk(
+        q, weights, cache_kv, meta, k, DEFAULT_RECALL_TARGET, True, compression_ratio, layer,
+        page_size, dim, precision, score_chunk_bytes, vmem_limit_bytes, chip, block_rows,
+        block_pages, one_token_per_seq, pages_per_seq, interpret)
     out = _select_chunks(q, weights, cache, one, meta, k=k, candidates=candidates,
                          candidate_block=candidate_block or 1, num_blocks=num_blocks,
                          pages_per_seq=pages_per_seq, page_size=page_size,
