@@ -399,6 +399,11 @@ def test_entry_refusals_name_the_numbers():
     cands = jnp.zeros((q.shape[0], 4), jnp.int32)
     with pytest.raises(TypeError, match="candidate_block must be a static Python int"):
         index_scores_v41(q, w, pages, *meta, **kw, layer=1, candidates=cands)
+    with pytest.raises(TypeError, match="^index_topk_v41 .*candidate_block must be a static"):
+        index_topk_v41(q, w, pages, *meta, **kw, k=4, layer=1, candidates=cands)
+    with pytest.raises(ValueError, match="^index_select_v41: num_blocks must be positive, got "
+                                         "num_blocks=0"):
+        index_select_v41(q, w, pages, *meta, **kw, k=4, layer=1, num_blocks=0, candidate_block=8)
     with pytest.raises(ValueError,
                        match=r"candidates.shape\[0\] must equal q.shape\[0\] \(rows\) = 2, got 3"):
         index_scores_v41(q, w, pages, *meta, **kw, layer=1, candidates=jnp.zeros((3, 4), int),

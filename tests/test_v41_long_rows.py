@@ -77,18 +77,25 @@ def test_the_row_block_is_cut_to_fit_the_score_rows_in_vmem():
                                      **kw).block_rows == 16
 
 
+# the consumer at 1M (the [T, 2048, 8] gather's padding is small beside 4 x 128K's bound), the
+# source at 128K (its [T, N / 8, 8] view, 32 MiB there, already breaks the bound; its exact
+# top-k over 1M rows compiles twice as long)
+SELECTION_GATES = {"consumer": "V4.1 decode 4x1048576", "source": "V4.1 decode 4x131072"}
+
+
 @pytest.mark.parametrize("selection", icases.V41_SELECTIONS)
 def test_the_candidate_selections_compile_bounded(selection):
-    """At 4 x 1M over fp4 pages, exact: a REINDEX layer's top-k among its 2048 candidate blocks
-    of 8 (``index_topk_v41(candidates=)``: temporaries within two score chunks plus 64 B a
-    candidate entry, where an exact top-k over whole rows is bounded by 8 chunks: a sort; it
-    ranks only the 16384 candidate entries of a row), and the candidate source's selection
-    (``index_select_v41(num_blocks=2048)``: the exact bound plus its blocks' sort). No XLA array
-    above the chunk. Refused by these bounds, as measured: gathering the candidates through a
-    ``[N / 8, 8]`` view of the row or max-pooling the blocks through one (256 MiB of temp: 8
-    lanes padded to 128)."""
-    chip = list(aot.CHIPS)[(len(_GATES) + icases.V41_SELECTIONS.index(selection)) % len(aot.CHIPS)]
-    case = icases.v41_long_case("V4.1 decode 4x1048576", "fp4 pages", exact=True,
+    """Over fp4 pages, exact: a REINDEX layer's top-k among its 2048 candidate blocks of 8
+    (``index_topk_v41(candidates=)``, 4 x 1M: temporaries within two score chunks plus 64 B a
+    candidate entry, where an exact top-k over whole rows is bounded by 8 chunks, a sort; it
+    ranks only the 16384 candidate entries of a row) and the candidate source's selection
+    (``index_select_v41(num_blocks=2048)``, 4 x 128K: the exact bound plus its blocks' sort).
+    No XLA array above the chunk. Refused by these bounds, as measured: gathering the
+    candidates through a ``[N / 8, 8]`` view of the row (256 MiB of temp at 4 x 1M) or
+    max-pooling the blocks through one (32 MiB at 4 x 128K: 8 lanes padded to 128)."""
+    turn = len(_GATES) + icases.V41_SELECTIONS.index(selection)
+    chip = list(aot.CHIPS)[turn % len(aot.CHIPS)]
+    case = icases.v41_long_case(SELECTION_GATES[selection], "fp4 pages", exact=True,
                                 selection=selection)
     r = lr.measure(case, chip, k=K, exact=True, selection=selection)
     assert r["ok"], r.get("error")

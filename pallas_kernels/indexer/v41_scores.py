@@ -218,6 +218,8 @@ def index_topk_v41(q: jax.Array, weights: jax.Array, cache_kv, seq_lens: jax.Arr
     ``-1`` padding (and for rows outside every sequence)."""
     meta = (seq_lens, page_indices, cu_q_lens, cu_kv_lens, distribution)
     if candidates is not None:
+        checks.positive_int("candidate_block", candidate_block,
+                            "index_topk_v41 (candidates given: entries per block)")
         return index_select_v41(
             q, weights, cache_kv, *meta, k=k, pages_per_seq=pages_per_seq, page_size=page_size,
             dim=dim, one_token_per_seq=one_token_per_seq, compression_ratio=compression_ratio,
