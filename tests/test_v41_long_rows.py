@@ -80,7 +80,7 @@ def test_the_row_block_is_cut_to_fit_the_score_rows_in_vmem():
 # Both at 1M, where a lane-padded [T, N / 8, 8] array is 256 MiB against bounds of 40 and 148
 # MiB. At 4 x 128K the source's bound (22.1 MiB) separated nothing: the padded max-pool measured
 # 24.2 MiB on jax 0.10.2, the fixed one 23.3 on jax 0.12 (tpu7x; CI's 3.12 leg failed it).
-SELECTION_GATES = {"consumer": "V4.1 decode 4x1048576", "source": "V4.1 decode 4x1048576"}
+SELECTION_GATE = "V4.1 decode 4x1048576"
 
 
 @pytest.mark.parametrize("selection", icases.V41_SELECTIONS)
@@ -95,7 +95,7 @@ def test_the_candidate_selections_compile_bounded(selection):
     (256 MiB of temp at 4 x 1M: 8 lanes padded to 128)."""
     turn = len(_GATES) + icases.V41_SELECTIONS.index(selection)
     chip = list(aot.CHIPS)[turn % len(aot.CHIPS)]
-    case = icases.v41_long_case(SELECTION_GATES[selection], "fp4 pages", exact=True,
+    case = icases.v41_long_case(SELECTION_GATE, "fp4 pages", exact=True,
                                 selection=selection)
     r = lr.measure(case, chip, k=K, exact=True, selection=selection)
     assert r["ok"], r.get("error")

@@ -254,11 +254,13 @@ def _select_chunks(q, weights, cache, one, meta, *, k, candidates, candidate_blo
         b = batch.RaggedBatch.of(one, meta[0], table, *meta[2:], pages_per_seq=pages_per_seq,
                                  compression_ratio=compression_ratio)
 
+    ids = None if candidates is None else candidates.astype(jnp.int32)  # cast once, not a chunk
+
     def finish(scores, row_ok, key_pos, kv_eff, row0):
         # rows outside every sequence: length 0, their (unwritten: mask_rows) scores never read
         lens = jnp.where(row_ok, causal_token_count(key_pos, kv_eff), 0)
-        mine = None if candidates is None else jax.lax.dynamic_slice_in_dim(
-            candidates.astype(jnp.int32), row0, scores.shape[0], 0)
+        mine = None if ids is None else jax.lax.dynamic_slice_in_dim(ids, row0,
+                                                                      scores.shape[0], 0)
         top = restricted_topk(scores, lens, mine, k=k, block=candidate_block)
         if not num_blocks:
             return top

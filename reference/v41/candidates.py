@@ -231,13 +231,14 @@ def restricted_topk(scores: jax.Array, lens: jax.Array, candidates: jax.Array | 
 
 
 def _unique_blocks(candidates: jax.Array, num_blocks: int) -> jax.Array:
-    """``i32[T, C]`` block ids -> each row's distinct ids in ``[0, num_blocks)`` ascending, the
-    rest (``-1``, out of range, repeats) as ``num_blocks`` at the end: a sort, then repeats
-    dropped."""
+    """``i32[T, C]`` block ids -> each row's distinct ids in ``[0, num_blocks)`` ascending,
+    every other slot (``-1``, out of range, a repeat) ``num_blocks``: one sort, repeats then
+    voided in place. The void slots sit among the ids, which stay ascending: what the compact
+    order needs (void slots are masked)."""
     ids = candidates.astype(jnp.int32)
     ids = jnp.sort(jnp.where((ids >= 0) & (ids < num_blocks), ids, num_blocks), axis=-1)
     repeat = jnp.pad(ids[:, 1:] == ids[:, :-1], ((0, 0), (1, 0)))
-    return jnp.sort(jnp.where(repeat, num_blocks, ids), axis=-1)
+    return jnp.where(repeat, num_blocks, ids)
 
 
 def _compact_topk(scores, lens, candidates, k, block):
