@@ -38,6 +38,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ and "PYTEST_XDIST_WORKER" not i
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
+# The strict Pallas interpreter's callbacks take NumPy copies instead of jax's per-call
+# device_put (tests/interpret_callbacks.py: the device_put was over half of every interpreter
+# callback; a 40-decode V4 Pallas run went 45.7 s -> 29.8 s, the same output). The processes
+# tests start import this file too (tests/isolated.py), so they run the same path.
+from tests import interpret_callbacks  # noqa: E402
+
+interpret_callbacks.install()
+
 def pytest_collection_modifyitems(config, items):
     """The long tests (``@pytest.mark.slow``) first, the rest in collection order (a stable
     sort, the same on every pytest-xdist worker). With the README's ``--dist worksteal`` the
