@@ -12,8 +12,12 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # compiles thousands of small CPU programs and runs most of them once; a 241-test subset took
 # 18% less time with these flags, passing the same (issue 26; BENCHMARKS.md, session 13). They
 # leave the TPU AOT compiles alone (same program text, same cost analysis) and fast-math off.
-_FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
-          "--xla_llvm_disable_expensive_passes=true")
+QUICK_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+# XLA's defaults: what tests/isolated.py's ``optimized=True`` children compile with (a long run
+# of the same few programs, where -O0's slower code costs more than the compiles it saves)
+OPTIMISED_COMPILE = ("--xla_backend_optimization_level=3",
+                     "--xla_llvm_disable_expensive_passes=false")
+_FLAGS = ("--xla_force_host_platform_device_count=8", *QUICK_COMPILE)
 for _flag in _FLAGS:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()

@@ -125,6 +125,27 @@ def test_run_isolated_runs_the_body_in_its_own_process_and_reports_a_crash(tmp_p
         run_isolated(child_crash)
 
 
+def child_flags(path: str) -> None:
+    import os
+
+    Path(path).write_text(os.environ.get("XLA_FLAGS", ""))
+
+
+def test_an_optimized_isolated_child_compiles_with_xlas_defaults(tmp_path):
+    """``run_isolated(..., optimized=True)``: the child's ``XLA_FLAGS`` carry
+    ``OPTIMISED_COMPILE`` in place of the suite's ``QUICK_COMPILE`` and keep the rest (the 8
+    host devices); without it, the suite's flags."""
+    from tests.conftest import OPTIMISED_COMPILE, QUICK_COMPILE
+    from tests.isolated import run_isolated
+
+    for optimized, want, not_want in [(True, OPTIMISED_COMPILE, QUICK_COMPILE),
+                                      (False, QUICK_COMPILE, OPTIMISED_COMPILE)]:
+        run_isolated(child_flags, str(tmp_path / "flags"), optimized=optimized)
+        flags = (tmp_path / "flags").read_text().split()
+        assert "--xla_force_host_platform_device_count=8" in flags
+        assert all(f in flags for f in want) and not any(f in flags for f in not_want), flags
+
+
 def child_stall() -> None:
     import time
 

@@ -14,12 +14,17 @@ from pathlib import Path
 import pytest
 
 from pallas_kernels import chips
+from tests.isolated import optimised_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(args, tmp_path, timeout=600):
+def _run(args, tmp_path, timeout=600, optimized=False):
+    """``python *args`` from the repository root; ``optimized``: XLA:CPU compiles at XLA's
+    defaults, not the suite's -O0 (``tests/isolated.py``'s ``optimised_flags``)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    if optimized:
+        env["XLA_FLAGS"] = optimised_flags(env.get("XLA_FLAGS", ""))
     out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -31,9 +36,10 @@ def test_bench_quick(tmp_path):
     # at a 2K context (the default 8K is the benchmark's; 2K is the smallest that keeps the
     # rows' 32 pages) and one timed repetition: a smoke run of the whole script, every CPU row
     # and ratio; the seed's general paths cost O(S * T * context); one AOT row of the quick
-    # two (the page top-k at 4096 @128K: 10 s of XLA's TPU top-k vs 23 s for the token one)
+    # two (the page top-k at 4096 @128K: 10 s of XLA's TPU top-k vs 23 s for the token one);
+    # optimised CPU compiles: it times the CPU paths (27.6 s -> 23.3 s, 40 -> 34 CPU-s, session 26)
     stdout = _run(["-m", "scripts.bench.bench", "--quick", "--reps", "1", "--context", "2048",
-                   "--aot-op", "page top-k", "--out", str(tmp_path)], tmp_path)
+                   "--aot-op", "page top-k", "--out", str(tmp_path)], tmp_path, optimized=True)
     assert (tmp_path / "bench.json").exists() and "seed sparse_mla / ours" in stdout
     assert "| chunked prefill 4096 @128K | page top-k (ours) | " in stdout
 

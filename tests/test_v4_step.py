@@ -399,10 +399,18 @@ def _run_split(lengths, steps, proj, rows):
 # a 30-token chunk then mostly decodes (278 steps) and chunk-heavy splits with late joins
 # (63 steps); the fourth (10-token chunks and decodes, 310 steps) added no phase of its own.
 @pytest.mark.slow
+def test_step_is_chunk_invariant():
+    """``chunk_invariance`` (below) in a process of its own whose XLA:CPU compiles optimise
+    (``tests/isolated.py``, ``optimized=True``): its ~600 steps of 64 rows run the same few
+    programs over and over, where the suite's quick compile (-O0) made them ~1.6x slower
+    (alone: 39 s in the suite's flags, 24 s optimised, session 26)."""
+    run_isolated(chunk_invariance, optimized=True)
+
+
 @settings(max_examples=3, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(_split())
-def test_step_is_chunk_invariant(split):
+def chunk_invariance(split):
     """Chunk invariance of the paged step as a property (reference backend): three sequences
     (257-300, 129-300 and 1-300 tokens: ratio-128 entries 0 and 1, ratio-4 groups, the
     128-token window) split into steps of mixed phases (one-token decodes first, then chunks
