@@ -11,9 +11,9 @@ of the step.
 What changes: for callbacks of the Pallas TPU interpreter only (recognised by the module of the
 function jax calls back), the arguments are handed over as NumPy copies (a copy: XLA's buffers
 live only for the call) under the CPU default device, and the results converted exactly as jax
-does (``np.asarray``). The interpreter's checks are its own and unchanged: uninitialised memory,
-out-of-bounds reads, race detection (``tests/test_house.py`` checks that the strict interpreter
-still refuses an out-of-bounds read and still reports a race with this installed). Every other
+does (``np.asarray``). The interpreter's checks are its own and unchanged: uninitialised
+memory, out-of-bounds reads, race detection (``tests/test_interpret_callbacks.py`` checks each
+under both paths, and that a package kernel gives the same bits). Every other
 callback keeps jax's path. If jax's ``io_callback_impl`` has another signature than the one this
 was written against (jax 0.10 - 0.12), nothing is installed and the suite runs jax's path.
 """
