@@ -21,6 +21,7 @@ was written against (jax 0.10 - 0.12), nothing is installed and the suite runs j
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 
 import numpy as np
@@ -36,6 +37,14 @@ def _interpreter_function(callback) -> bool:
         func = func.func
     module = getattr(func, "__module__", "") or ""
     return module.startswith(INTERPRETER_MODULES)
+
+
+@functools.cache
+def _cpu_device():
+    """The first CPU device, looked up once (every interpreter callback enters it)."""
+    import jax
+
+    return jax.local_devices(backend="cpu")[0]
 
 
 def install() -> bool:
@@ -54,8 +63,7 @@ def install() -> bool:
         if not _interpreter_function(callback):
             return impl(*args, result_avals=result_avals, callback=callback,
                         sharding=sharding, ordered=ordered)
-        cpu = jax.local_devices(backend="cpu")[0]
-        with jax.default_device(cpu):
+        with jax.default_device(_cpu_device()):
             out = callback(*(np.array(a, copy=True) for a in args))
         return jax.tree.map(np.asarray, out)
 

@@ -395,9 +395,6 @@ def _run_split(lengths, steps, proj, rows):
     return res, [np.concatenate(o, axis=1) for o in outs]
 
 
-# Three derandomized examples (was 4; issue 26's suite budget): all-decode splits (257 steps),
-# a 30-token chunk then mostly decodes (278 steps) and chunk-heavy splits with late joins
-# (63 steps); the fourth (10-token chunks and decodes, 310 steps) added no phase of its own.
 @pytest.mark.slow
 def test_step_is_chunk_invariant():
     """``chunk_invariance`` (below) in a process of its own whose XLA:CPU compiles optimise
@@ -407,6 +404,9 @@ def test_step_is_chunk_invariant():
     run_isolated(chunk_invariance, optimized=True)
 
 
+# Three derandomized examples (was 4; issue 26's suite budget): all-decode splits (257 steps),
+# a 30-token chunk then mostly decodes (278 steps) and chunk-heavy splits with late joins
+# (63 steps); the fourth (10-token chunks and decodes, 310 steps) added no phase of its own.
 @settings(max_examples=3, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(_split())
