@@ -15,8 +15,9 @@ index source's top-k, the candidate source's blocks) as the statement does. Per 
    slot: a chunk starting on an odd position takes its partner from the state), the entries
    completing this step stored in its pool (fp4 / e4m3-16, 288 B) and its index keys (fp4 /
    ue8m0-32, 68 B) at ``entry_slots``;
-3. an index source (FULL, REINDEX): its query scores every visible entry of the published keys
-   (read in place from the stack's index pages: ``reference.v41.index_pages``), then
+3. an index source (FULL, REINDEX), a chunk of rows at a time (``select_rows``: never
+   ``f32[T, E]`` scores): its query scores every visible entry of the published keys (read in
+   place from the stack's index pages: ``reference.v41.index_pages``), then
    ``deepseek_v41_layer.select`` (candidate blocks, top-k restricted to them);
 4. attention (``deepseek_v41_layer.attend``: one softmax over the row's window tokens and the
    published top-k's pool entries, the sink in the denominator), then the output stage.
@@ -52,6 +53,7 @@ from dsa_jax.v41_model import (
     init_v41_states,
     v41_meta,
 )
+from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, chunk_rows
 from pallas_kernels.v41_attention.entry import window_segments
 from reference.core import batch
 from reference.core import checks as _checks
@@ -71,8 +73,11 @@ IMPLEMENTATIONS = ("xla", "pallas")
 # every Pallas kernel's options (compressor, indexer, attention)
 KERNEL_OPTIONS = ("interpret", "vmem_limit_bytes")
 # What the jnp index scores hold at once (``_scores``: gathered bytes, decoded keys, dots of a
-# block of entries for every row); the scores themselves are ``f32[T, E]``.
+# block of entries for every row of a chunk).
 SCORE_BLOCK_BYTES = 64 * 2**20
+# The jnp selection's chunk of rows (``select_rows``): its scores ``f32[C, E]`` at most this,
+# the Pallas selection's bound (``index_select_v41``'s ``score_chunk_bytes``).
+SELECT_CHUNK_BYTES = SCORE_CHUNK_BYTES
 
 
 class _Ops(NamedTuple):
@@ -167,7 +172,8 @@ def score_block(num_rows: int, heads: int, dim: int, entries: int) -> int:
 def _scores(iq, w, keys, k, b, rows, meta, precision, cands=None, block=None):
     """``score f32[T, E]`` of ``iq f32[T, Hi, Di]`` / ``w f32[T, Hi]`` over entries ``0 .. E - 1``
     (``E = b.capacity_tokens``) of stack row ``k`` of ``keys`` (a ``PagedBytes`` of
-    ``IndexFp4Pages``; each row its sequence's), in blocks of whole pages (``score_block``
+    ``IndexFp4Pages``; each row its sequence's; the step passes one chunk of ``select_rows``
+    rows at a time, ``_select_rows``), in blocks of whole pages (``score_block``
     entries, rounded down to pages, at least one): the decoded keys never exceed
     ``SCORE_BLOCK_BYTES`` whatever ``T`` and ``E``. Each row gathers its sequence's pages whole
     (one index a page, ``512 G`` bytes: no per-entry gather) and decodes them; an entry past the
@@ -221,8 +227,9 @@ def _pallas_select(kernel, iq, w, keys, k, b, meta, precision, plan, c, cands):
 def _select(params, x, qr, cos_p, sin_p, source, plan, layout, caches, meta, rows, cands, rb,
             precision, ops):
     """An index source's top-k (and, the candidate source, its candidate blocks) over every
-    visible entry of KV source ``source``'s keys (read in place): ``ops.select``'s (scored and
-    selected a chunk of rows at a time), or ``ops.scores``' array then ``select``."""
+    visible entry of KV source ``source``'s keys (read in place), a chunk of rows at a time:
+    ``ops.select``'s (the Pallas indexer) or ``_select_rows`` (``ops.scores``' chunk, then
+    ``select``)."""
     c = layout.config
     r, k = layout.source_slot(source)
     keys, per = _paged(layout, caches, meta, f"keys{r}", r)
@@ -231,11 +238,49 @@ def _select(params, x, qr, cos_p, sin_p, source, plan, layout, caches, meta, row
     iq, w = L.index_query(params, x[None], qr[None], cos_p, sin_p, c, rb)
     if ops.select is not None:
         return ops.select(iq[0], w[0], keys, k, b, meta, precision, plan, c, cands)
+    return _select_rows(ops.scores, iq[0], w[0], keys, k, b, rows, meta, precision, plan, c,
+                        cands)
+
+
+def select_rows(num_rows: int, entries: int) -> int:
+    """Rows per chunk of the jnp selection (``_select_rows``): the most whose scores
+    ``f32[C, entries]`` fit ``SELECT_CHUNK_BYTES``, at least 1, balanced over the chunks
+    (``pallas_kernels.indexer.scoring.chunk_rows``, the Pallas selection's rule)."""
+    return chunk_rows(max(num_rows, 1), max(entries, 1), 1, SELECT_CHUNK_BYTES)
+
+
+def _select_rows(scores, iq, w, keys, k, b, rows, meta, precision, plan, c, cands):
+    """``deepseek_v41_layer.select`` over ``scores``' (``_scores``) rows a chunk of
+    ``select_rows`` rows at a time (a ``fori_loop``; the last chunk clamped to end at row
+    ``T``, its overlap recomputed to the same values): what is held at once is one chunk's
+    scores and its selection's temporaries, never ``f32[T, E]``. Every row's result depends
+    only on its own scores, so chunking changes no bit."""
+    t = iq.shape[0]
     use = cands if plan.candidates is CandidateUse.CONSUMES else None
-    score = ops.scores(iq[0], w[0], keys, k, b, rows, meta, precision, use,
-                       None if use is None else c.candidate_block_size)
-    lens = jnp.where(rows.in_seq, (rows.abs_pos + 1) // r, 0)
-    return L.select(score, lens, plan, c, cands)
+    made = plan.candidates is CandidateUse.PRODUCES
+    n = select_rows(t, b.capacity_tokens)
+
+    def chunk(row0):
+        cut = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=row0, slice_size=n)
+        mine = rows._replace(seq=cut(rows.seq), in_seq=cut(rows.in_seq),
+                             abs_pos=cut(rows.abs_pos))
+        ids = None if use is None else cut(use)
+        score = scores(cut(iq), cut(w), keys, k, b, mine, meta, precision, ids,
+                       None if ids is None else c.candidate_block_size)
+        lens = jnp.where(mine.in_seq, (mine.abs_pos + 1) // b.compression_ratio, 0)
+        top, blocks = L.select(score, lens, plan, c, ids)
+        return jnp.concatenate([top, blocks], axis=1) if made else top
+
+    def body(i, acc):
+        row0 = jnp.minimum(i * n, t - n)
+        return jax.lax.dynamic_update_slice_in_dim(acc, chunk(row0), row0, axis=0)
+
+    chunks = -(-t // n)
+    width = c.index_topk + (c.candidate_topk_blocks if made else 0)
+    out = chunk(0) if chunks == 1 else jax.lax.fori_loop(0, chunks, body,
+                                                         jnp.zeros((t, width), jnp.int32))
+    top = out[:, :c.index_topk]
+    return top, (out[:, c.index_topk:] if made else cands)
 
 
 def _slots(layout, caches, meta, rows, name: str, ratio: int, idx):

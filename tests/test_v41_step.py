@@ -14,6 +14,8 @@ window pages behind every row's window are released from the table (id -1) at ea
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,6 +35,7 @@ from reference.v41 import index_fp4_bytes, v41_tiny
 from tests.v4_bf16_oracle import out_error
 
 C = v41_tiny()
+step_mod = importlib.import_module("dsa_jax.v41_step")  # dsa_jax.v41_step is the function
 PAGE = 4
 DECODES = 260
 MAX_SEQ = 288  # 23 + 1 + 260 = 284 tokens at most, even (ratio-2 pairs), 72 pages of 4
@@ -210,47 +213,107 @@ def test_caches_of_the_wrong_shape_or_dtype_are_refused():
         _one_step(caches=good._replace(keys2=good.keys2.astype(jnp.int32)))
 
 
-def test_index_scores_in_blocks_equal_one_block(monkeypatch):
-    """The jnp index scores in blocks of whole pages (``SCORE_BLOCK_BYTES`` cut so that a block
-    of the 45-row prefill holds 21 entries, 5 pages of 4: 15 blocks of the ratio-1 keys' 72
-    pages and 8 of the ratio-2 keys' 36, the last ragged) equal one block's bit for bit, over
-    random index pages (no 0xFF scale: finite keys) read at stack row 1. The function the
-    step calls (``_scores``), not the whole step: the blocks are all that the knob changes."""
-    import importlib
-
+def _score_inputs():
+    """A 45-row prefill (23 + 20 rows, 2 outside) over index pages of random unit keys
+    (``encode_index_fp4``) of both ratios, random index queries and weights: ``(meta, rows,
+    iq, w, keys)``, ``keys(r)`` the ratio-``r`` stack's ``(PagedBytes, RaggedBatch)``."""
     from reference.core import batch
+    from reference.v41 import index_pages
+    from reference.v41.formats import encode_index_fp4
     from reference.v41.paged import ragged
 
-    step_mod = importlib.import_module("dsa_jax.v41_step")  # dsa_jax.v41_step is the function
     rng = np.random.default_rng(5)
     xs_seq = [np.zeros((len(C.compress_ratios), n, C.dim), np.float32) for n in (24, 21)]
     _, meta = _step_inputs(xs_seq, [23, 20], [0, 0])  # a prefill
     caches = init_v41_caches(LAYOUT, 3)
-    caches = caches._replace(**{f: jnp.asarray(rng.integers(0, 128, getattr(caches, f).shape,
-                                                            dtype=np.uint8))
-                                for f in ("keys1", "keys2")})
+
+    def encoded(pages):  # every slot a random key of unit scale, stored as the step stores it
+        lead = pages.shape[:2]
+        keys = rng.standard_normal((*lead, PAGE, C.index_head_dim), dtype=np.float32)
+        return index_pages.to_pages(encode_index_fp4(jnp.asarray(keys)))
+
+    caches = caches._replace(keys1=encoded(caches.keys1), keys2=encoded(caches.keys2))
     rows_n = 23 + 20 + OUTSIDE
     rows = batch.row_facts(rows_n, meta.kv_lens, meta.cu_q_lens, meta.distribution)
     iq = jnp.asarray(rng.standard_normal((rows_n, C.index_n_heads, C.index_head_dim)),
                      jnp.float32)
     w = jnp.asarray(rng.standard_normal((rows_n, C.index_n_heads)), jnp.float32)
 
-    def scores(r):
+    def keys(r):
         kv, per = step_mod._paged(LAYOUT, caches, meta, f"keys{r}", r)
-        b = ragged(kv, meta.kv_lens, meta.cu_q_lens, meta.distribution, pages_per_seq=per,
-                   ratio=r)
-        return np.asarray(jax.jit(lambda: step_mod._scores(iq, w, kv, 1, b, rows, meta,
+        return kv, ragged(kv, meta.kv_lens, meta.cu_q_lens, meta.distribution,
+                          pages_per_seq=per, ratio=r)
+
+    return meta, rows, iq, w, keys
+
+
+def test_index_scores_in_blocks_equal_one_block(monkeypatch):
+    """The jnp index scores in blocks of whole pages (``SCORE_BLOCK_BYTES`` cut so that a block
+    of the 45-row prefill holds 21 entries, 5 pages of 4: 15 blocks of the ratio-1 keys' 72
+    pages and 8 of the ratio-2 keys' 36, the last ragged) equal one block's bit for bit, over
+    index pages of random keys read at each ratio's stack row 0 (its one KV source). The
+    function the step calls (``_scores``), not the whole step: the blocks are all that the
+    knob changes."""
+    meta, rows, iq, w, keys = _score_inputs()
+
+    def scores(r):
+        kv, b = keys(r)
+        return np.asarray(jax.jit(lambda: step_mod._scores(iq, w, kv, 0, b, rows, meta,
                                                            "bf16"))())
 
     want = [scores(r) for r in (1, 2)]
-    per_entry = rows_n * (4 * C.index_head_dim + 4 * C.index_n_heads
-                          + index_fp4_bytes(C.index_head_dim))
+    per_entry = iq.shape[0] * (4 * C.index_head_dim + 4 * C.index_n_heads
+                               + index_fp4_bytes(C.index_head_dim))
     monkeypatch.setattr(step_mod, "SCORE_BLOCK_BYTES", 21 * per_entry)
-    assert step_mod.score_block(rows_n, C.index_n_heads, C.index_head_dim, 288) // PAGE == 5
+    assert step_mod.score_block(iq.shape[0], C.index_n_heads, C.index_head_dim, 288) // PAGE == 5
     for r, one in zip((1, 2), want, strict=True):
         got = scores(r)
         np.testing.assert_array_equal(got, one)
-        assert np.isfinite(got).sum() > 300 and not np.isnan(got).any()
+        # the visible entries of 43 rows scored from the random keys, nothing NaN
+        assert (got != 0).sum() > 300 and not np.isnan(got).any()
+
+
+def test_jnp_selection_in_row_chunks_equals_one_chunk(monkeypatch):
+    """The jnp step's selection a chunk of rows at a time (``SELECT_CHUNK_BYTES`` cut to 13
+    rows of the ratio-2 keys' 144 entries: the 45-row prefill in 4 chunks of 12 at ratio 2, 8
+    of 6 at ratio 1, each last chunk clamped to overlap) equals one chunk's bit for bit on each
+    kind of index source (the ratio-2 FULL layer, the candidate source, its consumer taking the
+    source's blocks), and the compiled program holds no ``f32[T, E]`` array, one chunk's
+    ``f32[C, E]`` instead."""
+    from reference.v41.config import resolve_layers
+
+    meta, rows, iq, w, keys = _score_inputs()
+    plans = [p for p in resolve_layers(C) if p.mode.value in ("full", "reindex")]
+    assert [p.candidates.value for p in plans] == ["none", "produces", "consumes"]
+
+    def select(plan, cands):
+        kv, b = keys(plan.ratio)
+        fn = jax.jit(lambda c: step_mod._select_rows(step_mod._scores, iq, w, kv, 0, b, rows,
+                                                     meta, "bf16", plan, C, c))
+        return jax.tree.map(np.asarray, fn(cands)), fn.lower(cands).compile().as_text()
+
+    def run():
+        out, hlo, cands = [], [], None
+        for plan in plans:
+            (top, made), text = select(plan, cands)
+            cands = made if made is not None else cands
+            out.append((top, made))
+            hlo.append(text)
+        return out, hlo
+
+    want, whole = run()
+    entries = [keys(p.ratio)[1].capacity_tokens for p in plans]
+    monkeypatch.setattr(step_mod, "SELECT_CHUNK_BYTES", 13 * 4 * min(entries))
+    n = {e: step_mod.select_rows(iq.shape[0], e) for e in entries}
+    assert n == {144: 12, 288: 6}  # 4 and 8 chunks of the 45 rows, each last one clamped
+    got, chunked = run()
+    for (top, made), (top1, made1) in zip(got, want, strict=True):
+        np.testing.assert_array_equal(top, top1)
+        np.testing.assert_array_equal(made, made1)
+        assert (top >= 0).sum() > 100
+    for e, one, text in zip(entries, whole, chunked, strict=True):
+        assert f"f32[{iq.shape[0]},{e}]" in one  # the check can see the whole rows' scores
+        assert f"f32[{iq.shape[0]},{e}]" not in text and f"f32[{n[e]},{e}]" in text
 
 
 def test_bf16_weights_are_read_as_given():
