@@ -53,13 +53,12 @@ from dsa_jax.v41_model import (
     init_v41_states,
     v41_meta,
 )
+from dsa_jax.v41_step_checks import check_v41_step_args
 from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, chunk_rows
 from pallas_kernels.v41_attention.entry import window_segments
 from reference.core import batch
-from reference.core import checks as _checks
 from reference.quant.bf16 import V4_DEFAULT_PRECISION, check_precision, rounding
 from reference.statements import deepseek_v41_layer as L
-from reference.statements.deepseek_v41 import check_params
 from reference.v4_compressor.ref import entry_slots
 from reference.v41 import formats, index_pages, pool_pages, window_pages
 from reference.v41.compressor import compress_step
@@ -78,6 +77,9 @@ SCORE_BLOCK_BYTES = 64 * 2**20
 # The jnp selection's chunk of rows (``select_rows``): its scores ``f32[C, E]`` at most this,
 # the Pallas selection's bound (``index_select_v41``'s ``score_chunk_bytes``).
 SELECT_CHUNK_BYTES = SCORE_CHUNK_BYTES
+# The jnp attention's chunk of rows (``attend_rows``): its decoded kv ``f32[C, window + k, D]``
+# at most this (51 rows at V4.1-Flash's 128 + 512 rows of 512).
+ATTEND_CHUNK_BYTES = 64 * 2**20
 
 
 class _Ops(NamedTuple):
@@ -93,14 +95,15 @@ class _Ops(NamedTuple):
 
 
 def _ops(implementation: str, kernel_options: tuple) -> _Ops:
-    """``"xla"``: ``reference.v41.compress_step``, the jnp ``_scores`` and ``_attend``.
+    """``"xla"``: ``reference.v41.compress_step``, the jnp ``_scores`` and ``_attend``, a chunk
+    of rows at a time (``_select_rows``, ``_attend_rows``).
     ``"pallas"``: ``pallas_kernels.v41_compressor.compress_step``, the Pallas indexer over the
     index pages with each index source's selection a chunk of rows at a time
     (``pallas_kernels.indexer.v41_scores.index_select_v41``) and the Pallas attention over the
     window and pool pages (``pallas_kernels.v41_attention``), each with ``kernel_options``
     (``interpret``, ``vmem_limit_bytes``). Ratio 1's compressor is row-wise XLA on both."""
     if implementation == "xla":
-        return _Ops(compress_step, _attend, scores=_scores)
+        return _Ops(compress_step, _attend_rows, scores=_scores)
     from pallas_kernels.indexer.v41_scores import index_select_v41
     from pallas_kernels.v41_attention import v41_attention
     from pallas_kernels.v41_compressor import compress_step as pallas_compress
@@ -251,19 +254,15 @@ def select_rows(num_rows: int, entries: int) -> int:
 
 def _select_rows(scores, iq, w, keys, k, b, rows, meta, precision, plan, c, cands):
     """``deepseek_v41_layer.select`` over ``scores``' (``_scores``) rows a chunk of
-    ``select_rows`` rows at a time (a ``fori_loop``; the last chunk clamped to end at row
-    ``T``, its overlap recomputed to the same values): what is held at once is one chunk's
+    ``select_rows`` rows at a time (``_in_row_chunks``): what is held at once is one chunk's
     scores and its selection's temporaries, never ``f32[T, E]``. Every row's result depends
     only on its own scores, so chunking changes no bit."""
-    t = iq.shape[0]
     use = cands if plan.candidates is CandidateUse.CONSUMES else None
     made = plan.candidates is CandidateUse.PRODUCES
-    n = select_rows(t, b.capacity_tokens)
 
-    def chunk(row0):
+    def chunk(row0, n):
         cut = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=row0, slice_size=n)
-        mine = rows._replace(seq=cut(rows.seq), in_seq=cut(rows.in_seq),
-                             abs_pos=cut(rows.abs_pos))
+        mine = batch.RowFacts(*map(cut, rows))
         ids = None if use is None else cut(use)
         score = scores(cut(iq), cut(w), keys, k, b, mine, meta, precision, ids,
                        None if ids is None else c.candidate_block_size)
@@ -271,16 +270,26 @@ def _select_rows(scores, iq, w, keys, k, b, rows, meta, precision, plan, c, cand
         top, blocks = L.select(score, lens, plan, c, ids)
         return jnp.concatenate([top, blocks], axis=1) if made else top
 
+    t = iq.shape[0]
+    out = _in_row_chunks(chunk, t, select_rows(t, b.capacity_tokens))
+    return out[:, :c.index_topk], (out[:, c.index_topk:] if made else cands)
+
+
+def _in_row_chunks(fn, t: int, n: int):
+    """``fn(row0, n)`` (rows ``row0 .. row0 + n - 1``' array ``[n, ...]``) for every row
+    ``[T, ...]``: one call if ``n >= T``, else a ``fori_loop`` over chunks of ``n`` rows, the
+    last clamped to end at row ``T`` (its overlap recomputed to the same values)."""
+    n = min(n, t)
+    chunks = -(-t // max(n, 1))
+    if chunks <= 1:
+        return fn(0, t)
+    part = jax.eval_shape(lambda: fn(0, n))
+
     def body(i, acc):
         row0 = jnp.minimum(i * n, t - n)
-        return jax.lax.dynamic_update_slice_in_dim(acc, chunk(row0), row0, axis=0)
+        return jax.lax.dynamic_update_slice_in_dim(acc, fn(row0, n), row0, axis=0)
 
-    chunks = -(-t // n)
-    width = c.index_topk + (c.candidate_topk_blocks if made else 0)
-    out = chunk(0) if chunks == 1 else jax.lax.fori_loop(0, chunks, body,
-                                                         jnp.zeros((t, width), jnp.int32))
-    top = out[:, :c.index_topk]
-    return top, (out[:, c.index_topk:] if made else cands)
+    return jax.lax.fori_loop(0, chunks, body, jnp.zeros((t, *part.shape[1:]), part.dtype))
 
 
 def _slots(layout, caches, meta, rows, name: str, ratio: int, idx):
@@ -311,6 +320,30 @@ def _attend(q, layer, source, topk, layout, caches, meta, rows, sink, precision)
         kv, ok = jnp.concatenate([kv, pkv], axis=1), jnp.concatenate([ok, pok], axis=1)
     ok = ok.at[:, 0].set(ok[:, 0] | ~rows.in_seq)  # a row outside every sequence: finite, zeroed
     return L.attend(q[:, None], kv, ok[:, None], sink, c.head_dim ** -0.5, rb)[:, 0]
+
+
+def attend_rows(num_rows: int, width: int, dim: int) -> int:
+    """Rows per chunk of the jnp attention (``_attend_rows``): the most whose decoded kv
+    ``f32[C, width, dim]`` (``width`` window tokens and top-k entries a row) fit
+    ``ATTEND_CHUNK_BYTES``, at least 1, balanced over the chunks (``chunk_rows``)."""
+    return chunk_rows(max(num_rows, 1), max(width * dim, 1), 1, ATTEND_CHUNK_BYTES)
+
+
+def _attend_rows(q, layer, source, topk, layout, caches, meta, rows, sink, precision):
+    """``_attend`` a chunk of ``attend_rows`` rows at a time (``_in_row_chunks``): the
+    gathered and decoded window tokens and pool entries of one chunk at once, never
+    ``f32[T, window + k, D]``. Each row's output depends only on its own reads: the same
+    values as one call."""
+    c = layout.config
+    width = c.window_size + (0 if source is None else c.index_topk)
+
+    def chunk(row0, n):
+        cut = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=row0, slice_size=n)
+        return _attend(cut(q), layer, source, None if source is None else cut(topk), layout,
+                       caches, meta, batch.RowFacts(*map(cut, rows)), sink, precision)
+
+    t = q.shape[0]
+    return _in_row_chunks(chunk, t, attend_rows(t, width, c.head_dim))
 
 
 def _pallas_attend(kernel, q, layer, source, topk, layout, caches, meta, rows, sink, precision):
@@ -426,58 +459,6 @@ _v41_step = jax.jit(v41_step_body, static_argnames=("layout", "precision", "impl
                     donate_argnames=("caches", "states"))
 
 
-def _check_caches(caches, layout: V41StepLayout, num_seqs: int) -> None:
-    if not isinstance(caches, V41Caches):
-        raise TypeError(f"v41_step: caches must be a V41Caches (init_v41_caches), got "
-                        f"{type(caches).__name__}")
-    want = jax.eval_shape(lambda: init_v41_caches(layout, max(num_seqs, 1)))
-    for name, got, ref in zip(V41Caches._fields, caches, want, strict=True):
-        if (got is None) != (ref is None):
-            raise ValueError(f"v41_step: caches.{name} must be "
-                             f"{'None' if ref is None else 'given'} for this config (KV sources "
-                             f"of each ratio: {layout.sources}), got "
-                             f"{'None' if got is None else 'an array'}")
-        if ref is None:
-            continue
-        shape, rest = tuple(np.shape(got)), ", ".join(str(d) for d in ref.shape[2:])
-        what = {"keys": "stack rows, pages, groups, 4, 128: index pages",
-                "pool": "stack rows, pages, record + scale rows, words: pool pages",
-                "wind": "layers, pages, records + scale rows, words: window pages"}[name[:4]]
-        if (len(shape) != len(ref.shape) or shape[0] != ref.shape[0]
-                or shape[2:] != ref.shape[2:]):
-            raise ValueError(f"v41_step: caches.{name} must have shape [{ref.shape[0]}, P, "
-                             f"{rest}] ({what}), got {shape}")
-        if jnp.result_type(got) != ref.dtype:
-            raise ValueError(f"v41_step: caches.{name} must have dtype {ref.dtype} ({what}), "
-                             f"got {jnp.result_type(got)}")
-
-
-def _check_args(params, xs, caches, states, meta, layout) -> None:
-    if not isinstance(layout, V41StepLayout):
-        raise TypeError(f"v41_step: layout must be a V41StepLayout, got {type(layout).__name__}")
-    c = layout.config
-    check_params(params, c)
-    _checks.rank("xs", xs, 3)
-    _checks.floating("xs", xs)
-    _checks.dim("xs", xs, 0, layout.num_layers, "len(config.compress_ratios)")
-    _checks.dim("xs", xs, 2, c.dim, "config.dim")
-    if not isinstance(meta, V41Meta):
-        raise TypeError(f"v41_step: meta must be a V41Meta (v41_meta), got "
-                        f"{type(meta).__name__}")
-    for name, x in meta._asdict().items():
-        _checks.rank(f"meta.{name}", x, 1)
-        _checks.integer(f"meta.{name}", x)
-    s = int(np.shape(meta.kv_lens)[0])
-    _checks.dim("meta.cu_q_lens", meta.cu_q_lens, 0, s + 1, "len(meta.kv_lens) + 1")
-    _checks.dim("meta.state_slots", meta.state_slots, 0, s, "len(meta.kv_lens)")
-    _check_caches(caches, layout, s)
-    n2 = len(layout.sources[2])
-    if not isinstance(states, tuple) or len(states) != n2:
-        raise ValueError(f"v41_step: states must be a tuple of {n2} compressor states (one per "
-                         f"ratio-2 KV source, init_v41_states), got "
-                         f"{len(states) if isinstance(states, tuple) else type(states).__name__}")
-
-
 def v41_step(params, xs, caches: V41Caches, states: tuple, meta: V41Meta, *,
              layout: V41StepLayout, precision: str = V4_DEFAULT_PRECISION,
              implementation: str | None = None,
@@ -518,7 +499,7 @@ def v41_step(params, xs, caches: V41Caches, states: tuple, meta: V41Meta, *,
         raise ValueError(f"v41_step: unknown kernel_options {unknown} (the Pallas kernels "
                          f"take {KERNEL_OPTIONS})")
     precision = check_precision(precision)
-    _check_args(params, xs, caches, states, meta, layout)
+    check_v41_step_args(params, xs, caches, states, meta, layout)
     c, t = layout.config, int(np.shape(xs)[1])
     if t == 0:
         nb = c.candidate_topk_blocks

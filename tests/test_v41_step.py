@@ -273,47 +273,45 @@ def test_index_scores_in_blocks_equal_one_block(monkeypatch):
         assert (got != 0).sum() > 300 and not np.isnan(got).any()
 
 
-def test_jnp_selection_in_row_chunks_equals_one_chunk(monkeypatch):
-    """The jnp step's selection a chunk of rows at a time (``SELECT_CHUNK_BYTES`` cut to 13
-    rows of the ratio-2 keys' 144 entries: the 45-row prefill in 4 chunks of 12 at ratio 2, 8
-    of 6 at ratio 1, each last chunk clamped to overlap) equals one chunk's bit for bit on each
-    kind of index source (the ratio-2 FULL layer, the candidate source, its consumer taking the
-    source's blocks), and the compiled program holds no ``f32[T, E]`` array, one chunk's
-    ``f32[C, E]`` instead."""
-    from reference.v41.config import resolve_layers
-
-    meta, rows, iq, w, keys = _score_inputs()
-    plans = [p for p in resolve_layers(C) if p.mode.value in ("full", "reindex")]
-    assert [p.candidates.value for p in plans] == ["none", "produces", "consumes"]
-
-    def select(plan, cands):
-        kv, b = keys(plan.ratio)
-        fn = jax.jit(lambda c: step_mod._select_rows(step_mod._scores, iq, w, kv, 0, b, rows,
-                                                     meta, "bf16", plan, C, c))
-        return jax.tree.map(np.asarray, fn(cands)), fn.lower(cands).compile().as_text()
+def test_the_jnp_step_in_row_chunks_equals_one_chunk(monkeypatch):
+    """The jnp step with its selection and attention a few rows at a time equals the step in
+    one chunk bit for bit (outputs, top-k, candidates, caches, states) on a prefill of both
+    sequences (45 rows) over poisoned caches, and its compiled program holds neither the
+    scores ``f32[T, E]`` nor the decoded reads ``f32[T, width, D]``. ``SELECT_CHUNK_BYTES``
+    cut to 13 rows of the ratio-2 keys' 144 entries: 4 chunks of 12 rows at ratio 2, 8 of 6 at
+    ratio 1; ``ATTEND_CHUNK_BYTES`` to 13 rows of 12 reads (window 8 + top-4): 4 chunks of 12
+    on compressed layers, 3 of 15 on SWA ones; every last chunk of 12 or 6 clamped to overlap
+    the one before."""
+    params = s41.init_params(C, seed=4)
+    xs_seq = [np.random.default_rng(4).standard_normal((len(C.compress_ratios), n, C.dim),
+                                                        dtype=np.float32) for n in (24, 21)]
+    xs, meta = _step_inputs(xs_seq, [23, 20], [0, 0])
+    t = xs.shape[1]
+    step = jax.jit(step_mod.v41_step_body, static_argnames=("layout", "precision"))
 
     def run():
-        out, hlo, cands = [], [], None
-        for plan in plans:
-            (top, made), text = select(plan, cands)
-            cands = made if made is not None else cands
-            out.append((top, made))
-            hlo.append(text)
-        return out, hlo
+        caches, states = _poisoned(LAYOUT, 3)
+        args = ([dict(p) for p in params], jnp.asarray(xs), caches, states, meta)
+        step.clear_cache()  # the knobs are read at trace time
+        compiled = step.lower(*args, layout=LAYOUT, precision="bf16").compile()
+        return jax.tree.map(np.asarray, compiled(*args)), compiled.as_text()
 
     want, whole = run()
-    entries = [keys(p.ratio)[1].capacity_tokens for p in plans]
-    monkeypatch.setattr(step_mod, "SELECT_CHUNK_BYTES", 13 * 4 * min(entries))
-    n = {e: step_mod.select_rows(iq.shape[0], e) for e in entries}
-    assert n == {144: 12, 288: 6}  # 4 and 8 chunks of the 45 rows, each last one clamped
+    widths = (C.window_size, C.window_size + C.index_topk)
+    monkeypatch.setattr(step_mod, "SELECT_CHUNK_BYTES", 13 * 4 * 144)
+    monkeypatch.setattr(step_mod, "ATTEND_CHUNK_BYTES", 13 * 4 * widths[1] * C.head_dim)
+    assert [step_mod.select_rows(t, e) for e in (144, 288)] == [12, 6]
+    assert [step_mod.attend_rows(t, w, C.head_dim) for w in widths] == [15, 12]
     got, chunked = run()
-    for (top, made), (top1, made1) in zip(got, want, strict=True):
-        np.testing.assert_array_equal(top, top1)
-        np.testing.assert_array_equal(made, made1)
-        assert (top >= 0).sum() > 100
-    for e, one, text in zip(entries, whole, chunked, strict=True):
-        assert f"f32[{iq.shape[0]},{e}]" in one  # the check can see the whole rows' scores
-        assert f"f32[{iq.shape[0]},{e}]" not in text and f"f32[{n[e]},{e}]" in text
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert (got.topk >= 0).sum() > 200 and np.abs(got.out[:, :43]).min(axis=-1).all()
+    whole_rows = [f"f32[{t},{e}]" for e in (144, 288)] + [
+        f"f32[{t},{w},{C.head_dim}]" for w in widths]
+    for name in whole_rows:  # the one-chunk program has each; the chunked one none of them
+        assert name in whole, name
+        assert name not in chunked, name
+    assert "f32[12,144]" in chunked and "f32[6,288]" in chunked
 
 
 def test_bf16_weights_are_read_as_given():

@@ -5,8 +5,9 @@ states donated as serving donates them.
 Program: V4.1-Flash's per-layer dims on the CLI's 9-layer pattern with every mode
 (``dsa_jax.v41_cli.config``: SWA, FULL ratio 2 + REUSE, FULL ratio 1 as candidate source +
 REUSE, REINDEX consumer + REUSE x2, MTP SWA), bf16 weights, a decode batch of ``--rows``
-sequences at ``--context`` tokens, pages of 128, ``--implementation`` xla (every op jnp) or
-pallas (the ratio-2 compressor and the index scores on their kernels).
+sequences at ``--context`` tokens (``--q-len N``: each sequence's last ``N`` tokens this step's
+rows, a prefill chunk), pages of 128, ``--implementation`` xla (every op jnp) or pallas (the
+ratio-2 compressor and the index scores on their kernels).
 
 Columns: ``bytes`` (the program's ``bytes accessed``; with a ``while`` loop, the index scores'
 blocks, a lower bound: the body counted once), ``weights`` (the bf16 parameters read once),
@@ -16,7 +17,7 @@ x 68 B per index layer), ``temp`` (XLA's temporary buffers), per-element gathers
 (under 128 elements per index over more than 1024 indices) and the large XLA results (> 1 MiB).
 
 Usage: ``python -m scripts.cost.v41_step_cost [--quick] [--chips v6e] [--rows 16] [--context
-8192] [--implementation xla]``."""
+8192] [--q-len 1] [--implementation xla]``."""
 
 from __future__ import annotations
 
@@ -42,9 +43,9 @@ from reference.v41 import Mode, formats, resolve_layers  # noqa: E402
 PAGE = 128  # the index pages at 68 B an entry (reference.v41.index_pages)
 
 
-def program(rows: int, context: int, quick: bool, implementation: str):
-    """``(fn, specs, donate, layout, weight bytes)`` of one decode step (every sequence at
-    ``context``)."""
+def program(rows: int, context: int, quick: bool, implementation: str, q_len: int = 1):
+    """``(fn, specs, donate, layout, weight bytes)`` of one step: every sequence at ``context``
+    tokens, its last ``q_len`` this step's rows (1: a decode)."""
     import importlib
 
     step_mod = importlib.import_module("dsa_jax.v41_step")
@@ -54,8 +55,8 @@ def program(rows: int, context: int, quick: bool, implementation: str):
                s41.param_shapes(c, layer).items()} for layer in range(len(c.compress_ratios))]
     caches = jax.eval_shape(lambda: init_v41_caches(layout, rows))
     states = jax.eval_shape(lambda: init_v41_states(layout, rows))
-    meta = v41_meta(layout, [context] * rows, [1] * rows)
-    xs = jax.ShapeDtypeStruct((len(c.compress_ratios), rows, c.dim), jnp.bfloat16)
+    meta = v41_meta(layout, [context] * rows, [q_len] * rows)
+    xs = jax.ShapeDtypeStruct((len(c.compress_ratios), rows * q_len, c.dim), jnp.bfloat16)
     args = (params, xs, caches, states, meta)
     leaves, tree = jax.tree.flatten(args)
     specs = [x if isinstance(x, jax.ShapeDtypeStruct) else
@@ -82,8 +83,9 @@ def cache_minimum(layout: V41StepLayout, context: int) -> int:
     return total
 
 
-def row(chip: str, rows: int, context: int, quick: bool, implementation: str) -> dict:
-    fn, specs, donate, layout, weights = program(rows, context, quick, implementation)
+def row(chip: str, rows: int, context: int, quick: bool, implementation: str,
+        q_len: int = 1) -> dict:
+    fn, specs, donate, layout, weights = program(rows, context, quick, implementation, q_len)
     compiled = xla_cost.compile_program(fn, specs, chip, donate_argnums=donate,
                                         case="v41_step")
     cost = xla_cost.analyze(compiled)
@@ -102,17 +104,21 @@ def main(argv=None) -> None:
                    help=f"comma-separated chips (default {chip_specs.DEFAULT})")
     p.add_argument("--rows", type=int, default=16, help="decode sequences (default 16)")
     p.add_argument("--context", type=int, default=8192, help="tokens per sequence")
+    p.add_argument("--q-len", type=int, default=1,
+                   help="rows per sequence this step (default 1: a decode; more: a prefill "
+                        "chunk ending at --context)")
     p.add_argument("--implementation", default="xla,pallas",
                    help="comma-separated: xla, pallas (default both)")
     a = p.parse_args(argv)
     rows, context = (8, 256) if a.quick else (a.rows, a.context)
     for chip in a.chips.split(","):
         for impl in a.implementation.split(","):
-            r = row(chip, rows, context, a.quick, impl)
+            r = row(chip, rows, context, a.quick, impl, a.q_len)
             c, mb = r["cost"], 1e6
-            rest = (c.total_bytes - r["weights"]) / rows / mb
+            rest = (c.total_bytes - r["weights"]) / (rows * a.q_len) / mb
             loop = " (lower bound: loop)" if c.has_loop else ""
-            print(f"{chip} {impl}: {rows} decode rows x {context} tokens: bytes "
+            what = "decode rows" if a.q_len == 1 else f"sequences x {a.q_len} rows"
+            print(f"{chip} {impl}: {rows} {what} x {context} tokens: bytes "
                   f"{c.total_bytes / mb:.1f} MB{loop} = weights {r['weights'] / mb:.1f} MB + "
                   f"{rest:.3f} MB/row (cache minimum {r['minimum'] / mb:.3f} MB/row); kernels "
                   f"{c.kernel_bytes / mb:.3f} MB; temp {r['temp'] / 2**20:.1f} MiB")
