@@ -99,7 +99,8 @@ def test_the_candidate_selections_compile_bounded(selection):
                                 selection=selection)
     r = lr.measure(case, chip, k=K, exact=True, selection=selection)
     assert r["ok"], r.get("error")
-    assert r["bound"] == lr.temp_bound(r["chunk_bytes"], r["rows"], K, True, selection)
+    assert r["bound"] == lr.temp_bound(r["chunk_bytes"], r["rows"], K, True, selection,
+                                       r["chunk_rows"])
     if selection == "consumer":  # 2 chunks, not the exact sort's 8
         assert r["bound"] < lr.temp_bound(r["chunk_bytes"], r["rows"], K, True) / 3
     assert r["temp"] + r["xla_vmem"] <= r["bound"], r

@@ -140,20 +140,23 @@ def _page_size(cache, keywords: dict) -> int:
 
 
 def temp_bound(chunk_bytes: int, rows: int, k: int, exact: bool,
-               selection: str | None = None) -> int:
+               selection: str | None = None, chunk_rows: int | None = None) -> int:
     """Declared bound on the top-k program's XLA temporaries (HBM temp plus XLA arrays in
     VMEM): ``CHUNK_COPIES[exact]`` score chunks, ``CANDIDATE_BYTES_PER_K * k`` per row and
     ``FIXED_SLACK_BYTES``. Independent of the context ``N`` beyond the chunk.
     ``selection="consumer"`` (a candidate consumer's exact top-k among its
     ``candidate_topk_blocks * candidate_block_size`` entries): ``CANDIDATE_CHUNK_COPIES``
-    chunks, no sort over them, plus ``CANDIDATE_ENTRY_BYTES`` per row and candidate entry.
+    chunks, no sort over them, plus ``CANDIDATE_ENTRY_BYTES`` per candidate entry of each row
+    of one chunk (``chunk_rows``, the chunk's rows; default all ``rows``): the selection runs
+    a chunk at a time, so only one chunk's candidates are live.
     ``"source"`` (the candidate source: its exact top-k, then its blocks' max-pool and top
     blocks): the exact bound plus the blocks' sort, ``CHUNK_COPIES[True]`` chunks of
     ``1 / candidate_block_size`` the size."""
     cfg = icases.v41_flash()
     if selection == "consumer":
         entries = cfg.candidate_topk_blocks * cfg.candidate_block_size
-        return (CANDIDATE_CHUNK_COPIES * chunk_bytes + CANDIDATE_ENTRY_BYTES * entries * rows
+        live = rows if chunk_rows is None else min(rows, chunk_rows)
+        return (CANDIDATE_CHUNK_COPIES * chunk_bytes + CANDIDATE_ENTRY_BYTES * entries * live
                 + CANDIDATE_BYTES_PER_K * k * rows + FIXED_SLACK_BYTES)
     blocks = CHUNK_COPIES[True] * chunk_bytes // cfg.candidate_block_size
     return (CHUNK_COPIES[exact] * chunk_bytes + CANDIDATE_BYTES_PER_K * k * rows
@@ -183,7 +186,7 @@ def measure(case: aot.CompileCase, chip: str, *, k: int, exact: bool,
     # XLA reuses buffers: the sum of the arrays it places in VMEM over-counts; the chip never
     # holds more than its VMEM at once
     vmem_xla = min(sum(a.bytes for a in arrays if a.vmem), tpu.chip_vmem(chip))
-    bound = temp_bound(chunk, rows, k, exact, selection)
+    bound = temp_bound(chunk, rows, k, exact, selection, c)
     largest = arrays[0] if arrays else XlaArray("-", "-", 0, False)
     return row | {
         "ok": True, "temp": mem.temp_size_in_bytes, "argument": mem.argument_size_in_bytes,
