@@ -63,6 +63,26 @@ def topology_device(chip: str):
 
 
 @contextlib.contextmanager
+def compiling_on(dev):
+    """Where an AOT compile for topology device ``dev`` runs: ``jax.default_device(dev)``,
+    with jax's persistent compilation cache off. libtpu's compile-only client cannot load a
+    TPU executable back (jax warns "PjRtCompiler must be constructed with a Client to call
+    DeserializeLoadedExecutable" and compiles again), so an entry written for one is never
+    read: serializing it is wasted work. XLA:CPU programs keep the cache."""
+    with jax.default_device(dev), _no_compilation_cache():
+        yield
+
+
+def _no_compilation_cache():
+    """jax's ``enable_compilation_cache`` config as a context manager, set off (jax 0.10 to
+    0.12 have it; elsewhere nothing changes)."""
+    from jax._src import config as jax_config
+
+    state = getattr(jax_config, "enable_compilation_cache", None)
+    return state(False) if callable(state) else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
 def _quiet_native_stderr():
     """Hold back what native code writes to fd 2 meanwhile; replay it if the body raises.
 
@@ -98,7 +118,7 @@ def aot_compile(fn: Callable, specs: list[jax.ShapeDtypeStruct], chip: str, case
     placed = jax.tree_util.tree_map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), list(specs))
     try:
-        with jax.default_device(dev):
+        with compiling_on(dev):
             return jax.jit(fn).trace(*placed).lower().compile()
     except Exception as e:  # Mosaic raises several types; keep its message whole
         raise CompileError(chip, case, f"{type(e).__name__}: {e}") from e

@@ -148,6 +148,29 @@ def test_compile_error_names_chip_shape_and_mosaic_message():
         aot.aot_compile(fn, specs, chips.OLDEST, "toy 64x1024")
 
 
+def test_an_aot_compile_neither_writes_nor_reads_the_persistent_cache():
+    """``aot.compiling_on`` (every AOT compile's context) turns jax's persistent compilation
+    cache off for the compile and back on after: a TPU executable written there cannot be
+    loaded back by libtpu's compile-only client, so the second compile of a program warned
+    "Error reading persistent compilation cache entry" and compiled again (the suite runs with
+    a cache, ``tests/conftest.py``)."""
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+
+    assert jax.config.jax_enable_compilation_cache
+    with aot.compiling_on(aot.topology_device(chips.OLDEST)):
+        assert not jax.config.jax_enable_compilation_cache
+    assert jax.config.jax_enable_compilation_cache
+    specs = [jax.ShapeDtypeStruct((8, 128), jnp.float32)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            aot.aot_compile(lambda x: jnp.tanh(x) * 3.0, specs, chips.OLDEST, "toy tanh")
+    assert not [w for w in caught if "compilation cache" in str(w.message)], caught
+
+
 # Small pages on a mixed batch (the CLI's `--quick --dsa-use-pallas` uses page 16): token-mode
 # stages narrower than 128 lanes failed Mosaic on every chip (scripts/cost/compile_grid.py); the
 # entry widens them (pallas_kernels.indexer.blocks.resolve_blocks), so every block choice compiles.

@@ -44,7 +44,7 @@ def _compile(case, chip, donate=()):
     sharding = jax.sharding.SingleDeviceSharding(dev)
     placed = jax.tree_util.tree_map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), case.specs)
-    with jax.default_device(dev):
+    with aot.compiling_on(dev):
         return jax.jit(case.fn_for_chip(chip), donate_argnums=donate).trace(
             *placed).lower().compile()
 

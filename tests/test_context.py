@@ -226,7 +226,7 @@ def test_the_context_sharded_pallas_step_compiles_for_a_multi_chip_topology(chip
             one_token_per_seq=True, backend="pallas", ctx_axis="ctx",
             kernel_options={"interpret": False, "chip": chip})
 
-    with jax.default_device(devs[0]):
+    with aot.compiling_on(devs[0]):
         compiled = jax.jit(step).trace(inputs, latent, index, meta).lower().compile()
     hlo = compiled.as_text()
     assert "tpu_custom_call" in hlo  # the Pallas kernels

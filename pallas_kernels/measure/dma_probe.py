@@ -79,7 +79,7 @@ def _stage_compile(fn, specs, chip: str):
     placed = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in specs]
     stage = "trace"
     try:
-        with jax.default_device(dev):
+        with aot.compiling_on(dev):
             traced = jax.jit(fn).trace(*placed)
             stage = "lower"
             lowered = traced.lower()

@@ -114,7 +114,7 @@ def compile_program(fn: Callable, specs: Sequence[jax.ShapeDtypeStruct], chip: s
     sharding = jax.sharding.SingleDeviceSharding(dev)
     placed = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in specs]
     try:
-        with jax.default_device(dev):
+        with aot.compiling_on(dev):
             return jax.jit(fn, donate_argnums=donate_argnums).trace(*placed).lower().compile()
     except Exception as e:  # keep the compiler's message whole, as aot_compile does
         raise aot.CompileError(chip, case, f"{type(e).__name__}: {e}") from e
