@@ -195,6 +195,23 @@ def test_bytes_and_dmas_equal_the_model():
     assert model.ratio > 1
 
 
+def test_the_next_rows_reads_start_before_this_row_is_written():
+    """Cross-row overlap, in the interpreter's order of copies: row ``t + 1``'s meta is loaded
+    (and its reads started) before row ``t``'s output block goes back to HBM, every row but
+    the last; each row's meta once."""
+    case = CASES["flash_dims"]
+    args, kw, _ = make_case(np.random.default_rng(), **case)
+    with counter.count_hbm_traffic() as mine:
+        jax.block_until_ready(v41_attention(
+            *args, **kw, interpret=pltpu.InterpretParams(dma_execution_mode="eager")))
+    order = [(c.kind, c.src, c.dst) for c in mine.copies]
+    metas = [i for i, c in enumerate(order) if c == ("dma", "hbm", "smem")]
+    outs = [i for i, c in enumerate(order) if c[0] == "block" and c[2] == "hbm"]
+    t = len(case["positions"])
+    assert len(metas) == len(outs) == t
+    assert all(metas[r + 1] < outs[r] for r in range(t - 1)), (metas, outs)
+
+
 def test_refusals_name_the_argument():
     args, kw, _ = make_case(np.random.default_rng(), **CASES["tiny_dims"])
     with pytest.raises(ValueError, match=r"window_page must be \[T, S\] = \[4, 3\]"):

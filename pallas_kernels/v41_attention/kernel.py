@@ -18,9 +18,12 @@ offset in the page; page id -1 = none), window pages ``u32[L, P, Rw, W]`` and po
 P, Rp, W]`` in HBM at stack rows ``layers i32[2]`` (scalar-prefetched). Out ``f32[T, H, D]``
 (lane order).
 
-Walk (grid: one step per query row, in order):
+Walk (grid: one step per query row, in order; every row's meta and gathered rows in one of
+two slots, ``t % 2``, so the next row's reads fly while this row computes):
 
-- the row's ``meta`` into SMEM (one DMA);
+- step 0 fetches row 0 (below) into slot 0; step ``t`` fetches row ``t + 1`` into the other
+  slot before it waits for its own: the row's ``meta`` into SMEM (one DMA, waited), then its
+  DMAs started;
 - the window: ``S`` segments of ``seg = gcd(page_size, W / S_words)`` tokens (aligned in the
   page, so a segment's scale words share one scale row): per segment with a page, ONE DMA of
   its ``seg`` record rows and ONE of its scale row; a row's window ``max(0, p - window + 1) ..
@@ -29,15 +32,15 @@ Walk (grid: one step per query row, in order):
 - the pool: per listed entry with a page, ONE DMA of the record row holding it (two entries a
   row) and ONE of its scale row (sixteen entries a row); its offset is kept in a VMEM column
   (its half, scale slot and validity);
-- all DMAs waited, the keys decoded (``decode``), exact; tokens outside the window and
+- this row's DMAs waited, the keys decoded (``decode``), exact; tokens outside the window and
   unlisted entries selected to zero (a select: a stale or NaN buffer cannot leak) and their
   logits ``-inf``; the key mask moved from sublanes to lanes by a one-hot matmul (exact);
 - ``q [H, D] x keys [N, D]^T`` on the MXU (bf16 operands under ``"bf16"``, f32 at highest
   precision under ``"f32"``), the softmax, ``rb(e) @ keys``.
 
-First cut, not measured on a TPU: DMAs are not overlapped across rows (each row waits for its
-own), the pool reads a whole row a record and a whole scale row an entry (``2 * 4 W`` bytes,
-1024 B, for an entry of 288 B: ``traffic``), and the window reads whole segments.
+Not measured on a TPU: the pool reads a whole row a record and a whole scale row an entry
+(``2 * 4 W`` bytes, 1024 B, for an entry of 288 B: ``traffic``), and the window reads whole
+segments. The grid is sequential (``"arbitrary"``): the slots carry from one step to the next.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from pallas_kernels.v41_attention import decode
 from reference.v41 import pool_pages, window_pages
 
 INFO_LANES = tpu.LANES  # the pool entries' offset column, one lane-wide row an entry
+SLOTS = 2  # rows in flight: this row's reads and the next row's
 
 
 @dataclass(frozen=True)
@@ -95,11 +99,13 @@ class AttnConfig:
 
 
 def vmem_estimate(cfg: AttnConfig) -> int:
-    """Bytes of VMEM: the gathered rows, the offsets column, the decoded keys (f32 and the
-    compute copy), the logits and probabilities, q and the output block (double-buffered)."""
+    """Bytes of VMEM: the gathered rows and the offsets column (``SLOTS`` rows' worth), the
+    decoded keys (f32 and the compute copy), the logits and probabilities, q and the output
+    block (double-buffered)."""
     n = cfg.window_rows + cfg.topk
     w = tpu.round_up(cfg.width, tpu.LANES) * 4
-    rows = (cfg.window_rows + cfg.segments + 2 * cfg.topk) * w + cfg.topk * INFO_LANES * 4
+    rows = SLOTS * ((cfg.window_rows + cfg.segments + 2 * cfg.topk) * w
+                    + cfg.topk * INFO_LANES * 4)
     keys = n * cfg.dim * (4 + 4)
     logits = 3 * cfg.heads * tpu.round_up(n, tpu.LANES) * 4
     blocks = 2 * 2 * cfg.heads * cfg.dim * 4
@@ -205,22 +211,40 @@ def _issue(cfg: AttnConfig, layers, meta, win_hbm, pool_hbm, wbuf, wsbuf, pbuf, 
 
 
 def _kernel(cfg: AttnConfig, layers, q_ref, sink_ref, meta_hbm, win_hbm, *rest):
-    """One query row (module docstring)."""
+    """One query row (module docstring): fetch the next row into the other slot, wait for this
+    row's reads, attend."""
     if cfg.topk:
         pool_hbm, o_ref, meta, wbuf, wsbuf, pbuf, psbuf, pinfo, sems = rest
     else:
         (o_ref, meta, wbuf, wsbuf, sems), pool_hbm = rest, None
         pbuf = psbuf = pinfo = None
-    t = pl.program_id(0)
-    load = pltpu.make_async_copy(meta_hbm.at[t], meta, sems.at[0])
-    load.start()
-    load.wait()
-    args = (cfg, layers, meta, win_hbm, pool_hbm, wbuf, wsbuf, pbuf, psbuf, pinfo, sems.at[1])
-    _issue(*args, wait=False)
-    _issue(*args, wait=True)
+    t, n = pl.program_id(0), pl.num_programs(0)
+
+    def issue(slot, wait: bool):
+        at = [None if b is None else b.at[slot] for b in (wbuf, wsbuf, pbuf, psbuf, pinfo)]
+        _issue(cfg, layers, meta.at[slot], win_hbm, pool_hbm, *at, sems.at[1 + slot], wait)
+
+    def fetch(row, slot):
+        load = pltpu.make_async_copy(meta_hbm.at[row], meta.at[slot], sems.at[0])
+        load.start()
+        load.wait()
+        issue(slot, wait=False)
+
+    slot = t % SLOTS
+    pl.when(t == 0)(lambda: fetch(0, 0))
+    pl.when(t + 1 < n)(lambda: fetch(t + 1, (t + 1) % SLOTS))
+    issue(slot, wait=True)
+    _attend(cfg, meta.at[slot], q_ref, sink_ref, o_ref, wbuf.at[slot], wsbuf.at[slot],
+            *((pinfo.at[slot], pbuf.at[slot], psbuf.at[slot]) if cfg.topk else ()))
+
+
+def _attend(cfg: AttnConfig, meta, q_ref, sink_ref, o_ref, wbuf, wsbuf, *pool):
+    """The row's keys decoded from its slot's gathered rows (``pool``: the offsets column and
+    the record and scale rows of its entries), one softmax with the sink, the output block
+    written."""
     keys, ok = _window_keys(cfg, meta, wbuf, wsbuf)
     if cfg.topk:
-        pkeys, pok = _pool_keys(cfg, pinfo, pbuf, psbuf)
+        pkeys, pok = _pool_keys(cfg, *pool)
         keys, ok = jnp.concatenate([keys, pkeys], axis=0), jnp.concatenate([ok, pok], axis=0)
     cdt = jnp.bfloat16 if cfg.precision == "bf16" else jnp.float32
     hi = None if cfg.precision == "bf16" else jax.lax.Precision.HIGHEST
@@ -248,16 +272,17 @@ def attention_call(q, sink, meta, window_pages_, pool_pages_, layers, *, cfg: At
     any_ = pl.BlockSpec(memory_space=pltpu.HBM)
     in_specs = [pl.BlockSpec((1, cfg.heads, cfg.dim), lambda i, lay: (i, 0, 0)),
                 pl.BlockSpec((cfg.heads, 1), lambda i, lay: (0, 0)), any_, any_]
-    scratch = [pltpu.SMEM((cfg.meta_words,), jnp.int32),
-               pltpu.VMEM((cfg.window_rows, w), jnp.uint32),
-               pltpu.VMEM((cfg.segments, w), jnp.uint32)]
+    scratch = [pltpu.SMEM((SLOTS, cfg.meta_words), jnp.int32),
+               pltpu.VMEM((SLOTS, cfg.window_rows, w), jnp.uint32),
+               pltpu.VMEM((SLOTS, cfg.segments, w), jnp.uint32)]
     operands = [q, sink, meta, window_pages_]
     if cfg.topk:
         in_specs.append(any_)
         operands.append(pool_pages_)
-        scratch += [pltpu.VMEM((cfg.topk, w), jnp.uint32), pltpu.VMEM((cfg.topk, w), jnp.uint32),
-                    pltpu.VMEM((cfg.topk, INFO_LANES), jnp.int32)]
-    scratch.append(pltpu.SemaphoreType.DMA((2,)))
+        scratch += [pltpu.VMEM((SLOTS, cfg.topk, w), jnp.uint32),
+                    pltpu.VMEM((SLOTS, cfg.topk, w), jnp.uint32),
+                    pltpu.VMEM((SLOTS, cfg.topk, INFO_LANES), jnp.int32)]
+    scratch.append(pltpu.SemaphoreType.DMA((1 + SLOTS,)))  # the meta loads, each slot's reads
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1, grid=(t,), in_specs=in_specs,
         out_specs=pl.BlockSpec((1, cfg.heads, cfg.dim), lambda i, lay: (i, 0, 0)),
