@@ -26,6 +26,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import chips
 
+# A minimum compile time for a persistent-cache write that no compile reaches (``compiling_on``)
+NO_CACHE_WRITE_SECS = 1e30
 # chip name -> (topology name for get_topology_desc, ChipVersion for get_tpu_info_for_chip),
 # derived from ``pallas_kernels.chips`` (where every chip is declared)
 CHIPS: dict[str, tuple[str, pltpu.ChipVersion]] = {
@@ -65,21 +67,24 @@ def topology_device(chip: str):
 @contextlib.contextmanager
 def compiling_on(dev):
     """Where an AOT compile for topology device ``dev`` runs: ``jax.default_device(dev)``,
-    with jax's persistent compilation cache off. libtpu's compile-only client cannot load a
-    TPU executable back (jax warns "PjRtCompiler must be constructed with a Client to call
-    DeserializeLoadedExecutable" and compiles again), so an entry written for one is never
-    read: serializing it is wasted work. XLA:CPU programs keep the cache."""
-    with jax.default_device(dev), _no_compilation_cache():
+    writing nothing to jax's persistent compilation cache. libtpu's compile-only client cannot
+    load a TPU executable back (jax warns "Error reading persistent compilation cache entry
+    ... PjRtCompiler must be constructed with a Client to call DeserializeLoadedExecutable"
+    and compiles again), so an entry written for one is never used: serializing it is wasted.
+    The cache itself stays as it is (XLA:CPU programs keep it): only this compile's write is
+    skipped, by a minimum compile time no compile reaches."""
+    with jax.default_device(dev), _no_cache_write():
         yield
 
 
-def _no_compilation_cache():
-    """jax's ``enable_compilation_cache`` config as a context manager, set off (jax 0.10 to
-    0.12 have it; elsewhere nothing changes)."""
+def _no_cache_write():
+    """jax's ``persistent_cache_min_compile_time_secs`` (read when an entry is about to be
+    written) as a context manager, set out of reach (jax 0.10 to 0.12 have it; elsewhere
+    nothing changes)."""
     from jax._src import config as jax_config
 
-    state = getattr(jax_config, "enable_compilation_cache", None)
-    return state(False) if callable(state) else contextlib.nullcontext()
+    state = getattr(jax_config, "persistent_cache_min_compile_time_secs", None)
+    return state(NO_CACHE_WRITE_SECS) if callable(state) else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ for _flag in _FLAGS:
 # the workers): an XLA:CPU program that another worker, another test's jit wrapper or an
 # isolated child already compiled is read back instead of compiled again (a compile-bound
 # 307-test subset: 113 s -> 102 s, session 19). Fresh per run (a temporary folder removed at
-# exit), so no run reads another's entries. TPU AOT compiles leave it alone
+# exit), so no run reads another's entries. TPU AOT compiles write nothing to it
 # (``pallas_kernels.aot.compiling_on``: libtpu's compile-only client cannot load an entry
 # back). A cache given in the environment is used as it is.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ and "PYTEST_XDIST_WORKER" not in os.environ:

@@ -20,7 +20,6 @@ import pallas_kernels as pk
 import reference as ref
 from reference import fp8_cache, packed_cache
 from tests import batches
-from tests.isolated import run_isolated
 from tests.oracle import mla_oracle
 
 pytestmark = pytest.mark.kernel_gate  # the kernels' layer operand: also run on the newest jax
@@ -212,20 +211,7 @@ def test_one_trace_serves_every_layer():
 def test_one_call_for_every_layer_equals_the_per_layer_calls(op, fmt):
     """``pallas_kernels.mla.layers.sparse_mla_layers`` (what the step runs: one kernel call, row
     ``t`` of the ``L x T`` grid reads layer ``t // T``) equals the per-layer entry on every
-    layer, index for index (strict interpreter; distinct layers, NaN in unowned slots).
-
-    The fp8 cases run in their own process (``tests/isolated.py``): in five suite runs in a
-    row (sessions 25-26) XLA:CPU segfaulted compiling ``[token-fp8]``'s per-layer call in the
-    xdist worker about a quarter into the run (the conftest reran it on a new worker, where it
-    passed; alone it always passes)."""
-    if fmt == "fp8":
-        run_isolated(one_call_equals_per_layer_calls, op, fmt)
-    else:
-        one_call_equals_per_layer_calls(op, fmt)
-
-
-def one_call_equals_per_layer_calls(op: str, fmt: str) -> None:
-    """The body of ``test_one_call_for_every_layer_equals_the_per_layer_calls``."""
+    layer, index for index (strict interpreter; distinct layers, NaN in unowned slots)."""
     from pallas_kernels.mla import layers
 
     # _small_mixed, not mixed_padding: padding rows at the end of each layer's T rows (the
