@@ -35,6 +35,17 @@ def window_segments(positions: jax.Array, *, window_size: int, page_size: int,
     return (first[:, None] + jnp.arange(cfg.segments, dtype=jnp.int32)[None]) * cfg.seg
 
 
+def sorted_entries(pool_page: jax.Array, pool_offset: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's listed entries ``i32[T, k]`` sorted by page id then offset, the unread ones
+    (page ``-1``) last: entries sharing a record or scale row end up side by side, and the
+    kernel fetches such a row once (``kernel._entry``). The softmax is over the set, so the
+    order changes only the f32 summation order."""
+    none = jnp.where(pool_page >= 0, 0, 1).astype(jnp.int32)
+    _, page, offset = jax.lax.sort((none, pool_page.astype(jnp.int32),
+                                    pool_offset.astype(jnp.int32)), dimension=1, num_keys=3)
+    return page, offset
+
+
 def _check(q, sink, window_pages_, window_page, window_base, positions, pool, cfg) -> None:
     """Static shape and dtype checks, each naming the argument and both numbers."""
     checks.floating("q", q)
@@ -128,7 +139,7 @@ def _attention(q, sink, window_pages_, window_page, window_base, positions, *, w
     if topk:
         ppage = _valid(pool_page, pool_pages_.shape[1], pool_layer, pool_pages_.shape[0],
                        pool_offset, page_size)
-        parts += [ppage, pool_offset.astype(jnp.int32)]
+        parts += list(sorted_entries(ppage, pool_offset))
     meta = jnp.concatenate(parts, axis=1)
     if t == 0:
         return jnp.zeros(q.shape, jnp.float32)
@@ -141,14 +152,31 @@ def _attention(q, sink, window_pages_, window_page, window_base, positions, *, w
     return pool_pages.from_lane_order(out)
 
 
+def _pool_rows(pool_page: np.ndarray, pool_offset: np.ndarray | None, dim: int) -> int:
+    """Record and scale rows the kernel fetches for the listed entries with a page: per row of
+    the call, its entries sorted (``sorted_entries``), a row counted for an entry unless its
+    predecessor is on the same page in the same row; ``pool_offset`` None: two an entry (no
+    entry shares, an upper bound)."""
+    if pool_offset is None:
+        return 2 * int((pool_page >= 0).sum())
+    lay, n = pool_pages.layout(dim), 0
+    for page, off in zip(pool_page, np.asarray(pool_offset), strict=True):
+        got = sorted(zip(page[page >= 0].tolist(), off[page >= 0].tolist(), strict=True))
+        for per in (lay.per_row, lay.per_scale_row):
+            n += len({(p, o // per) for p, o in got})
+    return n
+
+
 def traffic(window_page, window_base, positions, pool_page, *, heads: int, dim: int,
-            window_size: int, page_size: int, q_itemsize: int = 4) -> aot.Traffic:
+            window_size: int, page_size: int, q_itemsize: int = 4,
+            pool_offset=None) -> aot.Traffic:
     """HBM bytes and DMA descriptors of one call, from its arrays (NumPy): per row its meta row
     (one DMA), per window segment with a page ``seg`` record rows and a scale row (two DMAs),
-    per listed entry with a page its record row and scale row (two DMAs, ``2 * 4 W`` bytes),
-    q and the output (``f32``) once a row (two block copies). Minimum: the window tokens
-    attended at ``window_kv_bytes`` each, the listed entries at ``compressed_kv_bytes``, q and
-    the output once."""
+    per distinct record row and scale row its listed entries with a page fall in, one DMA of
+    ``4 W`` bytes (``_pool_rows``; without ``pool_offset`` two an entry, an upper bound), q and
+    the output (``f32``) once a row (two block copies). Minimum: the window tokens attended at
+    ``window_kv_bytes`` each, the listed entries at ``compressed_kv_bytes``, q and the output
+    once."""
     pool_page = None if pool_page is None else np.asarray(pool_page)
     topk = 0 if pool_page is None else pool_page.shape[1]
     cfg = AttnConfig(heads, dim, window_size, page_size, topk, "bf16")
@@ -156,8 +184,9 @@ def traffic(window_page, window_base, positions, pool_page, *, heads: int, dim: 
     row = 4 * cfg.width
     segs = int((wp_ >= 0).sum())
     entries = 0 if pool_page is None else int((pool_page >= 0).sum())
+    fetched = 0 if pool_page is None else _pool_rows(pool_page, pool_offset, dim)
     t = pos.shape[0]
-    moved = (t * 4 * cfg.meta_words + segs * (cfg.seg + 1) * row + entries * 2 * row
+    moved = (t * 4 * cfg.meta_words + segs * (cfg.seg + 1) * row + fetched * row
              + t * heads * dim * (q_itemsize + 4) + heads * tpu.LANES * 4)
     tokens = 0
     for r in range(t):
@@ -169,4 +198,4 @@ def traffic(window_page, window_base, positions, pool_page, *, heads: int, dim: 
                  + t * heads * dim * (q_itemsize + 4))
     return aot.Traffic(bytes_moved=moved, bytes_min=bytes_min,
                        flops=4 * t * heads * dim * (cfg.window_rows + topk),
-                       vmem_bytes=vmem_estimate(cfg), dmas=t + 2 * segs + 2 * entries + 2 * t + 1)
+                       vmem_bytes=vmem_estimate(cfg), dmas=t + 2 * segs + fetched + 2 * t + 1)

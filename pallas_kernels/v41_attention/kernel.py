@@ -29,18 +29,21 @@ two slots, ``t % 2``, so the next row's reads fly while this row computes):
   its ``seg`` record rows and ONE of its scale row; a row's window ``max(0, p - window + 1) ..
   p`` spans at most ``S = (window - 2) // seg + 2`` segments (5 at V4.1-Flash: 160 tokens read
   for 128);
-- the pool: per listed entry with a page, ONE DMA of the record row holding it (two entries a
-  row) and ONE of its scale row (sixteen entries a row); its offset is kept in a VMEM column
-  (its half, scale slot and validity);
+- the pool: the listed entries sorted by page and offset (``entry``); per entry with a page,
+  ONE DMA of the record row holding it (two entries a row) unless its predecessor's is the
+  same row, and ONE of its scale row (sixteen entries a row) likewise; its offset is kept in a
+  VMEM column (its half, scale slot and validity); after the waits an entry sharing a row
+  copies it from its predecessor (``_share``);
 - this row's DMAs waited, the keys decoded (``decode``), exact; tokens outside the window and
   unlisted entries selected to zero (a select: a stale or NaN buffer cannot leak) and their
   logits ``-inf``; the key mask moved from sublanes to lanes by a one-hot matmul (exact);
 - ``q [H, D] x keys [N, D]^T`` on the MXU (bf16 operands under ``"bf16"``, f32 at highest
   precision under ``"f32"``), the softmax, ``rb(e) @ keys``.
 
-Not measured on a TPU: the pool reads a whole row a record and a whole scale row an entry
-(``2 * 4 W`` bytes, 1024 B, for an entry of 288 B: ``traffic``), and the window reads whole
-segments. The grid is sequential (``"arbitrary"``): the slots carry from one step to the next.
+Not measured on a TPU: the pool reads a whole record row (512 B at ``D = 512``) for an entry of
+288 B unless it shares one, and a whole scale row likewise (``traffic``); the window reads
+whole segments. The grid is sequential (``"arbitrary"``): the slots carry from one step to
+the next.
 """
 
 from __future__ import annotations
@@ -193,21 +196,51 @@ def _issue(cfg: AttnConfig, layers, meta, win_hbm, pool_hbm, wbuf, wsbuf, pbuf, 
     if not cfg.topk:
         return
     lay = pool_pages.layout(cfg.dim)
-    rec_rows, base = lay.record_rows(ps), 2 + 2 * s_n
+    rec_rows = lay.record_rows(ps)
 
     def entry(i, carry):
-        pid, off = meta[base + i], meta[base + cfg.topk + i]
+        pid, off, new_rec, new_scale = _entry(cfg, meta, i)
         if not wait:
             pinfo[pl.ds(i, 1), :] = jnp.full((1, INFO_LANES), jnp.where(pid >= 0, off, -1))
-
-        _dmas(pid >= 0, ((pool_hbm.at[layers[1], pid, pl.ds(off // lay.per_row, 1)],
-                          pbuf.at[pl.ds(i, 1)]),
-                         (pool_hbm.at[layers[1], pid,
-                                      pl.ds(rec_rows + off // lay.per_scale_row, 1)],
-                          psbuf.at[pl.ds(i, 1)])), sem, wait)
+        _dmas(new_rec, ((pool_hbm.at[layers[1], pid, pl.ds(off // lay.per_row, 1)],
+                         pbuf.at[pl.ds(i, 1)]),), sem, wait)
+        _dmas(new_scale, ((pool_hbm.at[layers[1], pid,
+                                       pl.ds(rec_rows + off // lay.per_scale_row, 1)],
+                           psbuf.at[pl.ds(i, 1)]),), sem, wait)
         return carry
 
     jax.lax.fori_loop(0, cfg.topk, entry, 0)
+
+
+def _entry(cfg: AttnConfig, meta, i):
+    """Listed entry ``i``'s ``(page id, offset, new record row, new scale row)``: a row is new
+    unless entry ``i - 1`` (the list is sorted by page and offset: ``entry``) is on the same
+    page in the same record row (two entries a row) or scale row (sixteen a row); only a new
+    row is fetched, an entry sharing one copies it from its predecessor (``_share``)."""
+    lay, base = pool_pages.layout(cfg.dim), 2 + 2 * cfg.segments
+    pid, off = meta[base + i], meta[base + cfg.topk + i]
+    j = jnp.maximum(i - 1, 0)
+    same = jnp.logical_and(i > 0, meta[base + j] == pid)
+    prev = meta[base + cfg.topk + j]
+    shares_rec = jnp.logical_and(same, prev // lay.per_row == off // lay.per_row)
+    shares_scale = jnp.logical_and(same, prev // lay.per_scale_row == off // lay.per_scale_row)
+    return (pid, off, jnp.logical_and(pid >= 0, jnp.logical_not(shares_rec)),
+            jnp.logical_and(pid >= 0, jnp.logical_not(shares_scale)))
+
+
+def _share(cfg: AttnConfig, meta, pbuf, psbuf) -> None:
+    """After the waits: each listed entry that shares its record or scale row with its
+    predecessor copies that row from the predecessor's slot (in order, so a run of sharers
+    copies down the run)."""
+    def entry(i, carry):
+        pid, _, new_rec, new_scale = _entry(cfg, meta, i)
+        for buf, new in ((pbuf, new_rec), (psbuf, new_scale)):
+            @pl.when(jnp.logical_and(pid >= 0, jnp.logical_not(new)))
+            def _(buf=buf):
+                buf[pl.ds(i, 1), :] = buf[pl.ds(i - 1, 1), :]
+        return carry
+
+    jax.lax.fori_loop(1, cfg.topk, entry, 0)
 
 
 def _kernel(cfg: AttnConfig, layers, q_ref, sink_ref, meta_hbm, win_hbm, *rest):
@@ -234,6 +267,8 @@ def _kernel(cfg: AttnConfig, layers, q_ref, sink_ref, meta_hbm, win_hbm, *rest):
     pl.when(t == 0)(lambda: fetch(0, 0))
     pl.when(t + 1 < n)(lambda: fetch(t + 1, (t + 1) % SLOTS))
     issue(slot, wait=True)
+    if cfg.topk:
+        _share(cfg, meta.at[slot], pbuf.at[slot], psbuf.at[slot])
     _attend(cfg, meta.at[slot], q_ref, sink_ref, o_ref, wbuf.at[slot], wsbuf.at[slot],
             *((pinfo.at[slot], pbuf.at[slot], psbuf.at[slot]) if cfg.topk else ()))
 
