@@ -265,7 +265,8 @@ def test_index_scores_in_blocks_equal_one_block(monkeypatch):
     per_entry = iq.shape[0] * (4 * C.index_head_dim + 4 * C.index_n_heads
                                + index_fp4_bytes(C.index_head_dim))
     monkeypatch.setattr(step_mod, "SCORE_BLOCK_BYTES", 21 * per_entry)
-    assert step_mod.score_block(iq.shape[0], C.index_n_heads, C.index_head_dim, 288) // PAGE == 5
+    assert step_mod.score_block(iq.shape[0], C.index_n_heads, C.index_head_dim,
+                                MAX_SEQ) // PAGE == 5
     for r, one in zip((1, 2), want, strict=True):
         got = scores(r)
         np.testing.assert_array_equal(got, one)
@@ -298,20 +299,21 @@ def test_the_jnp_step_in_row_chunks_equals_one_chunk(monkeypatch):
 
     want, whole = run()
     widths = (C.window_size, C.window_size + C.index_topk)
-    monkeypatch.setattr(step_mod, "SELECT_CHUNK_BYTES", 13 * 4 * 144)
+    entries = (MAX_SEQ // 2, MAX_SEQ)  # the ratio-2 and ratio-1 keys' capacities
+    monkeypatch.setattr(step_mod, "SELECT_CHUNK_BYTES", 13 * 4 * entries[0])
     monkeypatch.setattr(step_mod, "ATTEND_CHUNK_BYTES", 13 * 4 * widths[1] * C.head_dim)
-    assert [step_mod.select_rows(t, e) for e in (144, 288)] == [12, 6]
+    assert [step_mod.select_rows(t, e) for e in entries] == [12, 6]
     assert [step_mod.attend_rows(t, w, C.head_dim) for w in widths] == [15, 12]
     got, chunked = run()
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(a, b)
     assert (got.topk >= 0).sum() > 200 and np.abs(got.out[:, :43]).min(axis=-1).all()
-    whole_rows = [f"f32[{t},{e}]" for e in (144, 288)] + [
+    whole_rows = [f"f32[{t},{e}]" for e in entries] + [
         f"f32[{t},{w},{C.head_dim}]" for w in widths]
     for name in whole_rows:  # the one-chunk program has each; the chunked one none of them
         assert name in whole, name
         assert name not in chunked, name
-    assert "f32[12,144]" in chunked and "f32[6,288]" in chunked
+    assert f"f32[12,{entries[0]}]" in chunked and f"f32[6,{entries[1]}]" in chunked
 
 
 def test_bf16_weights_are_read_as_given():
