@@ -13,6 +13,8 @@
   The CLI and scripts call this first: with no TPU on the PCI bus (Google's vendor id, as JAX's
   own ``hardware_utils`` checks) and no NVIDIA GPU, and no platform chosen by the user, JAX is
   told to use the CPU. AOT compiles for TPU topologies still work (they load libtpu directly).
+- ``dmas`` / ``align_slot``: the gathered-row idioms of the V4.1 kernels (row DMAs started in
+  one grid step and waited in the next; a row's slot moved to lane 0 by selects over rolls).
 - ``smem_page_table``: the page table as the kernels scalar-prefetch it into SMEM, where they
   look pages up on the scalar core (as jax's ragged paged attention does) instead of XLA
   gathering one page id per entry (a per-element gather XLA's TPU cost model prices at
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import aot, chips
@@ -195,3 +198,27 @@ def lanes_to_column(w: jax.Array) -> jax.Array:
             == jax.lax.broadcasted_iota(jnp.int32, (r, h, h), 2))
     wide = jnp.where(diag, jnp.broadcast_to(w, (r, h, h)), -jnp.inf)
     return jnp.max(wide, axis=2, keepdims=True).reshape(r * h, 1)
+
+
+# ------------------------------------------------------------------------- gathered-row idioms
+
+def dmas(cond, pairs, sem, wait: bool) -> None:
+    """Inside a kernel: start (or, ``wait=True``, wait for) the copies ``pairs [(src, dst)]`` on
+    ``sem`` where ``cond`` (a traced bool). Start and wait rebuild the same descriptors, so a
+    row's reads can be started in one grid step and waited in the next."""
+    @pl.when(cond)
+    def _():
+        for src, dst in pairs:
+            copy = pltpu.make_async_copy(src, dst, sem)
+            copy.wait() if wait else copy.start()
+
+
+def align_slot(rows: jax.Array, slot: jax.Array, words: int) -> jax.Array:
+    """Inside a kernel: ``rows u32[N, W]`` of ``W / words`` slots of ``words`` lanes -> each row's
+    slot ``slot i32[N, 1]`` moved to lanes ``0 .. words - 1`` (the other lanes junk) by a select
+    over the static lane rolls (a select: another slot's NaN cannot leak)."""
+    width = rows.shape[-1]
+    out = rows
+    for s in range(1, width // words):
+        out = jnp.where(slot == s, pltpu.roll(rows, width - s * words, 1), out)
+    return out

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import tpu
 from reference.quant import fp8
 from reference.v41 import paged, pool_pages, window_pages
 from reference.v41.formats import COMPRESSED_BLOCK, WINDOW_BLOCK, e2m1_values, ue8m0_values
@@ -37,14 +38,7 @@ WORD_BYTES = paged.WORD
 NIBBLES = 2 * WORD_BYTES  # nibbles a word
 
 
-def _align(rows, slot, words: int):
-    """``rows u32[N, W]`` of ``W / words`` slots -> each row's slot ``slot[N, 1]`` moved to lanes
-    ``0 .. words - 1`` (the other lanes junk) by a select over the static lane rolls."""
-    width = rows.shape[-1]
-    out = rows
-    for s in range(1, width // words):
-        out = jnp.where(slot == s, pltpu.roll(rows, width - s * words, 1), out)
-    return out
+_align = tpu.align_slot  # a slot's words moved to lane 0
 
 
 def _spread_bytes(aligned, lane_block):

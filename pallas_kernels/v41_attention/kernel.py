@@ -170,13 +170,7 @@ def _to_lanes(ok):
     return got[0:1] > 0.5
 
 
-def _dmas(cond, pairs, sem, wait: bool) -> None:
-    """Start (or wait for) the copies ``pairs [(src, dst)]`` on ``sem`` where ``cond``."""
-    @pl.when(cond)
-    def _():
-        for src, dst in pairs:
-            copy = pltpu.make_async_copy(src, dst, sem)
-            copy.wait() if wait else copy.start()
+_dmas = tpu.dmas  # start or wait a row's copies where a condition holds
 
 
 def _issue(cfg: AttnConfig, layers, meta, win_hbm, pool_hbm, wbuf, wsbuf, pbuf, psbuf, pinfo,

@@ -230,7 +230,7 @@ def restricted_topk(scores: jax.Array, lens: jax.Array, candidates: jax.Array | 
     return jnp.where(top > KEY_NEG_INF, idx, -1).astype(jnp.int32)
 
 
-def _unique_blocks(candidates: jax.Array, num_blocks: int) -> jax.Array:
+def unique_blocks(candidates: jax.Array, num_blocks: int) -> jax.Array:
     """``i32[T, C]`` block ids -> each row's distinct ids in ``[0, num_blocks)`` ascending,
     every other slot (``-1``, out of range, a repeat) ``num_blocks``: one sort, repeats then
     voided in place. The void slots sit among the ids, which stay ascending: what the compact
@@ -249,14 +249,22 @@ def _compact_topk(scores, lens, candidates, k, block):
     work instead of ``N``'s (the long rows: 16384 against 10^6 at V4.1-Flash)."""
     rows, n = scores.shape
     nb = -(-n // block)
-    ids = _unique_blocks(candidates, nb)  # [T, C], nb = none
+    ids = unique_blocks(candidates, nb)  # [T, C], nb = none
     ent = (ids[..., None] * block + jnp.arange(block, dtype=jnp.int32)).reshape(rows, -1)
     ok = ((ids < nb)[..., None].repeat(block, axis=-1).reshape(rows, -1)
           & (ent < jnp.minimum(lens.astype(jnp.int32), n)[:, None]))
     # by entry, into a lane-dense [T, C * block]; the row left as it lies (a [nb, block] view,
     # or gathering [T, C, block], would pad ``block`` lanes to 128 on TPU: 16x the bytes)
     got = jnp.take_along_axis(scores, jnp.where(ok, ent, 0), axis=1)
-    key = jnp.where(ok, sort_key(got), jnp.int32(KEY_NEG_INF))
+    return compact_topk(got, ent, ok, k)
+
+
+def compact_topk(scores: jax.Array, entries: jax.Array, ok: jax.Array, k: int) -> jax.Array:
+    """The top-``k`` of compact candidate scores in the declared order: ``scores f32[T, M]``
+    of the entries ``entries i32[T, M]`` (ascending along each row where ``ok``, so a compact
+    position orders as its entry and the lower-index tie rule carries over), ``ok bool[T, M]``
+    the ones that count. Returns ``i32[T, k]`` entries, ``-1`` tail (``restricted_topk``'s)."""
+    key = jnp.where(ok, sort_key(scores), jnp.int32(KEY_NEG_INF))
     top, pos = _top_keys(key, k)
-    idx = jnp.take_along_axis(ent, jnp.maximum(pos, 0), axis=1)
+    idx = jnp.take_along_axis(entries, jnp.maximum(pos, 0), axis=1)
     return jnp.where(top > KEY_NEG_INF, idx, -1).astype(jnp.int32)
