@@ -148,9 +148,11 @@ def run_v41(args, progress) -> int:
     cmp = None
     if args.dsa_use_pallas:
         pal = results["pallas"]
-        print("pallas: the ratio-2 compressor, the index scores over the index pages and the "
-              "attention over the window and pool pages on their Pallas kernels; the selection "
-              "jnp")
+        blocks = ("; the candidate consumer's over its candidate blocks alone"
+                  if layout.block_keys else "")
+        print(f"pallas: the ratio-2 compressor, the index scores over the index pages{blocks} "
+              "and the attention over the window and pool pages on their Pallas kernels; the "
+              "selection jnp")
         cmp = compare(res.out, pal.out, res.topk, pal.topk, "bf16")
     with progress("statement"):
         line, ok = _statement_check(params, xs, res, q_lens, kv_lens, c, layout)

@@ -17,7 +17,12 @@ whole 128-lane rows at V4.1-Flash's dims), stacked and read in place by stack ro
   scale row; 288 B an entry at ``D = 512`` and page sizes that are multiples of 128), and
   ``keys{r} u8[Kr, Pr, G, 4, 128]``, the index keys (fp4, ue8m0 per 32) as V4.1 index pages
   (``reference.v41.index_pages``: entries along lanes, 68 B an entry at page sizes that are
-  multiples of 128; what the Pallas indexer reads with one DMA a page).
+  multiples of 128; what the Pallas indexer reads with one DMA a page);
+- ``cand u32[1, P1 * R, 128]`` (``layout.block_keys`` only, else ``None``): the candidate
+  source's index keys once more, in the block layout (``reference.v41.index_blocks``: a block of
+  8 entries one 512-B row, 68 B an entry at pages of 128), on its ratio's page table: what a
+  candidate consumer's Pallas top-k reads, only its candidate blocks
+  (``pallas_kernels.indexer.v41_candidates``). The price: 68 B an entry of that one source.
 
 States (``V41States``): one ``reference.v4_compressor.CompressorState`` (``f32[num_slots, 2,
 D]`` kv and score) per ratio-2 KV source, in layer order; ratio 1 keeps none. Sequence ``i``
@@ -34,9 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from reference.core import checks
-from reference.v41 import index_pages, pool_pages, window_pages
+from reference.v41 import index_blocks, index_pages, pool_pages, window_pages
 from reference.v41.compressor import COMPRESSED_RATIOS, init_compressor_state
-from reference.v41.config import Mode, V41Config, resolve_layers
+from reference.v41.config import CandidateUse, Mode, V41Config, resolve_layers
 
 __all__ = ["V41Caches", "V41Meta", "V41StepLayout", "V41StepResult", "init_v41_caches",
            "init_v41_states", "v41_meta"]
@@ -85,6 +90,25 @@ class V41StepLayout:
         return r, self.sources[r].index(layer)
 
     @functools.cached_property
+    def candidate_source(self) -> int | None:
+        """The candidate source layer (``CandidateUse.PRODUCES``), or None."""
+        return next((p.layer for p in resolve_layers(self.config)
+                     if p.candidates is CandidateUse.PRODUCES), None)
+
+    @functools.cached_property
+    def block_keys(self) -> bool:
+        """Whether the candidate source's keys are also kept in the block layout (``cand``): a
+        candidate source, and index heads, candidate blocks and a page size the layout holds
+        (``index_blocks.check_geometry``: 128, 8, a multiple of 8 dividing 128 or a multiple
+        of it; V4.1-Flash's). Otherwise consumers read whole pages holding candidates."""
+        c = self.config
+        try:
+            index_blocks.check_geometry(self.page_size, c.index_head_dim, c.candidate_block_size)
+        except ValueError:
+            return False
+        return self.candidate_source is not None
+
+    @functools.cached_property
     def index_layers(self) -> tuple[int, ...]:
         """The layers that run a top-k (FULL and REINDEX), in order: the rows of ``topk``."""
         return tuple(p.layer for p in resolve_layers(self.config)
@@ -99,6 +123,7 @@ class V41Caches(NamedTuple):
     keys1: jax.Array | None
     pool2: jax.Array | None
     keys2: jax.Array | None
+    cand: jax.Array | None = None
 
 
 class V41Meta(NamedTuple):
@@ -147,6 +172,10 @@ def init_v41_caches(layout: V41StepLayout, num_seqs: int) -> V41Caches:
         groups = index_pages.page_groups(ps, c.index_head_dim)
         out[f"keys{r}"] = jnp.zeros((k, n * layout.pages_per_seq(r), groups, index_pages.PACK,
                                      index_pages.LANES), jnp.uint8) if k else None
+    if layout.block_keys:
+        r = c.compress_ratios[layout.candidate_source]
+        out["cand"] = jnp.zeros((1, n * layout.pages_per_seq(r) * index_blocks.page_rows(ps),
+                                 index_blocks.LANES), jnp.uint32)
     return V41Caches(**out)
 
 

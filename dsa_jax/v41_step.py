@@ -14,7 +14,8 @@ index source's top-k, the candidate source's blocks) as the statement does. Per 
 2. a KV source (FULL): ``reference.v41.compress_step`` on its inputs (ratio 2 with its state
    slot: a chunk starting on an odd position takes its partner from the state), the entries
    completing this step stored in its pool (fp4 / e4m3-16, 288 B) and its index keys (fp4 /
-   ue8m0-32, 68 B) at ``entry_slots``;
+   ue8m0-32, 68 B) at ``entry_slots`` (the candidate source's keys also in the block layout,
+   ``V41Caches.cand``, where the caches keep it);
 3. an index source (FULL, REINDEX), a chunk of rows at a time (``select_rows``: never
    ``f32[T, E]`` scores): its query scores every visible entry of the published keys (read in
    place from the stack's index pages: ``reference.v41.index_pages``), then
@@ -31,7 +32,9 @@ outside every sequence zeros. ``implementation``: ``"xla"`` (this pure-jnp path,
 the index scores on the Pallas indexer over the index pages
 (``pallas_kernels.indexer.v41_scores.index_select_v41``: each index source's selection a chunk
 of rows at a time, no ``f32[T, E]`` scores; a candidate consumer fetching only the pages
-holding its candidates) and the attention on the Pallas kernel over the window and pool pages
+holding its candidates, or, where ``layout.block_keys`` (V4.1-Flash's index geometry), only its
+candidate blocks from the candidate source's keys in the block layout, ``V41Caches.cand``:
+``dsa_jax.v41_consume``) and the attention on the Pallas kernel over the window and pool pages
 (``pallas_kernels.v41_attention``)."""
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsa_jax.cache import batch_write_slots
+from dsa_jax.v41_consume import in_row_chunks as _in_row_chunks
+from dsa_jax.v41_consume import pallas_consume
 from dsa_jax.v41_model import (
     V41Caches,
     V41Meta,
@@ -60,7 +65,7 @@ from reference.core import batch
 from reference.quant.bf16 import V4_DEFAULT_PRECISION, check_precision, rounding
 from reference.statements import deepseek_v41_layer as L
 from reference.v4_compressor.ref import entry_slots
-from reference.v41 import formats, index_pages, pool_pages, window_pages
+from reference.v41 import formats, index_blocks, index_pages, pool_pages, window_pages
 from reference.v41.compressor import compress_step
 from reference.v41.config import CandidateUse, Mode, resolve_layers
 from reference.v41.paged import PagedBytes, ragged, row_slots
@@ -86,12 +91,15 @@ class _Ops(NamedTuple):
     """The ops an implementation runs on its own code: ``compress`` (ratio-2 KV sources'
     compressor, ``reference.v41.compress_step``'s signature), ``attend`` (``_attend``') and an
     index source's selection: ``scores`` (``_scores``', then ``deepseek_v41_layer.select``) or
-    ``select`` (``_pallas_select``'s, scoring and selecting at once), the other None."""
+    ``select`` (``_pallas_select``'s, scoring and selecting at once), the other None; and
+    ``consume`` (``v41_consume.pallas_consume``'s: a consumer's top-k from its candidate blocks
+    alone, where the caches keep ``cand``) or None."""
 
     compress: object
     attend: object
     scores: object = None
     select: object = None
+    consume: object = None
 
 
 def _ops(implementation: str, kernel_options: tuple) -> _Ops:
@@ -104,6 +112,7 @@ def _ops(implementation: str, kernel_options: tuple) -> _Ops:
     (``interpret``, ``vmem_limit_bytes``). Ratio 1's compressor is row-wise XLA on both."""
     if implementation == "xla":
         return _Ops(compress_step, _attend_rows, scores=_scores)
+    from pallas_kernels.indexer.v41_candidates import candidate_topk_v41
     from pallas_kernels.indexer.v41_scores import index_select_v41
     from pallas_kernels.v41_attention import v41_attention
     from pallas_kernels.v41_compressor import compress_step as pallas_compress
@@ -112,7 +121,9 @@ def _ops(implementation: str, kernel_options: tuple) -> _Ops:
     return _Ops(functools.partial(pallas_compress, **opts),
                 functools.partial(_pallas_attend, functools.partial(v41_attention, **opts)),
                 select=functools.partial(_pallas_select,
-                                         functools.partial(index_select_v41, **opts)))
+                                         functools.partial(index_select_v41, **opts)),
+                consume=functools.partial(pallas_consume,
+                                          functools.partial(candidate_topk_v41, **opts)))
 
 
 def _paged(layout, caches: V41Caches, meta: V41Meta, name: str, ratio: int):
@@ -159,6 +170,9 @@ def _compress(params, x, layer, layout, caches, states, meta, rb, compress):
         out[name] = pages.write_entries(
             kv_paged.cache.pages, k, page_id, offset, rows_u8, page_size=layout.page_size,
             dim=c.index_head_dim if name.startswith("keys") else c.head_dim)
+    if layer == layout.candidate_source and caches.cand is not None:  # the keys' slots
+        out["cand"] = index_blocks.write_entries(caches.cand, 0, page_id, offset, rows_u8,
+                                                 page_size=layout.page_size)
     if r == 2:
         i = layout.sources[2].index(layer)
         states = (*states[:i], state, *states[i + 1:])
@@ -239,6 +253,9 @@ def _select(params, x, qr, cos_p, sin_p, source, plan, layout, caches, meta, row
     b = ragged(keys, meta.kv_lens, meta.cu_q_lens, meta.distribution, pages_per_seq=per,
                ratio=r)
     iq, w = L.index_query(params, x[None], qr[None], cos_p, sin_p, c, rb)
+    if (ops.consume is not None and caches.cand is not None
+            and plan.candidates is CandidateUse.CONSUMES):  # only its candidate blocks read
+        return ops.consume(iq[0], w[0], caches.cand, b, rows, precision, c, cands), cands
     if ops.select is not None:
         return ops.select(iq[0], w[0], keys, k, b, meta, precision, plan, c, cands)
     return _select_rows(ops.scores, iq[0], w[0], keys, k, b, rows, meta, precision, plan, c,
@@ -273,23 +290,6 @@ def _select_rows(scores, iq, w, keys, k, b, rows, meta, precision, plan, c, cand
     t = iq.shape[0]
     out = _in_row_chunks(chunk, t, select_rows(t, b.capacity_tokens))
     return out[:, :c.index_topk], (out[:, c.index_topk:] if made else cands)
-
-
-def _in_row_chunks(fn, t: int, n: int):
-    """``fn(row0, n)`` (rows ``row0 .. row0 + n - 1``' array ``[n, ...]``) for every row
-    ``[T, ...]``: one call if ``n >= T``, else a ``fori_loop`` over chunks of ``n`` rows, the
-    last clamped to end at row ``T`` (its overlap recomputed to the same values)."""
-    n = min(n, t)
-    chunks = -(-t // max(n, 1))
-    if chunks <= 1:
-        return fn(0, t)
-    part = jax.eval_shape(lambda: fn(0, n))
-
-    def body(i, acc):
-        row0 = jnp.minimum(i * n, t - n)
-        return jax.lax.dynamic_update_slice_in_dim(acc, fn(row0, n), row0, axis=0)
-
-    return jax.lax.fori_loop(0, chunks, body, jnp.zeros((t, *part.shape[1:]), part.dtype))
 
 
 def _slots(layout, caches, meta, rows, name: str, ratio: int, idx):

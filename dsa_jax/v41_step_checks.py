@@ -33,7 +33,8 @@ def _check_caches(caches, layout: V41StepLayout, num_seqs: int) -> None:
         shape, rest = tuple(np.shape(got)), ", ".join(str(d) for d in ref.shape[2:])
         what = {"keys": "stack rows, pages, groups, 4, 128: index pages",
                 "pool": "stack rows, pages, record + scale rows, words: pool pages",
-                "wind": "layers, pages, records + scale rows, words: window pages"}[name[:4]]
+                "wind": "layers, pages, records + scale rows, words: window pages",
+                "cand": "one stack row, pages x rows, 128: index blocks"}[name[:4]]
         if (len(shape) != len(ref.shape) or shape[0] != ref.shape[0]
                 or shape[2:] != ref.shape[2:]):
             raise ValueError(f"v41_step: caches.{name} must have shape [{ref.shape[0]}, P, "

@@ -14,6 +14,7 @@ window pages behind every row's window are released from the table (id -1) at ea
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import jax
@@ -88,14 +89,15 @@ def _step_inputs(xs_seq, q_lens, starts, layout=LAYOUT, rows=0):
     ``layout.page_size``)."""
     parts = [x[:, s:s + q] for x, q, s in zip(xs_seq, q_lens, starts, strict=True)]
     outside = max(OUTSIDE, rows - sum(q_lens))
-    pad = np.full((len(C.compress_ratios), outside, C.dim), np.nan, np.float32)
+    c = layout.config
+    pad = np.full((len(c.compress_ratios), outside, c.dim), np.nan, np.float32)
     kv = [s + q for s, q in zip(starts, q_lens, strict=True)]
     meta = v41_meta(layout, [*kv, 5], [*q_lens, 0], num_active=2, page_order=_page_order)
     # window pages behind every row's window released (id -1): never read, never written
     table = np.asarray(meta.window_page_indices).copy()
     per, page = layout.pages_per_seq(0), layout.page_size
     for i, s in enumerate(starts):
-        behind = (s - C.window_size + 1) // page  # pages wholly before the first row's window
+        behind = (s - c.window_size + 1) // page  # pages wholly before the first row's window
         table[i * per:i * per + max(behind, 0)] = -1
     return np.concatenate([*parts, pad], axis=1), meta._replace(window_page_indices=table)
 
@@ -106,13 +108,14 @@ def _lockstep(decodes: int, layout=LAYOUT, **step_kwargs) -> None:
     sequence's outputs on every layer equal the statement's within ``OUT_ULPS`` (max) and
     ``OUT_MEAN_ULPS`` (mean) bf16 ulps of each row's largest output, its top-k on every FULL
     and REINDEX layer and its candidate blocks identical; rows outside every sequence zeros."""
-    params = s41.init_params(C, seed=3)
+    c = layout.config
+    params = s41.init_params(c, seed=3)
     rng = np.random.default_rng(7)
     steps, total = _schedule(decodes)
-    xs_seq = [rng.standard_normal((len(C.compress_ratios), n, C.dim), dtype=np.float32)
+    xs_seq = [rng.standard_normal((len(c.compress_ratios), n, c.dim), dtype=np.float32)
               for n in total]
     caches, states = _poisoned(layout, 3)
-    ref_states = [s41.init_state(C, 1, MAX_SEQ) for _ in CHUNKS]
+    ref_states = [s41.init_state(c, 1, MAX_SEQ) for _ in CHUNKS]
     worst = worst_mean = 0.0
     n_chunks = max(len(c) for c in CHUNKS)
     chunk_rows = max(sum(q) for q, _ in steps[:n_chunks]) + OUTSIDE
@@ -126,7 +129,7 @@ def _lockstep(decodes: int, layout=LAYOUT, **step_kwargs) -> None:
         off = 0
         for i, (q, s) in enumerate(zip(q_lens, starts, strict=True)):
             want, ref_states[i], sel = s41.attention_stack(
-                params, xs_seq[i][:, None, s:s + q], s, ref_states[i], C, return_selection=True)
+                params, xs_seq[i][:, None, s:s + q], s, ref_states[i], c, return_selection=True)
             msg = f"step {n_step} seq {i}"
             top, mean, _ = out_error(out[:, off:off + q], np.asarray(want[:, 0], np.float32))
             worst, worst_mean = max(worst, top), max(worst_mean, mean)
@@ -148,17 +151,63 @@ def test_the_step_meets_the_statement_in_lockstep():
     _lockstep(DECODES)
 
 
+# V4.1-Flash's index geometry on the tiny config (index heads of 128, candidate blocks of 8; top-8
+# among 2 blocks: 2 * 8 - 7 >= 8): the layout keeps the candidate source's keys in the block
+# layout too (``V41StepLayout.block_keys``), and the Pallas consumer reads only its candidate
+# blocks (``V41Caches.cand``).
+C_BLOCKS = dataclasses.replace(C, index_head_dim=128, candidate_block_size=8, index_topk=8)
+
+
 @pytest.mark.slow  # started first (tests/conftest.py): no long tail
 def test_the_pallas_step_meets_the_statement_in_lockstep():
-    """``implementation="pallas"`` (the ratio-2 compressor, the index scores over the index
-    pages, a consumer's top-k from ``index_topk_v41(candidates=)``, reading only its candidate
-    pages, and the attention over the window and pool pages on their kernels, in the strict
-    interpreter; the other selections jnp) over the chunks
-    and 10 decodes (to 34 and 30 tokens: ratio-2 pairs completed from the state, window,
-    candidate-block and page boundaries), at pages of ``PALLAS_PAGE`` (each step shape's
-    interpreted compile is most of it, ~55 s in all; a decode ~1.2 s)."""
-    _lockstep(10, V41StepLayout(C, PALLAS_PAGE, MAX_SEQ), implementation="pallas",
-              kernel_options={"interpret": True})
+    """``implementation="pallas"`` on ``C_BLOCKS`` (the ratio-2 compressor, the index scores over
+    the index pages, the consumer's top-k from the candidate-block kernel over the block layout
+    the step writes, poisoned at first: every block row a reused page's until its block's first
+    entry resets it, and the attention over the window and pool pages on their kernels, in the
+    strict interpreter; the other selections jnp) over the chunks and 10 decodes (to 34 and 30
+    tokens: ratio-2 pairs completed from the state, window, candidate-block and page boundaries;
+    the consumer's 2 blocks of 8 among up to 5, the restriction binding), at pages of
+    ``PALLAS_PAGE`` (each step shape's interpreted compile is most of it, ~65 s in all; a decode
+    ~1.2 s). The tiny config's own Pallas consumer (index heads of 32, blocks of 4: no block
+    layout) reads whole pages holding candidates: ``index_topk_v41(candidates=)``, checked
+    against the reference in ``tests/test_v41_index_pages.py``; its routing below."""
+    layout = V41StepLayout(C_BLOCKS, PALLAS_PAGE, MAX_SEQ)
+    assert layout.block_keys and layout.candidate_source == 3
+    _lockstep(10, layout, implementation="pallas", kernel_options={"interpret": True})
+
+
+def test_a_consumer_reads_candidate_blocks_only_where_the_layout_keeps_them(monkeypatch):
+    """The Pallas step's consumer routing, traced only (no compile): on the tiny config (no block
+    layout: ``cand`` None) its consumer runs ``index_select_v41(candidates=)`` over the pages;
+    on ``C_BLOCKS`` the candidate-block kernel over ``cand``; every other index source the page
+    kernel, without candidates."""
+    import pallas_kernels.indexer.v41_candidates as vc
+    import pallas_kernels.indexer.v41_scores as vs
+
+    calls = []
+
+    def spy(name, fn):
+        def call(*args, **kw):  # the page kernel takes candidates=; the block kernel always
+            calls.append((name, name == "blocks" or kw.get("candidates") is not None))
+            return fn(*args, **kw)
+        return call
+
+    def trace(config, layout):
+        params = s41.init_params(config, seed=0)
+        xs = np.zeros((len(config.compress_ratios), 3, config.dim), np.float32)
+        jax.eval_shape(lambda: step_mod.v41_step_body(
+            params, xs, init_v41_caches(layout, 1), init_v41_states(layout, 1),
+            v41_meta(layout, [3], [3]), layout=layout, precision="bf16",
+            implementation="pallas"))
+
+    monkeypatch.setattr(vs, "index_select_v41", spy("pages", vs.index_select_v41))
+    monkeypatch.setattr(vc, "candidate_topk_v41", spy("blocks", vc.candidate_topk_v41))
+    for config, want in ((C, ("pages", True)), (C_BLOCKS, ("blocks", True))):
+        layout = V41StepLayout(config, PALLAS_PAGE, MAX_SEQ)
+        assert (init_v41_caches(layout, 1).cand is None) == (config is C)
+        calls.clear()
+        trace(config, layout)
+        assert calls == [("pages", False), ("pages", False), want], calls
 
 
 def _one_step(**change):

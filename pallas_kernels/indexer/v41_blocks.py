@@ -23,10 +23,11 @@ slots, ``t % 2``, so the next row's reads fly while this row computes):
   (the list is sorted: ``entry``) uses the same one; its slot in that scale row (``b % 16``)
   goes to a lane-wide VMEM row (the decode needs it on sublanes);
 - after the waits a candidate sharing its predecessor's scale row copies it (``_share``); then
-  per chunk of ``CHUNK`` candidates (sublanes): each block's 8 scale words moved to lanes 0..7
-  (``tpu.align_slot``), per entry ``j`` of the blocks nibble plane ``j`` decoded with word
-  ``j``'s byte ``f // 32`` on lane ``f`` -> keys ``[CHUNK, 128]``, ``q [H, 128] x keys^T`` on the
-  MXU, the regime's rounding, the head sum -> ``[1, CHUNK]`` lanes of the output.
+  per chunk of ``n = CHUNK`` candidates (sublanes; a shorter list: itself rounded up to 8):
+  each block's 8 scale words moved to lanes 0..7 (``tpu.align_slot``), per entry ``j`` of the
+  blocks nibble plane ``j`` decoded with word ``j``'s byte ``f // 32`` on lane ``f`` -> keys
+  ``[n, 128]``, ``q [H, 128] x keys^T`` on the MXU, the regime's rounding, the head sum ->
+  ``[1, n]`` lanes of the output.
 
 Not measured on a TPU: a candidate moves 512 B of codes (544 B of its own, codes and scales)
 and its scale row's 512 B unless shared (``entry.traffic``)."""
@@ -45,7 +46,7 @@ from pallas_kernels import tpu
 from reference.v41 import index_blocks as ib
 from reference.v41.formats import INDEX_BLOCK, e2m1_values, ue8m0_values
 
-CHUNK = tpu.LANES  # candidate blocks decoded and scored at once
+CHUNK = tpu.LANES  # candidate blocks decoded and scored at once (fewer for a shorter list)
 SLOTS = 2  # rows in flight: this row's reads and the next row's
 _NIBBLE, _BYTE = 4, 8
 
@@ -56,13 +57,25 @@ class BlocksConfig:
 
     heads: int
     page_size: int
-    blocks: int  # C: candidate blocks a row, a multiple of CHUNK
+    blocks: int  # C: candidate blocks a row, a multiple of ``chunk``
     precision: str  # "bf16" | "f32"
+
+    @property
+    def chunk(self) -> int:
+        """Candidates decoded at once: ``CHUNK``, or the list rounded up to 8 sublanes if
+        shorter (``chunk_of``)."""
+        return chunk_of(self.blocks)
 
     @property
     def meta_words(self) -> int:
         """``[C page ids, C block rows]``."""
         return 2 * self.blocks
+
+
+def chunk_of(blocks: int) -> int:
+    """Candidates a chunk for a list of ``blocks``: ``CHUNK``, or ``blocks`` rounded up to a
+    multiple of 8 (a sublane tile) if that is fewer; pad the list to a multiple of it."""
+    return min(CHUNK, tpu.round_up(max(blocks, 1), tpu.SUBLANES))
 
 
 def vmem_estimate(cfg: BlocksConfig) -> int:
@@ -71,7 +84,7 @@ def vmem_estimate(cfg: BlocksConfig) -> int:
     dtype, the scores), q, the weights and the output block (double-buffered)."""
     row = tpu.LANES * 4
     gathered = SLOTS * 3 * cfg.blocks * row
-    chunk = CHUNK * row * 6 + tpu.round_up(cfg.heads, tpu.SUBLANES) * CHUNK * 4 * 2
+    chunk = cfg.chunk * row * 6 + tpu.round_up(cfg.heads, tpu.SUBLANES) * tpu.LANES * 4 * 2
     blocks = 2 * (cfg.heads * row + tpu.SUBLANES * row
                   + ib.BLOCK * tpu.round_up(cfg.blocks, tpu.LANES) * 4)
     return gathered + chunk + blocks
@@ -135,8 +148,8 @@ def _share(cfg: BlocksConfig, meta, sbuf) -> None:
 
 
 def _chunk_scores(cfg: BlocksConfig, q, wcol, codes, scale_rows, slot):
-    """``CHUNK`` candidates' scores: ``codes / scale_rows u32[CHUNK, 128]``, ``slot
-    i32[CHUNK, 1]`` -> ``f32[8, CHUNK]`` (row ``j``: each candidate's entry ``j``)."""
+    """A chunk's scores: ``codes / scale_rows u32[n, 128]``, ``slot i32[n, 1]`` -> ``f32[8, n]``
+    (row ``j``: each candidate's entry ``j``; ``n = cfg.chunk``)."""
     cdt = jnp.bfloat16 if cfg.precision == "bf16" else jnp.float32
     hi = None if cfg.precision == "bf16" else jax.lax.Precision.HIGHEST
     rb = tpu.rounding(cfg.precision)
@@ -150,7 +163,7 @@ def _chunk_scores(cfg: BlocksConfig, q, wcol, codes, scale_rows, slot):
         scale = ue8m0_values(((word >> shift) & jnp.uint32(0xFF)).astype(jnp.int32))
         keys = (e2m1_values(nib) * scale).astype(cdt)
         s = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), precision=hi,
-                                preferred_element_type=jnp.float32)  # [H, CHUNK]
+                                preferred_element_type=jnp.float32)  # [H, n]
         s = rb(jnp.maximum(rb(s), 0.0) * wcol)
         out.append(rb(jnp.sum(s, axis=0, keepdims=True)))
     return jnp.concatenate(out, axis=0)
@@ -182,13 +195,13 @@ def _kernel(cfg: BlocksConfig, layer, q_ref, w_ref, meta_hbm, cache_hbm, o_ref, 
     wcol = tpu.lanes_to_column(w_ref[...])  # [H, 1]
 
     def chunk(c, carry):
-        c0 = pl.multiple_of(c * CHUNK, CHUNK)
-        rows = pl.ds(c0, CHUNK)
+        c0 = pl.multiple_of(c * cfg.chunk, cfg.chunk)
+        rows = pl.ds(c0, cfg.chunk)
         o_ref[0, :, rows] = _chunk_scores(cfg, q, wcol, kbuf[slot, rows, :],
                                           sbuf[slot, rows, :], info[slot, rows, 0:1])
         return carry
 
-    jax.lax.fori_loop(0, cfg.blocks // CHUNK, chunk, 0)
+    jax.lax.fori_loop(0, cfg.blocks // cfg.chunk, chunk, 0)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "vmem_limit_bytes", "interpret"))

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import aot, tpu
-from pallas_kernels.indexer.v41_blocks import CHUNK, BlocksConfig, blocks_call, vmem_estimate
+from pallas_kernels.indexer.v41_blocks import BlocksConfig, blocks_call, chunk_of, vmem_estimate
 from reference.core import checks
 from reference.quant.bf16 import round_bf16
 from reference.v41 import index_blocks as ib
@@ -114,7 +114,7 @@ def _scores(q, weights, cache, candidates, row_pages, lens, layer, *, page_size,
           & (ent < lens.astype(jnp.int32)[:, None]))
     if t == 0 or c == 0:
         return jnp.full(ent.shape, -jnp.inf, jnp.float32), jnp.where(ok, ent, -1)
-    cp = tpu.round_up(c, CHUNK)
+    cp = tpu.round_up(c, chunk_of(c))
     pad = ((0, 0), (0, cp - c))
     meta = jnp.concatenate([jnp.pad(page, pad, constant_values=-1), jnp.pad(row, pad)], axis=1)
     w = weights.astype(jnp.float32)
@@ -159,18 +159,19 @@ def _scale_rows(page: np.ndarray, row: np.ndarray) -> int:
 def traffic(ids, page, row, lens, *, heads: int, q_itemsize: int = 2) -> aot.Traffic:
     """HBM bytes and DMA descriptors of one call from its ``candidate_meta`` (NumPy ``ids``,
     ``page``, ``row`` ``i32[T, C]``) and ``lens``: per row its meta (one DMA of ``2 C'`` words,
-    ``C'`` = ``C`` rounded up to ``CHUNK``), per candidate with a page its 512-byte block row
-    (one DMA), per scale row fetched (``_scale_rows``) 512 bytes (one DMA), q, the weights (a
-    lane-padded row) and the output block ``f32[8, C']`` (three block copies). Minimum: each
-    read candidate's visible entries at the format's 68 B and a score each, q and the weights
-    once."""
+    ``C'`` = ``C`` rounded up to ``v41_blocks.chunk_of(C)``), per candidate with a page its
+    512-byte block row (one DMA), per scale row fetched (``_scale_rows``) 512 bytes (one DMA),
+    q, the weights (a lane-padded row) and the output block ``f32[8, C']`` (lane-padded: a
+    short list's block moves 128 lanes) (three block copies). Minimum: each read candidate's
+    visible entries at the format's 68 B and a score each, q and the weights once."""
     ids, page, row = np.asarray(ids), np.asarray(page), np.asarray(row)
     lens = np.asarray(lens)
     t, c = page.shape
-    cp = tpu.round_up(max(c, 1), CHUNK)
+    cp = tpu.round_up(max(c, 1), chunk_of(c))
     blocks = int((page >= 0).sum())
     scales = _scale_rows(page, row)
-    per_row = 4 * 2 * cp + heads * ib.DIM * q_itemsize + tpu.LANES * 4 + 4 * ib.BLOCK * cp
+    per_row = (4 * 2 * cp + heads * ib.DIM * q_itemsize + tpu.LANES * 4
+               + 4 * ib.BLOCK * tpu.round_up(cp, tpu.LANES))
     moved = t * per_row + (blocks + scales) * ib.ROW_BYTES
     seen = np.clip(lens[:, None] - ids * ib.BLOCK, 0, ib.BLOCK)
     entries = int(np.where(page >= 0, seen, 0).sum())

@@ -148,3 +148,28 @@ def locate(ids: jax.Array, table: jax.Array, *, page_size: int) -> tuple[jax.Arr
                                        constant_values=-1),
                                jnp.minimum(local, table.shape[1]), axis=1)
     return page, jnp.where(ids >= 0, ids % per_page, 0)
+
+
+def write_entries(pages: jax.Array, layer, page_id, offset, rows: jax.Array, *,
+                  page_size: int) -> jax.Array:
+    """``pages u32[L, P * R, 128]`` with the official rows ``rows u8[..., 68]`` stored at ``(layer,
+    page_id, offset)`` (ints or arrays broadcasting against ``rows``' leading dims); ``page_id``
+    outside ``[0, P)`` drops the row.
+
+    A block row holds 8 entries' nibbles, so a write is a merge: the entry opening a block
+    (``offset % 8 == 0``) sets its block row to its own nibbles (whatever a reused page held
+    there is gone), every other entry adds its nibbles into slots its block's opener zeroed.
+    The rule this needs: **append-only** (a compressed cache): each entry written once, a
+    block's entry 0 in the same call or an earlier one (the V4.1 step's entries complete in
+    order from 0). The scale word is one per entry: set."""
+    r = page_rows(page_size)
+    n = pages.shape[-2]
+    page_id, offset = jnp.asarray(page_id, jnp.int32), jnp.asarray(offset, jnp.int32)
+    base = jnp.where((page_id >= 0) & (page_id < n // r), page_id * r, n)  # n: dropped
+    nib = _nibbles(rows) << (_NIBBLE * (offset % BLOCK)).astype(jnp.uint32)[..., None]
+    brow = base + offset // BLOCK
+    opens = offset % BLOCK == 0
+    out = pages.at[layer, jnp.where(opens, brow, n)].set(nib, mode="drop")
+    out = out.at[layer, jnp.where(opens, n, brow)].add(nib, mode="drop")
+    srow = base + block_rows(page_size) + offset // LANES
+    return out.at[layer, srow, offset % LANES].set(_scale_words(rows), mode="drop")
