@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from pallas_kernels.indexer.scoring import SCORE_CHUNK_BYTES, chunk_rows
 from reference.core import batch
 
-# A consumer's chunk of rows (``consume_rows``): its compact scores, entries, sort keys and page
-# tables at most this (the Pallas selection's bound).
+# A consumer's chunk of rows (``consume_rows``): its compact scores, entries and sort keys at
+# most this (the Pallas selection's bound).
 CONSUME_CHUNK_BYTES = SCORE_CHUNK_BYTES
 _PER_ENTRY = 4  # i32 / f32 words a compact entry holds at once: score, entry, key, index
 
@@ -37,31 +37,27 @@ def in_row_chunks(fn, t: int, n: int):
     return jax.lax.fori_loop(0, chunks, body, jnp.zeros((t, *part.shape[1:]), part.dtype))
 
 
-def consume_rows(num_rows: int, entries: int, pages_per_seq: int) -> int:
+def consume_rows(num_rows: int, entries: int) -> int:
     """Rows per chunk of ``pallas_consume``: the most whose ``entries`` compact candidate
-    entries (``_PER_ENTRY`` words each) and page tables fit ``CONSUME_CHUNK_BYTES``, at least
-    1, balanced over the chunks (``chunk_rows``)."""
-    return chunk_rows(max(num_rows, 1), max(_PER_ENTRY * entries + pages_per_seq, 1), 1,
-                      CONSUME_CHUNK_BYTES)
+    entries (``_PER_ENTRY`` words each: scores, entries, sort keys) fit
+    ``CONSUME_CHUNK_BYTES``, at least 1, balanced over the chunks (``chunk_rows``)."""
+    return chunk_rows(max(num_rows, 1), max(_PER_ENTRY * entries, 1), 1, CONSUME_CHUNK_BYTES)
 
 
 def pallas_consume(kernel, iq, w, cand, b, rows, precision, config, cands):
     """A candidate consumer's ``i32[T, index_topk]`` (``deepseek_v41_layer.select``'s top-k
     among each row's ``cands i32[T, C]``) from ``kernel`` (``candidate_topk_v41`` with the kernel
-    options) over ``cand`` (stack row 0, pages on ``b``'s table), a chunk of ``consume_rows``
-    rows at a time: each row's page table looked up here (``-1`` outside its sequence) and its
-    visible entries ``(p + 1) // r`` (0 outside every sequence)."""
-    per = b.pages_per_seq
-
+    options) over ``cand`` (stack row 0, pages on ``b``'s table, looked up in the kernel from
+    each row's first slot: ``-1`` outside every sequence), a chunk of ``consume_rows`` rows at a
+    time; each row's visible entries ``(p + 1) // r`` (0 outside every sequence)."""
     def chunk(row0, n):
         cut = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=row0, slice_size=n)
         mine = batch.RowFacts(*map(cut, rows))
-        j = jnp.arange(per, dtype=jnp.int32)[None, :]
-        pid, ok = b.page_ids(mine.seq[:, None], j, mine.in_seq[:, None])
+        first = jnp.where(mine.in_seq, b.first_slot(mine.seq), -1)
         lens = jnp.where(mine.in_seq, (mine.abs_pos + 1) // b.compression_ratio, 0)
-        return kernel(cut(iq), cut(w), cand, cut(cands), jnp.where(ok, pid, -1), lens,
-                      k=config.index_topk, page_size=b.page_size, layer=0, precision=precision)
+        return kernel(cut(iq), cut(w), cand, cut(cands), b.page_indices, first, lens,
+                      k=config.index_topk, pages_per_seq=b.pages_per_seq,
+                      page_size=b.page_size, layer=0, precision=precision)
 
     t = iq.shape[0]
-    return in_row_chunks(chunk, t, consume_rows(t, cands.shape[1] * config.candidate_block_size,
-                                                per))
+    return in_row_chunks(chunk, t, consume_rows(t, cands.shape[1] * config.candidate_block_size))

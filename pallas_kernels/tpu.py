@@ -13,8 +13,9 @@
   The CLI and scripts call this first: with no TPU on the PCI bus (Google's vendor id, as JAX's
   own ``hardware_utils`` checks) and no NVIDIA GPU, and no platform chosen by the user, JAX is
   told to use the CPU. AOT compiles for TPU topologies still work (they load libtpu directly).
-- ``dmas`` / ``align_slot``: the gathered-row idioms of the V4.1 kernels (row DMAs started in
-  one grid step and waited in the next; a row's slot moved to lane 0 by selects over rolls).
+- ``dmas`` / ``align_slot`` / ``sublanes_to_lanes``: the gathered-row idioms of the V4.1
+  kernels (row DMAs started in one grid step and waited in the next; a row's slot moved to lane
+  0 by selects over rolls; a per-row flag from sublanes onto lanes by a one-hot matmul).
 - ``smem_page_table``: the page table as the kernels scalar-prefetch it into SMEM, where they
   look pages up on the scalar core (as jax's ragged paged attention does) instead of XLA
   gathering one page id per entry (a per-element gather XLA's TPU cost model prices at
@@ -222,3 +223,13 @@ def align_slot(rows: jax.Array, slot: jax.Array, words: int) -> jax.Array:
     for s in range(1, width // words):
         out = jnp.where(slot == s, pltpu.roll(rows, width - s * words, 1), out)
     return out
+
+
+def sublanes_to_lanes(ok: jax.Array) -> jax.Array:
+    """Inside a kernel: ``i32[N, 128]`` 0 / 1 (each row equal along lanes) -> ``bool[1, N]``: a
+    one-hot matmul on the MXU (0 / 1 values: exact), a sublane vector onto lanes."""
+    lane = jax.lax.broadcasted_iota(jnp.int32, (SUBLANES, LANES), 1)
+    e0 = jnp.where(lane == 0, 1.0, 0.0)
+    got = jax.lax.dot_general(e0, ok.astype(jnp.float32), (((1,), (1,)), ((), ())),
+                              preferred_element_type=jnp.float32)
+    return got[0:1] > 0.5

@@ -229,3 +229,23 @@ def test_restricted_topk_takes_candidates_in_any_order(n, block, c):
                                          jnp.asarray(cands), k=9, block=block))
         sv = np.asarray(jnp.asarray(s, dtype).astype(jnp.float32))
         assert (top == oracle_topk(sv, lens, cands, 9, block)).all()
+
+
+def test_ranked_entries_is_the_declared_order_whatever_the_positions():
+    """``ranked_entries`` over each row's (score, entry) pairs shuffled (a kernel's lane-dense
+    compact order is not entry order), coarse values (ties), NaN, ``-inf`` and masked pairs, ``k``
+    past the pairs: the oracle's top-``k`` of the row in entry order."""
+    from reference.v41.candidates import ranked_entries
+
+    rng = np.random.default_rng()
+    s, lens = _random_rows(rng, 10, 40)
+    s = np.round(s * 2) / 2
+    s[rng.random(s.shape) < 0.05] = -INF
+    ok = np.arange(40)[None] < np.asarray(lens)[:, None]
+    want = oracle_topk(s, lens, None, 45, 1)
+    perm = np.stack([rng.permutation(40) for _ in range(10)])
+    ent = np.broadcast_to(np.arange(40), (10, 40))
+    got = ranked_entries(jnp.asarray(np.take_along_axis(s, perm, 1), jnp.float32),
+                         jnp.asarray(np.take_along_axis(ent, perm, 1), jnp.int32),
+                         jnp.asarray(np.take_along_axis(ok, perm, 1)), 45)
+    np.testing.assert_array_equal(np.asarray(got), want)

@@ -160,16 +160,7 @@ def _pool_keys(cfg: AttnConfig, pinfo, pbuf, psbuf):
     return jnp.where(ok[:, :1] > 0, vals, 0.0), ok
 
 
-def _to_lanes(ok):
-    """``i32[N, 128]`` 0 / 1 (rows all equal along lanes) -> ``bool[1, N]``: a one-hot matmul on
-    the MXU (0 / 1 values: exact), the sublane vector onto lanes."""
-    lane = jax.lax.broadcasted_iota(jnp.int32, (tpu.SUBLANES, INFO_LANES), 1)
-    e0 = jnp.where(lane == 0, 1.0, 0.0)
-    got = jax.lax.dot_general(e0, ok.astype(jnp.float32),
-                              (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return got[0:1] > 0.5
-
-
+_to_lanes = tpu.sublanes_to_lanes  # the key mask from sublanes onto lanes
 _dmas = tpu.dmas  # start or wait a row's copies where a condition holds
 
 

@@ -268,3 +268,18 @@ def compact_topk(scores: jax.Array, entries: jax.Array, ok: jax.Array, k: int) -
     top, pos = _top_keys(key, k)
     idx = jnp.take_along_axis(entries, jnp.maximum(pos, 0), axis=1)
     return jnp.where(top > KEY_NEG_INF, idx, -1).astype(jnp.int32)
+
+
+def ranked_entries(scores: jax.Array, entries: jax.Array, ok: jax.Array, k: int) -> jax.Array:
+    """The top-``k`` of ``(score, entry)`` pairs in the declared order whatever their positions:
+    ``scores f32[T, M]``, ``entries i32[T, M]``, ``ok bool[T, M]`` the pairs that count. One
+    sort per row by (key descending, entry ascending), the first ``k``: the tie rule needs no
+    position order (a kernel's lane-dense compact scores are not in entry order), and no gather
+    maps positions back to entries. Returns ``i32[T, k]`` entries, ``-1`` tail (``-inf`` and
+    masked pairs never selected: ``restricted_topk``'s)."""
+    key = jnp.where(ok, sort_key(scores), jnp.int32(KEY_NEG_INF))
+    ent = jnp.where(ok, entries.astype(jnp.int32), jnp.iinfo(jnp.int32).max)
+    inv, ent = jax.lax.sort((~key, ent), dimension=1, num_keys=2)  # ~key: descending, no overflow
+    kk = min(k, key.shape[-1])
+    top = jnp.where(~inv[:, :kk] > KEY_NEG_INF, ent[:, :kk], -1)
+    return jnp.pad(top, ((0, 0), (0, k - kk)), constant_values=-1).astype(jnp.int32)

@@ -136,40 +136,38 @@ def from_blocks(pages: jax.Array, page_size: int) -> jax.Array:
     return jnp.concatenate([packed, scales], axis=-1).astype(jnp.uint8)
 
 
-def locate(ids: jax.Array, table: jax.Array, *, page_size: int) -> tuple[jax.Array, jax.Array]:
-    """Candidate blocks ``ids i32[T, C]`` (row-local block ids, ``-1`` none) of rows whose
-    pages are ``table i32[T, pages]`` (row-local page -> page id, ``-1`` none) -> ``(page id,
-    block row in the page)`` each ``i32[T, C]``; page ``-1`` where the id is negative or past
-    the table (never read)."""
-    ids = ids.astype(jnp.int32)
-    per_page = block_rows(page_size)
-    local = jnp.where(ids >= 0, ids // per_page, table.shape[1])
-    page = jnp.take_along_axis(jnp.pad(table.astype(jnp.int32), ((0, 0), (0, 1)),
-                                       constant_values=-1),
-                               jnp.minimum(local, table.shape[1]), axis=1)
-    return page, jnp.where(ids >= 0, ids % per_page, 0)
-
-
 def write_entries(pages: jax.Array, layer, page_id, offset, rows: jax.Array, *,
                   page_size: int) -> jax.Array:
     """``pages u32[L, P * R, 128]`` with the official rows ``rows u8[..., 68]`` stored at ``(layer,
-    page_id, offset)`` (ints or arrays broadcasting against ``rows``' leading dims); ``page_id``
-    outside ``[0, P)`` drops the row.
+    page_id, offset)`` (``layer`` an int or a scalar; ``page_id`` / ``offset`` ints or arrays
+    broadcasting against ``rows``' leading dims); ``page_id`` outside ``[0, P)`` drops the row.
 
     A block row holds 8 entries' nibbles, so a write is a merge: the entry opening a block
     (``offset % 8 == 0``) sets its block row to its own nibbles (whatever a reused page held
     there is gone), every other entry adds its nibbles into slots its block's opener zeroed.
     The rule this needs: **append-only** (a compressed cache): each entry written once, a
     block's entry 0 in the same call or an earlier one (the V4.1 step's entries complete in
-    order from 0). The scale word is one per entry: set."""
+    order from 0). Each scale word is set. All of it is ONE scatter-add of whole rows (u32
+    arithmetic wraps): an opener adds ``new - old`` (its old row gathered), a scale word
+    ``new - old`` in its lane; XLA's TPU model prices every scatter at its whole operand, so one
+    scatter, not three."""
     r = page_rows(page_size)
     n = pages.shape[-2]
     page_id, offset = jnp.asarray(page_id, jnp.int32), jnp.asarray(offset, jnp.int32)
-    base = jnp.where((page_id >= 0) & (page_id < n // r), page_id * r, n)  # n: dropped
-    nib = _nibbles(rows) << (_NIBBLE * (offset % BLOCK)).astype(jnp.uint32)[..., None]
-    brow = base + offset // BLOCK
-    opens = offset % BLOCK == 0
-    out = pages.at[layer, jnp.where(opens, brow, n)].set(nib, mode="drop")
-    out = out.at[layer, jnp.where(opens, n, brow)].add(nib, mode="drop")
-    srow = base + block_rows(page_size) + offset // LANES
-    return out.at[layer, srow, offset % LANES].set(_scale_words(rows), mode="drop")
+    lead = jnp.broadcast_shapes(page_id.shape, offset.shape, rows.shape[:-1])
+    page_id, offset = jnp.broadcast_to(page_id, lead), jnp.broadcast_to(offset, lead)
+    ok = (page_id >= 0) & (page_id < n // r)
+    base = jnp.where(ok, page_id * r, n)  # n: past the stack, dropped
+    nib = _nibbles(jnp.broadcast_to(rows, (*lead, rows.shape[-1])))
+    nib = nib << (_NIBBLE * (offset % BLOCK)).astype(jnp.uint32)[..., None]
+    brow, srow = base + offset // BLOCK, base + block_rows(page_size) + offset // LANES
+    opens = (offset % BLOCK == 0) & ok
+    old = pages[layer][jnp.where(opens, brow, 0)]  # [..., 128]: the opener's old row
+    bdelta = jnp.where(opens[..., None], nib - old, nib)
+    lane = jax.lax.broadcasted_iota(jnp.int32, (*lead, LANES), len(lead))
+    sold = pages[layer][jnp.where(ok, srow, 0)]
+    word = _scale_words(jnp.broadcast_to(rows, (*lead, rows.shape[-1])))[..., None]
+    sdelta = jnp.where(lane == (offset % LANES)[..., None], word - sold, jnp.uint32(0))
+    idx = jnp.concatenate([brow.reshape(-1), srow.reshape(-1)])
+    delta = jnp.concatenate([bdelta.reshape(-1, LANES), sdelta.reshape(-1, LANES)])
+    return pages.at[layer, idx].add(delta, mode="drop")

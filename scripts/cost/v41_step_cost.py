@@ -17,7 +17,7 @@ x 68 B per index layer), ``temp`` (XLA's temporary buffers), per-element gathers
 (under 128 elements per index over more than 1024 indices) and the large XLA results (> 1 MiB).
 
 Usage: ``python -m scripts.cost.v41_step_cost [--quick] [--chips v6e] [--rows 16] [--context
-8192] [--q-len 1] [--implementation xla]``."""
+8192] [--q-len 1] [--implementation xla] [--page-reader]``."""
 
 from __future__ import annotations
 
@@ -109,7 +109,13 @@ def main(argv=None) -> None:
                         "chunk ending at --context)")
     p.add_argument("--implementation", default="xla,pallas",
                    help="comma-separated: xla, pallas (default both)")
+    p.add_argument("--page-reader", action="store_true",
+                   help="for comparison: the layout without the block keys (V41StepLayout."
+                        "block_keys off), so the Pallas consumer reads whole pages holding "
+                        "candidates, as before session 28")
     a = p.parse_args(argv)
+    if a.page_reader:  # this process only: the comparison's program
+        V41StepLayout.block_keys = property(lambda self: False)
     rows, context = (8, 256) if a.quick else (a.rows, a.context)
     for chip in a.chips.split(","):
         for impl in a.implementation.split(","):
