@@ -13,9 +13,10 @@
   The CLI and scripts call this first: with no TPU on the PCI bus (Google's vendor id, as JAX's
   own ``hardware_utils`` checks) and no NVIDIA GPU, and no platform chosen by the user, JAX is
   told to use the CPU. AOT compiles for TPU topologies still work (they load libtpu directly).
-- ``dmas`` / ``align_slot`` / ``sublanes_to_lanes``: the gathered-row idioms of the V4.1
-  kernels (row DMAs started in one grid step and waited in the next; a row's slot moved to lane
-  0 by selects over rolls; a per-row flag from sublanes onto lanes by a one-hot matmul).
+- ``dmas`` / ``overlap_rows`` / ``align_slot`` / ``sublanes_to_lanes``: the gathered-row
+  idioms of the V4.1 kernels (row DMAs started in one grid step and waited in the next, one row
+  ahead; a row's slot moved to lane 0 by selects over rolls; a per-row flag from sublanes onto
+  lanes by a one-hot matmul).
 - ``smem_page_table``: the page table as the kernels scalar-prefetch it into SMEM, where they
   look pages up on the scalar core (as jax's ragged paged attention does) instead of XLA
   gathering one page id per entry (a per-element gather XLA's TPU cost model prices at
@@ -212,6 +213,28 @@ def dmas(cond, pairs, sem, wait: bool) -> None:
         for src, dst in pairs:
             copy = pltpu.make_async_copy(src, dst, sem)
             copy.wait() if wait else copy.start()
+
+
+def overlap_rows(meta_hbm, meta, sem, issue, slots: int = 2):
+    """Inside a kernel whose sequential grid walks query rows: each row's meta (``meta_hbm[t]``,
+    HBM) loaded into ``meta.at[slot]`` (SMEM, one DMA on ``sem``, waited) and its DMAs started by
+    ``issue(slot, wait=False)``, one row ahead: step 0 fetches row 0 into slot 0, step ``t``
+    fetches row ``t + 1`` into slot ``(t + 1) % slots`` before it waits for its own
+    (``issue(slot, wait=True)``), so the next row's reads fly while this one computes. Returns
+    this row's slot."""
+    t, n = pl.program_id(0), pl.num_programs(0)
+
+    def fetch(row, slot):
+        load = pltpu.make_async_copy(meta_hbm.at[row], meta.at[slot], sem)
+        load.start()
+        load.wait()
+        issue(slot, wait=False)
+
+    slot = t % slots
+    pl.when(t == 0)(lambda: fetch(0, 0))
+    pl.when(t + 1 < n)(lambda: fetch(t + 1, (t + 1) % slots))
+    issue(slot, wait=True)
+    return slot
 
 
 def align_slot(rows: jax.Array, slot: jax.Array, words: int) -> jax.Array:

@@ -205,6 +205,14 @@ def _reference_rows(args, kw, keys, precision):
     return out
 
 
+def _poisoned_case(ps: int, c: int, lens_of):
+    """``make_case`` with ``c`` candidates a row, 8 pages a row of 16 entries (2 of 256),
+    ``lens_of(entries a row)`` its lengths, the rows no live candidate reads poisoned."""
+    per = 8 if ps == 16 else 2
+    args, kw, keys = make_case(np.random.default_rng(), ps, per, c, lens_of(per * ps))
+    return _poison_unread(args, kw, ps), kw, keys
+
+
 @pytest.mark.parametrize("ps,precision", [(16, "bf16"), (256, "bf16"), (16, "f32")])
 def test_scores_equal_the_reference(ps, precision):
     """Five rows with their own pages and candidates (a run sharing scale rows, repeats, ``-1``,
@@ -212,12 +220,9 @@ def test_scores_equal_the_reference(ps, precision):
     without a first slot), the rows no live candidate reads poisoned: each row's compact
     scores equal the reference's bit for bit at exactly its visible candidate entries (each
     once, at position ``j C + c``); ``-inf`` / ``-1`` elsewhere, no NaN."""
-    rng = np.random.default_rng()
-    per = 8 if ps == 16 else 2
+    args, kw, keys = _poisoned_case(ps, 12, lambda n: [n, n - 5, 37, 0, 90])
+    per, lens = kw["pages_per_seq"], np.asarray(args[6])
     n = per * ps
-    lens = [n, n - 5, 37, 0, 90]
-    args, kw, keys = make_case(rng, ps, per, 12, lens)
-    args = _poison_unread(args, kw, ps)
     scores, ents = candidate_scores_v41(*args, **kw, page_size=ps, layer=1,
                                         precision=precision, interpret=True)
     scores, ents = np.asarray(scores), np.asarray(ents)
@@ -242,12 +247,8 @@ def test_topk_equals_the_oracle(ps=16):
     """``candidate_topk_v41`` against the definition's float64 oracle over the reference's
     scores (NaN first, value descending, lower index; bf16 scores tie often), ``k`` above some
     rows' candidate entries: ``-1`` tails; two chunks of candidates (``C = 130``)."""
-    rng = np.random.default_rng()
-    per = 8 if ps == 16 else 2
-    n = per * ps
-    lens = [n, n - 3, 21, 0, 50]
-    args, kw, keys = make_case(rng, ps, per, 130, lens)
-    args = _poison_unread(args, kw, ps)
+    args, kw, keys = _poisoned_case(ps, 130, lambda n: [n, n - 3, 21, 0, 50])
+    lens = np.asarray(args[6])
     got = np.asarray(candidate_topk_v41(*args, **kw, k=40, page_size=ps, layer=1,
                                         interpret=True))
     scores = _reference_rows(args, kw, keys, "bf16")

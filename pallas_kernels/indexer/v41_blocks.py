@@ -207,22 +207,11 @@ def _kernel(cfg: BlocksConfig, layer, table, q_ref, w_ref, meta_hbm, cache_hbm, 
             kbuf, sbuf, info, sems):
     """One query row (module docstring): fetch the next row into the other slot, wait for this
     row's reads, score its candidates a chunk at a time."""
-    t, n = pl.program_id(0), pl.num_programs(0)
-
     def issue(slot, wait: bool):
         _issue(cfg, layer[0], table, meta.at[slot], cache_hbm, kbuf.at[slot], sbuf.at[slot],
                info.at[slot], sems.at[1 + slot], wait)
 
-    def fetch(row, slot):
-        load = pltpu.make_async_copy(meta_hbm.at[row], meta.at[slot], sems.at[0])
-        load.start()
-        load.wait()
-        issue(slot, wait=False)
-
-    slot = t % SLOTS
-    pl.when(t == 0)(lambda: fetch(0, 0))
-    pl.when(t + 1 < n)(lambda: fetch(t + 1, (t + 1) % SLOTS))
-    issue(slot, wait=True)
+    slot = tpu.overlap_rows(meta_hbm, meta, sems.at[0], issue, SLOTS)
     _share(cfg, layer[0], table, meta.at[slot], sbuf.at[slot])
     cdt = jnp.bfloat16 if cfg.precision == "bf16" else jnp.float32
     q = q_ref[0].astype(cdt)

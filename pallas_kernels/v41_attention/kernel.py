@@ -236,22 +236,11 @@ def _kernel(cfg: AttnConfig, layers, q_ref, sink_ref, meta_hbm, win_hbm, *rest):
     else:
         (o_ref, meta, wbuf, wsbuf, sems), pool_hbm = rest, None
         pbuf = psbuf = pinfo = None
-    t, n = pl.program_id(0), pl.num_programs(0)
-
     def issue(slot, wait: bool):
         at = [None if b is None else b.at[slot] for b in (wbuf, wsbuf, pbuf, psbuf, pinfo)]
         _issue(cfg, layers, meta.at[slot], win_hbm, pool_hbm, *at, sems.at[1 + slot], wait)
 
-    def fetch(row, slot):
-        load = pltpu.make_async_copy(meta_hbm.at[row], meta.at[slot], sems.at[0])
-        load.start()
-        load.wait()
-        issue(slot, wait=False)
-
-    slot = t % SLOTS
-    pl.when(t == 0)(lambda: fetch(0, 0))
-    pl.when(t + 1 < n)(lambda: fetch(t + 1, (t + 1) % SLOTS))
-    issue(slot, wait=True)
+    slot = tpu.overlap_rows(meta_hbm, meta, sems.at[0], issue, SLOTS)
     if cfg.topk:
         _share(cfg, meta.at[slot], pbuf.at[slot], psbuf.at[slot])
     _attend(cfg, meta.at[slot], q_ref, sink_ref, o_ref, wbuf.at[slot], wsbuf.at[slot],
