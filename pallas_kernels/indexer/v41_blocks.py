@@ -50,12 +50,11 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import tpu
 from reference.v41 import index_blocks as ib
-from reference.v41.formats import INDEX_BLOCK, e2m1_values, ue8m0_values
+from reference.v41.formats import BYTE_BITS, INDEX_BLOCK, NIBBLE_BITS, e2m1_values, ue8m0_values
 
 CHUNK = tpu.LANES  # candidate blocks decoded and scored at once
 SLOTS = 2  # rows in flight: this row's reads and the next row's
 META_HEAD = 2  # a row's meta: its first page-table slot and visible entries, then its ids
-_NIBBLE, _BYTE = 4, 8
 
 
 @dataclass(frozen=True)
@@ -102,10 +101,14 @@ def vmem_estimate(cfg: BlocksConfig) -> int:
 
 
 def cost_estimate(cfg: BlocksConfig, rows: int, q_itemsize: int) -> pl.CostEstimate:
-    """Upper bound for ``rows`` rows (XLA's view of the call): every candidate's block row and a
-    scale row each (``entry.traffic`` counts the ones with a page, shared scale rows once), the
-    meta, q, the weights and the output once."""
-    per_row = (4 * cfg.meta_words + 2 * cfg.blocks * ib.ROW_BYTES
+    """Upper bound for ``rows`` rows (XLA's view of the call; ``entry.traffic`` is the exact
+    count): a row's ids are distinct and ascending (the entry's), so it reads at most one block
+    row a candidate and one scale row each, neither more than its pages hold
+    (``pages_per_seq`` pages of ``ib.block_rows`` and ``ib.scale_rows``); the meta, q, the
+    weights and the output once."""
+    block_rows = min(cfg.blocks, cfg.pages_per_seq * ib.block_rows(cfg.page_size))
+    scale_rows = min(cfg.blocks, cfg.pages_per_seq * ib.scale_rows(cfg.page_size))
+    per_row = (4 * cfg.meta_words + (block_rows + scale_rows) * ib.ROW_BYTES
                + cfg.heads * ib.DIM * q_itemsize + 4 * cfg.heads + 4 * ib.BLOCK * cfg.blocks)
     entries = rows * cfg.blocks * ib.BLOCK
     return pl.CostEstimate(flops=2 * entries * cfg.heads * ib.DIM, transcendentals=0,
@@ -189,10 +192,10 @@ def _chunk_scores(cfg: BlocksConfig, q, wcol, codes, scale_rows, slot):
                                                    codes.shape))  # bool[1, n]
     words = tpu.align_slot(scale_rows, slot, ib.BLOCK)
     lane = jax.lax.broadcasted_iota(jnp.int32, codes.shape, 1)
-    shift = (lane // INDEX_BLOCK * _BYTE).astype(jnp.uint32)
+    shift = (lane // INDEX_BLOCK * BYTE_BITS).astype(jnp.uint32)
     out = []
     for j in range(ib.BLOCK):
-        nib = ((codes >> (_NIBBLE * j)) & jnp.uint32(0xF)).astype(jnp.int32)
+        nib = ((codes >> (NIBBLE_BITS * j)) & jnp.uint32(0xF)).astype(jnp.int32)
         word = jnp.broadcast_to(words[:, j:j + 1], codes.shape)
         scale = ue8m0_values(((word >> shift) & jnp.uint32(0xFF)).astype(jnp.int32))
         keys = (e2m1_values(nib) * scale).astype(cdt)

@@ -25,11 +25,10 @@ import jax
 import jax.numpy as jnp
 
 from reference.v41 import index_pages as ip
-from reference.v41.formats import INDEX_BLOCK, e2m1_values, ue8m0_values
+from reference.v41.formats import INDEX_BLOCK, NIBBLE_BITS, e2m1_values, ue8m0_values
 
 V41_FORMAT = "v41_fp4_index_pages"
 PagesCache = ip.IndexFp4Pages  # declared in reference
-_NIBBLE = 4
 
 
 def page_shape(page_size: int, dim: int) -> tuple[int, int, int]:
@@ -66,7 +65,7 @@ def decode_stage(keys: jax.Array, page_size: int, dim: int, compute_dtype) -> ja
             sb = keys[p, g0 + ng:g0 + per].reshape(-1, ip.LANES).astype(jnp.int32)
             scales = [ue8m0_values(sb[i:i + 1]) for i in range(dim // INDEX_BLOCK)]
             lo = e2m1_values(nib & 0xF) * _block_scale(scales, 0, half)
-            hi = e2m1_values(nib >> _NIBBLE) * _block_scale(scales, half, half)
+            hi = e2m1_values(nib >> NIBBLE_BITS) * _block_scale(scales, half, half)
             k = jnp.concatenate([lo, hi], axis=0)  # [D, 128]
             parts.append(k[:, :page_size] if page_size < ip.LANES else k)
     return jnp.concatenate(parts, axis=1).astype(compute_dtype)

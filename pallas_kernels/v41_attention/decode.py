@@ -30,10 +30,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import tpu
 from reference.quant import fp8
-from reference.v41 import paged, pool_pages, window_pages
+from reference.v41 import formats, paged, pool_pages, window_pages
 from reference.v41.formats import COMPRESSED_BLOCK, WINDOW_BLOCK, e2m1_values, ue8m0_values
 
-BYTE_BITS = 8
+BYTE_BITS = formats.BYTE_BITS
 WORD_BYTES = paged.WORD
 NIBBLES = 2 * WORD_BYTES  # nibbles a word
 

@@ -59,7 +59,8 @@ from reference.quant import fp8, qat
 from reference.v41.config import HEAD_DIM, INDEX_HEAD_DIM
 
 __all__ = [
-    "COMPRESSED_BLOCK", "E2M1_GRID", "INDEX_BLOCK", "WINDOW_BLOCK", "compressed_kv_bytes",
+    "BYTE_BITS", "COMPRESSED_BLOCK", "E2M1_GRID", "INDEX_BLOCK", "NIBBLE_BITS", "WINDOW_BLOCK",
+    "compressed_kv_bytes",
     "decode_compressed_kv", "decode_index_fp4", "decode_window_kv", "e2m1_values",
     "encode_compressed_kv", "encode_index_fp4", "encode_window_kv", "index_fp4_bytes",
     "ue8m0_values", "window_kv_bytes",
@@ -69,6 +70,8 @@ WINDOW_BLOCK = 32  # features per ue8m0 scale of the window kv (fp8)
 COMPRESSED_BLOCK = 16  # features per e4m3 scale of the compressed kv (fp4)
 INDEX_BLOCK = 32  # features per ue8m0 scale of index q and k (fp4)
 COMPRESSED_AMAX_FLOOR = 6.0 * 2.0 ** -9  # keeps an all-zero block's e4m3 scale nonzero
+NIBBLE_BITS = 4  # bits of an e2m1 code: two a byte, eight a 32-bit word
+BYTE_BITS = 8  # bits of an e4m3 / ue8m0 byte: four a 32-bit word
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code 0..7; bit 3 is the sign
 
 _U8 = jnp.dtype(jnp.uint8)
@@ -143,12 +146,12 @@ def _e2m1_nibbles(y: jax.Array) -> jax.Array:
 def _pack(nibbles: jax.Array) -> jax.Array:
     """``u8[..., D]`` nibbles -> ``u8[..., D / 2]``: feature ``2i`` low, ``2i + 1`` high."""
     pairs = nibbles.reshape(*nibbles.shape[:-1], nibbles.shape[-1] // 2, 2)
-    return pairs[..., 0] | (pairs[..., 1] << 4)
+    return pairs[..., 0] | (pairs[..., 1] << NIBBLE_BITS)
 
 
 def _unpack_values(packed: jax.Array) -> jax.Array:
     """``u8[..., D / 2]`` -> f32 e2m1 values ``[..., D]`` (signed; 0x8 is -0.0)."""
-    nib = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+    nib = jnp.stack([packed & 0xF, packed >> NIBBLE_BITS], axis=-1).reshape(*packed.shape[:-1], -1)
     return e2m1_values(nib)
 
 

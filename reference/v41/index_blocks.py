@@ -32,14 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from reference.core import checks as _checks
-from reference.v41.formats import INDEX_BLOCK, index_fp4_bytes
+from reference.v41.formats import BYTE_BITS, INDEX_BLOCK, NIBBLE_BITS, index_fp4_bytes
 
 LANES = 128  # features a row (the index head dim) and entries a scale row
 BLOCK = 8  # entries a block row: the nibbles of a 32-bit word
 DIM = LANES
 ROW_BYTES = 4 * LANES
 BLOCKS_PER_SCALE_ROW = LANES // BLOCK  # 16
-_NIBBLE, _BYTE = 4, 8
 _SCALES = DIM // INDEX_BLOCK  # 4 scale bytes an entry: one word
 
 
@@ -97,13 +96,13 @@ def check_pages(pages, page_size: int, name: str = "cache_kv",
 def _nibbles(rows: jax.Array) -> jax.Array:
     """Official rows ``u8[..., 68]`` -> ``u32[..., 128]`` e2m1 codes in feature order."""
     half = rows[..., :DIM // 2].astype(jnp.uint32)
-    return jnp.stack([half & 0xF, half >> _NIBBLE], axis=-1).reshape(*rows.shape[:-1], DIM)
+    return jnp.stack([half & 0xF, half >> NIBBLE_BITS], axis=-1).reshape(*rows.shape[:-1], DIM)
 
 
 def _scale_words(rows: jax.Array) -> jax.Array:
     """Official rows ``u8[..., 68]`` -> ``u32[...]``: scale byte ``g`` at bits ``8 g``."""
     b = rows[..., DIM // 2:].astype(jnp.uint32)
-    return sum(b[..., g] << (_BYTE * g) for g in range(_SCALES))
+    return sum(b[..., g] << (BYTE_BITS * g) for g in range(_SCALES))
 
 
 def to_blocks(rows: jax.Array) -> jax.Array:
@@ -114,7 +113,7 @@ def to_blocks(rows: jax.Array) -> jax.Array:
                          f"row of dim {DIM}), got {width}")
     check_geometry(ps, DIM, BLOCK, "to_blocks")
     nib = _nibbles(rows).reshape(*lead, block_rows(ps), BLOCK, DIM)
-    codes = sum(nib[..., j, :] << (_NIBBLE * j) for j in range(BLOCK))
+    codes = sum(nib[..., j, :] << (NIBBLE_BITS * j) for j in range(BLOCK))
     words = _scale_words(rows)
     pad = scale_rows(ps) * LANES - ps
     words = jnp.pad(words, [(0, 0)] * len(lead) + [(0, pad)]).reshape(*lead, scale_rows(ps),
@@ -128,11 +127,11 @@ def from_blocks(pages: jax.Array, page_size: int) -> jax.Array:
     nb, r = block_rows(page_size), page_rows(page_size)
     pages = pages.reshape(*pages.shape[:-2], pages.shape[-2] // r, r, LANES)
     codes, words = pages[..., :nb, :], pages[..., nb:, :]
-    nib = jnp.stack([(codes >> (_NIBBLE * j)) & 0xF for j in range(BLOCK)], axis=-2)
+    nib = jnp.stack([(codes >> (NIBBLE_BITS * j)) & 0xF for j in range(BLOCK)], axis=-2)
     nib = nib.reshape(*pages.shape[:-2], page_size, DIM // 2, 2)  # [.., ps, byte, lo/hi]
-    packed = nib[..., 0] | (nib[..., 1] << _NIBBLE)
+    packed = nib[..., 0] | (nib[..., 1] << NIBBLE_BITS)
     words = words.reshape(*pages.shape[:-2], -1)[..., :page_size]
-    scales = jnp.stack([(words >> (_BYTE * g)) & 0xFF for g in range(_SCALES)], axis=-1)
+    scales = jnp.stack([(words >> (BYTE_BITS * g)) & 0xFF for g in range(_SCALES)], axis=-1)
     return jnp.concatenate([packed, scales], axis=-1).astype(jnp.uint8)
 
 
@@ -159,7 +158,7 @@ def write_entries(pages: jax.Array, layer, page_id, offset, rows: jax.Array, *,
     ok = (page_id >= 0) & (page_id < n // r)
     base = jnp.where(ok, page_id * r, n)  # n: past the stack, dropped
     nib = _nibbles(jnp.broadcast_to(rows, (*lead, rows.shape[-1])))
-    nib = nib << (_NIBBLE * (offset % BLOCK)).astype(jnp.uint32)[..., None]
+    nib = nib << (NIBBLE_BITS * (offset % BLOCK)).astype(jnp.uint32)[..., None]
     brow, srow = base + offset // BLOCK, base + block_rows(page_size) + offset // LANES
     opens = (offset % BLOCK == 0) & ok
     old = pages[layer][jnp.where(opens, brow, 0)]  # [..., 128]: the opener's old row

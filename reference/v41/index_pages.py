@@ -33,7 +33,7 @@ import numpy as np
 
 from reference.core import checks as _checks
 from reference.formats import fp8_index_pages as fip
-from reference.v41.formats import INDEX_BLOCK, index_fp4_bytes
+from reference.v41.formats import INDEX_BLOCK, NIBBLE_BITS, index_fp4_bytes
 
 # the group geometry of the fp8 index pages (one 32-bit row of 128 lanes), declared there
 LANES = fip.LANES  # entries per block (one lane each)
@@ -95,17 +95,19 @@ def pair_halves(rows: jax.Array) -> jax.Array:
     nibbles paired across halves (byte ``rho``: feature ``rho`` low, ``D / 2 + rho`` high); the
     scale bytes unchanged."""
     half = dim_of(rows.shape[-1]) // 2  # D / 2 nibble bytes
-    nib = jnp.stack([rows[..., :half] & 0xF, rows[..., :half] >> 4], axis=-1)
+    nib = jnp.stack([rows[..., :half] & 0xF, rows[..., :half] >> NIBBLE_BITS], axis=-1)
     nib = nib.reshape(*rows.shape[:-1], 2 * half)  # feature order
-    return jnp.concatenate([nib[..., :half] | (nib[..., half:] << 4), rows[..., half:]], axis=-1)
+    codes = nib[..., :half] | (nib[..., half:] << NIBBLE_BITS)
+    return jnp.concatenate([codes, rows[..., half:]], axis=-1)
 
 
 def pair_neighbours(rows: jax.Array) -> jax.Array:
     """``pair_halves``' inverse: back to the official row."""
     half = dim_of(rows.shape[-1]) // 2
-    nib = jnp.concatenate([rows[..., :half] & 0xF, rows[..., :half] >> 4], axis=-1)
+    nib = jnp.concatenate([rows[..., :half] & 0xF, rows[..., :half] >> NIBBLE_BITS], axis=-1)
     pairs = nib.reshape(*rows.shape[:-1], half, 2)
-    return jnp.concatenate([pairs[..., 0] | (pairs[..., 1] << 4), rows[..., half:]], axis=-1)
+    codes = pairs[..., 0] | (pairs[..., 1] << NIBBLE_BITS)
+    return jnp.concatenate([codes, rows[..., half:]], axis=-1)
 
 
 def _entry_bytes(dim: int) -> int:
