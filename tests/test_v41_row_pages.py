@@ -34,8 +34,9 @@ def test_pages_hold_the_format_bit_for_bit(ps, dim):
     np.testing.assert_array_equal(
         wp.read_tokens(written, lay, pid, off, page_size=ps, dim=dim), rows)
     assert not np.asarray(wp.read_tokens(written, 0, 3, 0, page_size=ps, dim=dim)).any()
-    dropped = wp.write_tokens(written, 0, 3, 0, rows[0, 0, 0], page_size=ps, dim=dim)
-    np.testing.assert_array_equal(dropped, written)  # page 3 of 3: dropped
+    for page in (3, -1):  # page 3 of 3 and page -1: dropped (never wrapped to the last page)
+        dropped = wp.write_tokens(written, 0, page, 0, rows[0, 0, 1], page_size=ps, dim=dim)
+        np.testing.assert_array_equal(dropped, written)
     if dim == 512 and ps % 256 == 0:  # 256 records + 8 scale rows: a multiple of 8 (TILE_ROWS)
         assert wp.bytes_per_token(ps, dim) == 528
     if dim == 512 and ps == 128:  # 132 rows padded to 136
@@ -77,6 +78,9 @@ def test_pool_pages_hold_the_format_bit_for_bit(ps, dim):
     np.testing.assert_array_equal(
         pp.read_entries(written, lay, pid, off, page_size=ps, dim=dim), rows)
     assert not np.asarray(pp.read_entries(written, 1, 3, 0, page_size=ps, dim=dim)).any()
+    for page in (3, -1):  # dropped, never wrapped to the last page
+        dropped = pp.write_entries(written, 1, page, 0, rows[0, 0, 1], page_size=ps, dim=dim)
+        np.testing.assert_array_equal(dropped, written)
     if dim == 512 and ps % 16 == 0:
         assert pp.bytes_per_entry(ps, dim) == 288
 

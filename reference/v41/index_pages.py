@@ -132,13 +132,49 @@ def write_entries(pages: jax.Array, layer, page_id, offset, rows: jax.Array, *, 
                   dim: int) -> jax.Array:
     """``pages u8[L, P, G, 4, 128]`` with the official rows ``rows u8[..., 17 D / 32]`` stored
     at ``(layer, page_id, offset)`` (ints or arrays broadcasting against ``rows``' leading
-    dims); ``page_id`` outside ``[0, P)`` drops the row (the slot rules' ``num_pages``). One
-    window of ``groups(D) * 4`` bytes per entry, its lane."""
+    dims); ``page_id`` outside ``[0, P)`` (or ``layer`` outside ``[0, L)``) drops the row. Each
+    slot at most once a call (the step's writes: an entry's slot is its own).
+
+    Two forms, the same bytes (tests), picked by the call's static shapes: an entry's bytes are
+    one lane of its block (``groups(D) * 4`` bytes down a column), and a scatter of lane
+    columns makes XLA's TPU layout put that column minor, i.e. copy the whole stack out of
+    and back into its tiling around the scatter (4 copies; 1.4 GB modelled a decode write at
+    1M entries, ``_write_lanes``). ``_write_blocks`` instead adds each entry's ``new - old``
+    into its whole block (``groups(D)`` rows of 512 B: full-lane windows, no relayout; 8.7 KB
+    an entry at ``D = 128``). Blocks when the call writes at most as many entries as the stack
+    has pages (a decode, a chunk into a long cache), lanes otherwise (a long chunk into a short
+    cache, where the stack costs less than the windows)."""
     b = _padded(rows, dim)
+    lead = jnp.broadcast_shapes(jnp.shape(layer), jnp.shape(page_id), jnp.shape(offset),
+                                b.shape[:-1])
+    layer, page_id, offset = (jnp.broadcast_to(jnp.asarray(a, jnp.int32), lead).reshape(-1)
+                              for a in (layer, page_id, offset))
+    b = jnp.broadcast_to(b, (*lead, b.shape[-1])).reshape(-1, b.shape[-1])
+    num_layers, num_pages = pages.shape[:2]
+    ok = (page_id >= 0) & (page_id < num_pages) & (layer >= 0) & (layer < num_layers)
+    page_id = jnp.where(ok, page_id, num_pages)  # past the stack: dropped (never wrapped)
+    write = _write_blocks if b.shape[0] <= num_pages else _write_lanes
+    return write(pages, jnp.where(ok, layer, 0), page_id, offset, b, page_size, dim)
+
+
+def _write_lanes(pages, layer, page_id, offset, b, page_size: int, dim: int):
+    """``b u8[N, groups * 4]`` (``_padded``) into its lane: one window per entry."""
     blk = _blocked(pages, page_size, dim)
-    offset = jnp.asarray(offset)
     out = blk.at[layer, page_id, offset // LANES, :, offset % LANES].set(b, mode="drop")
     return out.reshape(pages.shape)
+
+
+def _write_blocks(pages, layer, page_id, offset, b, page_size: int, dim: int):
+    """``b u8[N, groups * 4]`` added as ``new - old`` into the entry's lane of its whole block
+    (u8 arithmetic wraps; the other lanes add 0, so entries sharing a block all land)."""
+    n, g = b.shape[0], groups(dim)
+    win = pages.reshape(*pages.shape[:2], blocks(page_size), g, PACK, LANES)
+    blk = offset // LANES
+    old = win[layer, jnp.minimum(page_id, pages.shape[1] - 1), blk]  # [N, g, 4, 128]
+    lane = jax.lax.broadcasted_iota(jnp.int32, (n, 1, 1, LANES), 3) == (offset % LANES)[
+        :, None, None, None]
+    delta = jnp.where(lane, b.reshape(n, g, PACK, 1) - old, jnp.uint8(0))
+    return win.at[layer, page_id, blk].add(delta, mode="drop").reshape(pages.shape)
 
 
 def read_entries(pages: jax.Array, layer, page_id, offset, *, page_size: int,

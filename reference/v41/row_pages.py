@@ -71,7 +71,10 @@ def _pick(rows: jax.Array, slot, n: int, words: int) -> jax.Array:
 
 def _set(pages, layer, page_id, row, slot, words, n: int, values):
     """``values u32[..., words]`` into slot ``slot`` of row ``row`` (whole rows when ``n == 1``
-    and a slot is the row; else one index a word); ``page_id`` out of range drops."""
+    and a slot is the row; else one index a word); ``page_id`` out of range drops (a negative
+    one too: never wrapped to the end)."""
+    page_id = jnp.asarray(page_id)
+    page_id = jnp.where((page_id >= 0) & (page_id < pages.shape[1]), page_id, pages.shape[1])
     if n == 1 and words == pages.shape[-1]:
         return pages.at[layer, page_id, row].set(values, mode="drop")
     lanes = jnp.asarray(slot, jnp.int32)[..., None] * words + jnp.arange(words, dtype=jnp.int32)
