@@ -384,9 +384,11 @@ def _write_layer(params, x, plan, layout, caches, states, meta, rows, precision,
     """Layer ``plan.layer``'s projections and (a KV source) its compressor's entries and state,
     written. Returns ``(_Projected, its window rows u8[T, W], caches, states)``."""
     c, rb = layout.config, rounding(precision)
-    params = {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}  # inside the jit: an
-    # engine's bf16 weights stay bf16 in HBM, upcast (exactly) where they are read
-    params, x = L.regime_params(params, precision), rb(jnp.asarray(x, jnp.float32))
+    # inside the jit: an engine's bf16 weights stay bf16 in HBM, upcast (exactly) where they
+    # are read; the regime's rounding first (of a bf16 weight: none, not a rounded copy of it)
+    params = {k: jnp.asarray(v, jnp.float32)
+              for k, v in L.regime_params(params, precision).items()}
+    x = rb(jnp.asarray(x, jnp.float32))
     cos, sin = L.rope_tables(c, plan.ratio, layout.max_seq_len)
     pos = jnp.clip(rows.abs_pos, 0, layout.max_seq_len - 1)
     cos_p, sin_p = jnp.take(cos, pos, axis=0), jnp.take(sin, pos, axis=0)
