@@ -26,7 +26,12 @@ from reference.core import checks as _checks
 from reference.quant.bf16 import V4_DEFAULT_PRECISION, check_precision
 from reference.statements.deepseek_v4 import _check_qat
 from reference.statements.deepseek_v4_config import V4AttentionConfig, check_params
-from reference.statements.deepseek_v4_layer import layer_output, project_layer_inputs, rope_tables
+from reference.statements.deepseek_v4_layer import (
+    BF16_WEIGHTS,
+    layer_output,
+    project_layer_inputs,
+    rope_tables,
+)
 
 __all__ = ["v4_output", "v4_project", "v4_rope_tables"]
 
@@ -76,17 +81,24 @@ def _check(params, x, positions, config, max_seq_len, precision, x_name, x_rank,
 
 @functools.partial(jax.jit, static_argnames=("config", "max_seq_len", "qat", "precision"))
 def _project(params, x, positions, config, max_seq_len, qat, precision):
-    return project_layer_inputs(params, x, positions, config, max_seq_len, qat, precision)
+    return project_layer_inputs(_f32(params, precision), x, positions, config, max_seq_len, qat,
+                                precision)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "max_seq_len", "precision"))
 def _output(params, o, positions, config, max_seq_len, precision):
-    out = layer_output(params, o, positions, config, max_seq_len, precision)
+    out = layer_output(_f32(params, precision), o, positions, config, max_seq_len, precision)
     return out if precision == "f32" else out.astype(jax.numpy.bfloat16)
 
 
-def _f32(params):
-    return {k: jax.numpy.asarray(v, jax.numpy.float32) for k, v in params.items()}
+def _f32(params, precision):
+    """Inside the jit: every weight upcast (exactly) where it is read, not copied to f32 in HBM;
+    under ``"bf16"`` a bf16 weight the regime rounds (``BF16_WEIGHTS``) stays bf16 for the
+    statement's rounding, which is then only its convert (``round_bf16``), not a rounded copy
+    of the weight."""
+    keep = precision == "bf16"
+    return {k: v if keep and k in BF16_WEIGHTS and v.dtype == jax.numpy.bfloat16
+            else jax.numpy.asarray(v, jax.numpy.float32) for k, v in params.items()}
 
 
 def v4_project(params, x, positions, config: V4AttentionConfig, *, max_seq_len: int,
@@ -119,7 +131,7 @@ def v4_project(params, x, positions, config: V4AttentionConfig, *, max_seq_len: 
            {1: (config.dim if isinstance(config, V4AttentionConfig) else None, "config.dim")})
     if qat:
         _check_qat(config)
-    return _project(_f32(params), jax.numpy.asarray(x, jax.numpy.float32),
+    return _project(params, jax.numpy.asarray(x, jax.numpy.float32),
                     jax.numpy.asarray(positions, jax.numpy.int32), config, int(max_seq_len),
                     bool(qat), precision)
 
@@ -137,6 +149,6 @@ def v4_output(params, o, positions, config: V4AttentionConfig, *, max_seq_len: i
     if isinstance(config, V4AttentionConfig):
         dims = {1: (config.n_heads, "config.n_heads"), 2: (config.head_dim, "config.head_dim")}
     _check(params, o, positions, config, max_seq_len, precision, "o", 3, dims)
-    return _output(_f32(params), jax.numpy.asarray(o, jax.numpy.float32),
+    return _output(params, jax.numpy.asarray(o, jax.numpy.float32),
                    jax.numpy.asarray(positions, jax.numpy.int32), config, int(max_seq_len),
                    precision)
