@@ -171,13 +171,17 @@ def _ring_rows(ring, n):
     return {p: ring[p % w] for p in range(max(0, n - w), n)}
 
 
-def run_official(model, c, weights, xs, schedule, torch_ops="cpu"):
+def run_official(model, c, weights, xs, schedule, torch_ops="cpu", own_keys=False):
     """Drive one fresh official ``Attention`` per layer (a fresh ``shared_attn``) over
     ``schedule`` (new tokens per call), every layer in order each call. Returns ``(outs, sets,
     cands, held)``: per layer ``f32[N, dim]``; per layer and position the attended compressed
     entry set (a sorted tuple; compressed layers only); per position the candidate source's
     block set; per layer the q ``sparse_attn`` got on every call, the final window rows by
-    position, and on KV sources the pool and the index keys."""
+    position, on KV sources the pool and the index keys, and ``stale``: the calls (their start
+    positions) after which ``shared_attn.index_k`` (what its indexer scored) was not the layer's
+    own ``k_cache``, with the layer whose it was. ``own_keys``: a counterfactual, the harness
+    points ``shared_attn.index_k`` at a KV source's own ``k_cache`` before each of its calls
+    (``model.py`` unchanged)."""
     import torch
 
     from reference.v41.config import resolve_layers
@@ -199,7 +203,7 @@ def run_official(model, c, weights, xs, schedule, torch_ops="cpu"):
     outs = [[] for _ in plans]
     sets = [{} for _ in plans]
     qs = [[] for _ in plans]
-    cands, done = {}, 0
+    cands, stale, done = {}, [[] for _ in plans], 0
     rule = kernels_cpu.cuda_ops() if torch_ops == "cuda" else contextlib.nullcontext()
     model.sparse_attn = recorded_attn
     try:
@@ -207,7 +211,15 @@ def run_official(model, c, weights, xs, schedule, torch_ops="cpu"):
             for n in schedule:
                 for plan, attn in zip(plans, layers, strict=True):
                     i = plan.layer
+                    if own_keys and attn.is_kv_source:
+                        model.shared_attn.index_k = attn.indexer.k_cache
                     outs[i].append(attn(xs[i][None, done:done + n], done)[0].float().numpy())
+                    read = model.shared_attn.index_k  # what its indexer scored, if it ran
+                    if attn.is_kv_source and (done + n) // plan.ratio and \
+                            read is not attn.indexer.k_cache:
+                        stale[i].append((done, next((j for j, a in enumerate(layers)
+                                                     if a.is_kv_source
+                                                     and a.indexer.k_cache is read), None)))
                     q, width, idxs = calls.pop()
                     qs[i].append(q)
                     if plan.ratio:
@@ -228,7 +240,8 @@ def run_official(model, c, weights, xs, schedule, torch_ops="cpu"):
     held = []
     for plan, attn in zip(plans, layers, strict=True):
         h = {"q": np.concatenate(qs[plan.layer]),
-             "window": _ring_rows(attn.window_kv_cache[0].float().numpy(), done)}
+             "window": _ring_rows(attn.window_kv_cache[0].float().numpy(), done),
+             "stale": stale[plan.layer]}
         if attn.is_kv_source:
             h["pool"] = attn.compress_kv_cache[0].float().numpy()
             h["index_keys"] = attn.indexer.k_cache[0].float().numpy()
@@ -306,17 +319,22 @@ def trace_intermediates(c, weights, xs, held, state):
             latent = dv41._latents(p, state.kv[k], state.score[k], r, c.rms_norm_eps, rb)
             pool, keys = dv41._publish(p, latent, r, c, cos, sin, rb)
             e = n // r
-            parts.append(f"pool {_differ(pool[0, :e], held[i]['pool'][:e])}")
-            parts.append(f"index keys {_differ(keys[0, :e], held[i]['index_keys'][:e])}")
+            for name, ours, theirs in (("pool", pool[0, :e], held[i]["pool"][:e]),
+                                       ("index keys", keys[0, :e], held[i]["index_keys"][:e])):
+                rows = np.nonzero((np.asarray(ours) != theirs).any(-1))[0].tolist()
+                parts.append(f"{name} {_differ(ours, theirs)}"
+                             + (f" (entries {rows})" if rows else ""))
         lines.append(f"  layer {i} ({plan.mode.value}, ratio {r}), statement vs official: "
                      + "; ".join(parts))
     return lines
 
 
-def trace_set_differences(c, official, ours, scores, rows):
-    """For each decode row of an index source whose sets differ: the entries only one side
-    picked, by the statement's scores, and the gap between the two sides' worst picks in bf16
-    ulps of the cut-off (0: an exact tie at the cut-off, resolved differently)."""
+def trace_set_differences(c, official, ours, scores, rows, off_cands, st_cands):
+    """The decode rows of each index source whose sets differ, classified: an exact tie at the
+    cut-off resolved differently (by the statement's scores, the two sides' worst picks score
+    the same), a candidate consumer whose row's candidate blocks differ, or other; each "other"
+    row listed with the entries only one side picked, their scores, and the gap between the two
+    sides' worst picks in bf16 ulps of the cut-off."""
     from reference.v41.config import resolve_layers
 
     lines = []
@@ -324,6 +342,7 @@ def trace_set_differences(c, official, ours, scores, rows):
         i = plan.layer
         if plan.mode.value not in ("full", "reindex"):
             continue
+        kinds, other = {"tie": 0, "candidate blocks": 0, "other": 0}, []
         for p in rows:
             if official[i][p] == ours[i][p]:
                 continue
@@ -333,9 +352,19 @@ def trace_set_differences(c, official, ours, scores, rows):
             gap = min(float(sc[j]) for j in only_u) - max(float(sc[j]) for j in only_o) \
                 if only_o and only_u else float("nan")
             cut = min(float(sc[j]) for j in ours[i][p]) if ours[i][p] else float("nan")
-            lines.append(f"  layer {i} pos {p}: official only {only_o} (scores "
-                         f"{[float(sc[j]) for j in only_o]}), statement only {only_u} (scores "
-                         f"{[float(sc[j]) for j in only_u]}); gap {gap / _ulp(cut):.1f} ulp")
+            if gap == 0:
+                kinds["tie"] += 1
+            elif plan.candidates.value == "consumes" and off_cands[p] != st_cands[p]:
+                kinds["candidate blocks"] += 1
+            else:
+                kinds["other"] += 1
+                other.append(f"    pos {p}: official only {only_o} (scores "
+                             f"{[float(sc[j]) for j in only_o]}), statement only {only_u} "
+                             f"(scores {[float(sc[j]) for j in only_u]}); gap "
+                             f"{gap / _ulp(cut):.1f} ulp")
+        lines.append(f"  layer {i} ({plan.mode.value}): decode rows whose sets differ: "
+                     + ", ".join(f"{k} {v}" for k, v in kinds.items()))
+        lines += other
     return lines
 
 
@@ -352,37 +381,58 @@ def compare_run(model, c, weights, prefill, decodes, seed, torch_ops):
     split = [prefill] + [1] * decodes
     off, off_sets, off_cands, held = run_official(model, c, weights, xt, split, torch_ops)
     one, one_sets, one_cands, _ = run_official(model, c, weights, xt, [n], torch_ops)
+    own, own_sets, own_cands, _ = run_official(model, c, weights, xt, split, torch_ops,
+                                               own_keys=True)
     st, st_sets, st_cands, st_scores, state = run_statement(c, weights, xs, split)
     pre, dec = np.arange(prefill), np.arange(prefill, n)
     lines, same = [], {}
     for plan in resolve_layers(c):
         i = plan.layer
-        cols = [(_maxdiff(a[i], off[i], pre), _maxdiff(a[i], off[i], dec)) for a in (st, one)]
+        cols = [(_maxdiff(a[i], b[i], pre), _maxdiff(a[i], b[i], dec))
+                for a, b in ((st, off), (one, off), (st, own))]
         text = " | ".join(f"{a:.4f} / {b:.4f}" for a, b in cols)
         if plan.ratio:
-            same[i] = [sum(s[i][p] == off_sets[i][p] for p in dec) for s in (st_sets, one_sets)]
-            sets = f"{same[i][0]} / {len(dec)} | {same[i][1]} / {len(dec)}"
+            same[i] = [sum(a[i][p] == b[i][p] for p in dec)
+                       for a, b in ((st_sets, off_sets), (one_sets, off_sets),
+                                    (st_sets, own_sets))]
+            sets = " | ".join(f"{k} / {len(dec)}" for k in same[i])
+            agree = np.array([p for p in dec if st_sets[i][p] == own_sets[i][p]], int)
+            sets += f" | {_maxdiff(st[i], own[i], agree):.4f}"
         else:
-            sets = "- | -"
+            sets = "- | - | - | -"
         lines.append(f"| {i} {plan.mode.value} r{plan.ratio} {plan.candidates.value} | {text} "
                      f"| {sets} | {float(np.abs(off[i]).max()):.3f} |")
-    cand = [sum(s[p] == off_cands[p] for p in dec) for s in (st_cands, one_cands)]
+    cand = [sum(a[p] == b[p] for p in dec)
+            for a, b in ((st_cands, off_cands), (one_cands, off_cands), (st_cands, own_cands))]
     cand_pre = sum(st_cands[p] == off_cands[p] for p in pre)
     lines.append(f"| candidate blocks (layer {c.candidate_source_layer_id}), decode rows "
-                 f"equal | | | {cand[0]} / {len(dec)} | {cand[1]} / {len(dec)} | |")
-    trace = trace_intermediates(c, weights, xs, held, state)
+                 f"equal | | | | " + " | ".join(f"{k} / {len(dec)}" for k in cand) + " | | |")
+    trace = []
+    for plan in resolve_layers(c):
+        if plan.mode.value == "full":
+            calls = held[plan.layer]["stale"]
+            owners = sorted({j for _, j in calls})
+            trace.append(f"  layer {plan.layer} (KV source, ratio {plan.ratio}): after "
+                         f"{len(calls)} of {len(split)} calls shared_attn.index_k, the keys its "
+                         f"indexer scored, was not its own k_cache but layer(s) {owners}'s; "
+                         f"calls at {[p for p, _ in calls]}")
+    trace += trace_intermediates(c, weights, xs, held, state)
     trace.append("  sets on prefill rows (statement vs official), per compressed layer: "
                  + ", ".join(f"{i}: {sum(st_sets[i][p] == off_sets[i][p] for p in pre)} / "
                              f"{prefill}" for i in same)
                  + f"; candidate blocks {cand_pre} / {prefill}")
-    trace += trace_set_differences(c, off_sets, st_sets, st_scores, dec)
+    trace.append("  the sets against the official run with own index keys (the stale keys "
+                 "set aside):")
+    trace += trace_set_differences(c, own_sets, st_sets, st_scores, dec, own_cands, st_cands)
     return lines, trace, same, cand, len(dec)
 
 
 HEADER = ("| layer (mode, ratio, candidates) | statement vs official (prefill / decodes) | "
-          "official vs itself: one prefill vs prefill + decodes | entry sets equal, decode rows:"
-          " statement vs official | official vs itself | max abs official output |\n"
-          "|---|---|---|---|---|---|")
+          "official vs itself: one prefill vs prefill + decodes | statement vs official with "
+          "own index keys | entry sets equal, decode rows: statement vs official | official vs "
+          "itself | statement vs official with own index keys | statement vs official with own "
+          "index keys, decode rows with equal sets | max abs official output |\n"
+          "|---|---|---|---|---|---|---|---|---|")
 
 
 def main(argv=None) -> int:
@@ -407,22 +457,23 @@ def main(argv=None) -> int:
     model = load_official(args.official)
     c = config()
     weights = make_weights(model, c, args.seed)
-    totals, cand_tot, rows_tot = {}, np.zeros(2, int), 0
+    totals, cand_tot, rows_tot = {}, np.zeros(3, int), 0
     for prefill, decodes in (QUICK_RUNS if args.quick else RUNS):
         lines, trace, same, cand, rows = compare_run(model, c, weights, prefill, decodes,
                                                      args.seed, args.torch_ops)
         print(f"\nrun: prefill {prefill} then {decodes} decodes (seed {args.seed}; official "
               f"code from {args.official}, torch ops: {args.torch_ops})\n{HEADER}")
         print("\n".join(lines))
-        print("Traces (intermediates; then the decode rows whose sets differ, statement vs "
-              "official, by the statement's bf16 scores):")
+        print("Traces (the KV sources' index keys; intermediates; the decode rows whose sets "
+              "differ, by the statement's bf16 scores):")
         print("\n".join(trace), flush=True)
         for i, s in same.items():
-            totals[i] = totals.get(i, np.zeros(2, int)) + s
+            totals[i] = totals.get(i, np.zeros(3, int)) + s
         cand_tot, rows_tot = cand_tot + cand, rows_tot + rows
-    print(f"\nall runs, decode rows with equal entry sets (statement / official vs itself), "
-          f"of {rows_tot}: " + ", ".join(f"layer {i} {s[0]} / {s[1]}" for i, s in totals.items())
-          + f"; candidate blocks {cand_tot[0]} / {cand_tot[1]}")
+    print(f"\nall runs, decode rows with equal entry sets (statement vs official / official vs "
+          f"itself / statement vs official with own index keys), of {rows_tot}: "
+          + ", ".join(f"layer {i} {s[0]} / {s[1]} / {s[2]}" for i, s in totals.items())
+          + f"; candidate blocks {cand_tot[0]} / {cand_tot[1]} / {cand_tot[2]}")
     return 0
 
 
