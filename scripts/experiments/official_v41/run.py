@@ -44,10 +44,56 @@ block sets. Then traces: q, window rows, pool entries and index keys (statement 
 element by element) and each decode row whose sets differ, by the statement's scores. Needs torch
 and the official code; CPU only (``--quick``: a shorter run).
 
-    python -m scripts.experiments.official_v41.run --official /tmp/official41 [--quick]
+    PYTHONPATH=. JAX_PLATFORMS=cpu python -m scripts.experiments.official_v41.run \
+        --official /tmp/official41 [--quick]
         [--torch-ops cuda]
 
-Measured: see the end of this docstring (filled in from the runs).
+Measured (torch 2.13.0+cpu, jax 0.10.2, seed 0; the release's ``model.py`` as vendored
+byte-identical from DeepSeek-V4.1-Flash revision dba1be0a, header and relative imports aside,
+61957 characters; runs ``(13, 200)`` and ``(1, 60)``; about 1.5 min with ``--torch-ops cpu``,
+25 s with ``cuda``, on 2 shared cores):
+
+- Prefill rows (both runs, both torch-op settings): the statement equals the official output
+  on every layer (max abs diff 0), except, with torch's CPU ``topk``, the ratio-1 layers 3-7 of
+  the 13-token prefill (0.09-0.30; 12 / 13 sets equal): ties at the cut-off, see below. Window
+  rows, ratio-1 and ratio-2 pools, index keys and q: bit-equal but for a few elements (below).
+- Layers 0 and 8 (SWA): 0 on every row but one decode row of layer 8 (0.0020: q, below).
+- **The official decode path of a ratio-2 KV source scores another layer's index keys.** Its
+  ``Indexer.forward`` publishes ``shared_attn.index_k = self.k_cache`` only when the layer's
+  compressor completed a group (``latent is not None``), then scores whatever
+  ``shared_attn.index_k`` holds. In decode at an even position (``(p + 1) % 2 != 0``) layer 1
+  (ratio 2) publishes nothing, so it scores the index keys last published by the ratio-1 KV
+  source layer 3 on the previous step (its per-token cache ``[: (p + 1) // 2]``): measured on
+  100 of 201 calls of run 1 (every even position 14-212) and 30 of 61 of run 2 (2-60). Its
+  top-k there is unrelated to its own entries, and layer 2 (REUSE) attends it: decode sets
+  equal 101 / 200 and 35 / 60 (``cuda``), max abs diff 1.67 / 1.85 on layers 1 / 2. The
+  official code disagrees with itself by the same amounts (one prefill, where every KV source
+  publishes, vs prefill + decodes: 1.67 / 1.85, sets 101 / 200), and pointing
+  ``shared_attn.index_k`` at layer 1's own ``k_cache`` before each of its calls (the harness's
+  counterfactual, ``model.py`` unchanged) makes layers 1 and 2 agree with the statement on
+  every row (sets 200 / 200 and 60 / 60, outputs 0 and 0.0020). In the released config
+  (KV sources 2, 8, 14 at ratio 2, then 20 at ratio 1) the same path makes layers 2-19 score
+  layer 20's ratio-1 keys on every other decode step. The statement (every KV source's own
+  keys, as the official prefill) is left as is: this is a finding about the release.
+- ``--torch-ops cuda`` (CUDA's topk tie rule), stale keys set aside (the own-keys run): every
+  set and candidate-block set equal on 259 / 260 decode rows of layers 3-7 and 260 / 260
+  elsewhere; outputs 0 on the rows with equal sets, up to 0.0039 on a few (below). The one
+  row: entry 109's index key (layer 3) differs in 2 of its 32 elements by one fp4 step: the
+  latent ``compressor.norm(wkv(x_109))`` has one element at 1.94140625 in torch (the f32
+  result lands exactly on the bf16 midpoint, rounds to even 1.9375) and 1.9414064 in the
+  statement (1.9453125), because the RMSNorm mean of squares differs by one f32 ulp (torch's
+  summation order vs the statement's pairwise tree; f64: 1.94140629). Selections then differ
+  at layer 3 pos 145 (entry 109 vs 8) and layer 5 pos 110 (109 vs 76), outputs on those rows
+  0.055-0.36 (layers 3-7). Same class: 1-46 q elements of 27264 differ by an ulp on layers 2,
+  7, 8 (f32 summation order in ``wq_b`` / ``q_norm``), giving 0.0020-0.0039 on a decode row.
+- With torch's CPU ``topk`` (the code as it runs here): layers 3-7 decode sets 199 / 260
+  (3, 4) and 182 / 260 (5-7), candidate blocks 197 / 260; the official code against itself
+  213, 211 and 234 / 260. Against the own-keys run every differing row of layers 1 and 3 is
+  an exact tie at the cut-off in the statement's bf16 scores (mostly at score 0: both index
+  heads negative), which the statement gives to the lower entry (the declared rule, CUDA's)
+  and torch's CPU ``topk`` otherwise, but the entry-109 row; layer 5's differing rows are ties
+  (19) or rows whose candidate blocks (layer 3's, themselves tie-resolved) differ (58), and
+  the entry-109 row.
 """
 
 from __future__ import annotations
