@@ -5,14 +5,15 @@ The official ``inference/model.py`` is imported UNMODIFIED from ``--official DIR
 or ``DIR/inference/model.py``; not vendored here) as the module ``model`` of a synthetic package
 whose ``kernel_cpu`` (the vendored copies' import) and ``kernel`` (upstream's) are this package's
 CPU stand-ins (``scripts.experiments.official_v41.kernels_cpu``), and whose ``engram``,
-``image_processor`` and ``vision`` are the files next to ``model.py`` where present, else stub
-modules holding the names it imports (``Transformer`` uses them, the attention layers never do).
-Its globals are set as ``Transformer.__init__`` sets them for ``dtype="bf16"`` (``world_size``
-1, ``default_dtype = bf16``: the Linears are ``F.linear`` on bf16 weights; ``scale_fmt`` and
-``scale_dtype`` keep their ue8m0 defaults), the default dtype bf16 as ``generate.py`` sets it
-(so the caches and the norm weights are bf16, as built there). One ``Attention(layer_id, args)``
-per layer of the package's tiny V4.1 config (``reference.v41.v41_tiny``: dim 32, 2 heads of 64,
-rope 16, window 8, index 2 x 32, top-4, q_lora 16, 2 x 8 output groups) with every mode:
+``image_processor`` and ``vision`` are the files next to ``model.py`` where present and
+importable, else stub modules holding the names it imports (``Transformer`` uses them, the
+attention layers never do). Its globals are set as ``Transformer.__init__`` sets them for
+``dtype="bf16"`` (``world_size`` 1, ``default_dtype = bf16``: the Linears are ``F.linear`` on
+bf16 weights; ``scale_fmt`` and ``scale_dtype`` keep their ue8m0 defaults), the default dtype
+bf16 as ``generate.py`` sets it (so the caches and the norm weights are bf16, as built there).
+One ``Attention(layer_id, args)`` per layer of the package's tiny V4.1 config
+(``reference.v41.v41_tiny``: dim 32, 2 heads of 64, rope 16, window 8, index 2 x 32, top-4,
+q_lora 16, 2 x 8 output groups) with every mode:
 
     layer  0    1       2       3                4       5                6, 7    8
     ratio  0    2       2       1                1       1                1       0 (MTP)
@@ -155,13 +156,16 @@ def load_official(directory: str):
         sys.modules[f"{PACKAGE}.{name}"] = kernels_cpu
     for name, names in STUBS.items():
         sibling = os.path.join(here, f"{name}.py")
+        sys.modules[f"{PACKAGE}.{name}"] = _stub(name, names)
         if os.path.isfile(sibling):
             spec = importlib.util.spec_from_file_location(f"{PACKAGE}.{name}", sibling)
             mod = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = mod
-            spec.loader.exec_module(mod)
-        else:
-            sys.modules[f"{PACKAGE}.{name}"] = _stub(name, names)
+            try:
+                spec.loader.exec_module(mod)
+            except ImportError as e:  # its own dependencies (tokenizers, PIL, ...) missing
+                print(f"{sibling}: {e}; a stub stands in for it", file=sys.stderr)
+                sys.modules[spec.name] = _stub(name, names)
     spec = importlib.util.spec_from_file_location(f"{PACKAGE}.model", path)
     model = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = model
