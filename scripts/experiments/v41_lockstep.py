@@ -13,7 +13,11 @@ step shapes' interpreted compiles cost ~55 s, a decode ~1.2 s at pages of 16 (mo
     python -m scripts.experiments.v41_lockstep --implementation pallas --decodes 260
 
 (prints the largest error and the time; BENCHMARKS.md has the runs). CPU
-only. ``--page-size`` sets the layout's pages (the suite's Pallas case runs at 16)."""
+only. ``--page-size`` sets the layout's pages (the suite's Pallas case runs at 16);
+``--config blocks`` runs the suite's Pallas config (``tests/test_v41_step.py::C_BLOCKS``: the
+tiny config with V4.1-Flash's index geometry, so the consumer reads its candidate blocks through
+``pallas_kernels.indexer.v41_candidates``), ``tiny`` (the default) ``v41_tiny`` itself (its
+consumer reads whole pages holding candidates)."""
 
 from __future__ import annotations
 
@@ -29,16 +33,18 @@ def main(argv=None) -> None:
     ap.add_argument("--implementation", choices=("xla", "pallas"), default="pallas")
     ap.add_argument("--decodes", type=int, default=260)
     ap.add_argument("--page-size", type=int, default=4)
+    ap.add_argument("--config", choices=("tiny", "blocks"), default="tiny")
     args = ap.parse_args(argv)
     from dsa_jax.v41_step import V41StepLayout
-    from tests.test_v41_step import MAX_SEQ, C, _lockstep
+    from tests.test_v41_step import C_BLOCKS, MAX_SEQ, C, _lockstep
 
     kw = {"implementation": args.implementation}
     if args.implementation == "pallas":
         kw["kernel_options"] = {"interpret": True}  # the strict interpreter
     t0 = time.time()
     # asserts every step; prints the largest errors
-    _lockstep(args.decodes, V41StepLayout(C, args.page_size, MAX_SEQ), **kw)
+    config = C_BLOCKS if args.config == "blocks" else C
+    _lockstep(args.decodes, V41StepLayout(config, args.page_size, MAX_SEQ), **kw)
     print(f"{args.implementation}: {args.decodes} decodes passed in {time.time() - t0:.0f} s")
 
 

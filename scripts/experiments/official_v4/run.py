@@ -337,23 +337,40 @@ HEADER = ("| layer | statement vs official (prefill / decodes) | step vs officia
           "output |\n|---|---|---|---|---|")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--official", default="/tmp/official_F",
+def harness_args(argv, doc: str, default_dir: str, torch_ops: str) -> argparse.Namespace:
+    """The official harnesses' command line (this one's and ``official_v41.run``'s):
+    ``--official DIR``, ``--quick``, ``--seed``, ``--torch-ops cpu|cuda`` (``torch_ops``: what
+    the choice swaps in that release's code)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--official", default=default_dir,
                     help="directory holding the released inference/model.py (unmodified)")
     ap.add_argument("--quick", action="store_true", help="short runs (a smoke test)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--torch-ops", choices=("cpu", "cuda"), default="cpu",
-                    help="the official code's torch.topk (its indexer's tie rule) and bf16 "
-                         "torch.rsqrt (its per-head q norm): torch's CPU kernels, as the code "
-                         "runs here, or what torch's CUDA kernels compute, as on a GPU")
-    args = ap.parse_args(argv)
+                    help=f"the official code's {torch_ops}: torch's CPU kernels, as the code "
+                         f"runs here, or what torch's CUDA kernels compute, as on a GPU")
+    return ap.parse_args(argv)
+
+
+def cannot_run(name: str, release: str, official: str, model_py: str | None) -> bool:
+    """True (and why, on stderr) when torch or the release's ``model.py`` is missing."""
     if importlib.util.find_spec("torch") is None:
-        print("official_v4.run needs torch (pip install torch; CPU is enough)", file=sys.stderr)
-        return 2
-    if not os.path.isfile(os.path.join(args.official, "model.py")):
-        print(f"official_v4.run needs the official DeepSeek-V4 inference code: no model.py in "
-              f"--official {args.official!r}", file=sys.stderr)
+        print(f"{name} needs torch (pip install torch; CPU is enough)", file=sys.stderr)
+        return True
+    if model_py is None:
+        print(f"{name} needs the official {release} inference code: no model.py in "
+              f"--official {official!r}", file=sys.stderr)
+        return True
+    return False
+
+
+def main(argv=None) -> int:
+    args = harness_args(argv, __doc__, "/tmp/official_F",
+                        "torch.topk (its indexer's tie rule) and bf16 torch.rsqrt (its per-head "
+                        "q norm)")
+    path = os.path.join(args.official, "model.py")
+    if cannot_run("official_v4.run", "DeepSeek-V4", args.official,
+                  path if os.path.isfile(path) else None):
         return 2
     model = load_official(args.official)
     cfgs = configs()

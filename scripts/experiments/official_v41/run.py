@@ -99,7 +99,6 @@ byte-identical from DeepSeek-V4.1-Flash revision dba1be0a, header and relative i
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib.util
 import os
@@ -108,7 +107,7 @@ import types
 
 import numpy as np
 
-from scripts.experiments.official_v4.run import _differ, _maxdiff, _ulp
+from scripts.experiments.official_v4.run import _differ, _maxdiff, _ulp, cannot_run, harness_args
 
 PACKAGE = "deepseek_v41_official"  # the synthetic package model.py is loaded into
 MAX_SEQ = 256
@@ -486,23 +485,10 @@ HEADER = ("| layer (mode, ratio, candidates) | statement vs official (prefill / 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--official", default="/tmp/official41",
-                    help="directory holding the released inference/model.py (unmodified)")
-    ap.add_argument("--quick", action="store_true", help="a short run (a smoke test)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--torch-ops", choices=("cpu", "cuda"), default="cpu",
-                    help="the official code's torch.topk (its indexer's and candidate blocks' "
-                         "tie rule): torch's CPU kernel, as the code runs here, or what torch's "
-                         "CUDA kernel computes, as on a GPU")
-    args = ap.parse_args(argv)
-    if importlib.util.find_spec("torch") is None:
-        print("official_v41.run needs torch (pip install torch; CPU is enough)",
-              file=sys.stderr)
-        return 2
-    if _model_path(args.official) is None:
-        print(f"official_v41.run needs the official DeepSeek-V4.1 inference code: no model.py "
-              f"in --official {args.official!r} (or its inference/)", file=sys.stderr)
+    args = harness_args(argv, __doc__, "/tmp/official41",
+                        "torch.topk (its indexer's and candidate blocks' tie rule)")
+    if cannot_run("official_v41.run", "DeepSeek-V4.1", args.official,
+                  _model_path(args.official)):
         return 2
     model = load_official(args.official)
     c = config()
