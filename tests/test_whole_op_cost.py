@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 import dsa_jax
 from pallas_kernels import chips, xla_cost
 from pallas_kernels.indexer import compile_cases as icases
+from pallas_kernels.measure import hlo
 from pallas_kernels.mla import compile_cases as mcases
 from reference import selection
 from reference.witnesses import scatter_topology_witnesses
@@ -130,6 +131,18 @@ def test_kernel_bytes_are_the_pallas_cost_estimate():
     # Same XLA ops around the kernel: the split leaves the same XLA side in both programs.
     assert with_est.xla_bytes == without.xla_bytes > 0
     assert with_est.total_bytes == without.total_bytes + 987654
+
+
+def test_estimated_cycles_sum_the_ops_and_grow_with_the_work():
+    """``XlaCost.estimated_cycles`` sums XLA's per-op estimates of the TPU compile: positive, more
+    for a matmul 4x the work (a 2x longer contraction and 2x the rows), none in text without
+    them."""
+    small = xla_cost.analyze(_compile(lambda a, b: a @ b, [_s((256, 512), F32),
+                                                          _s((512, 512), F32)]))
+    big = xla_cost.analyze(_compile(lambda a, b: a @ b, [_s((512, 1024), F32),
+                                                        _s((1024, 512), F32)]))
+    assert 0 < small.estimated_cycles < big.estimated_cycles
+    assert hlo.estimated_cycles("ENTRY %main () -> f32[] { ROOT %c = f32[] constant(0) }") == 0
 
 
 def test_loops_are_flagged_with_their_state():

@@ -376,6 +376,17 @@ def parse_large_results(hlo_text: str, min_bytes: int = LARGE_RESULT_BYTES) -> l
     return sorted(out, key=lambda r: -r.bytes)
 
 
+_CYCLES_RE = re.compile(r'"estimated_cycles":"(\d+)"')
+
+
+def estimated_cycles(hlo_text: str) -> int:
+    """The sum of XLA's per-instruction ``estimated_cycles`` (the TPU backend config of a
+    compiled program's ops; a ``while`` body once, as its bytes), 0 where the backend gives none
+    (XLA:CPU). A second view of XLA's model beside ``bytes accessed`` (they can disagree:
+    BENCHMARKS.md, session 29, where the bytes counted a weight's cross-program prefetch)."""
+    return sum(int(c) for c in _CYCLES_RE.findall(hlo_text))
+
+
 def has_while(hlo_text: str) -> bool:
     """True when the module has a ``while`` instruction."""
     return bool(parse_loops(hlo_text))

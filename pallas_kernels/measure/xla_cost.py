@@ -50,6 +50,7 @@ from pallas_kernels.measure.hlo import (
     KernelCall,
     LargeResult,
     Loop,
+    estimated_cycles,
     parse_indexed_ops,
     parse_kernel_calls,
     parse_large_results,
@@ -71,7 +72,9 @@ class XlaCost:
     ``optimal_seconds``: XLA's, ``None`` when negative or missing. ``has_loop``: the program
     has a ``while`` (its body is counted once: bytes are then a lower bound, not a total);
     ``loops`` says what each carries. ``indexed_ops``: every gather/scatter;
-    ``large_results``: where big XLA buffers are made (``parse_large_results``)."""
+    ``large_results``: where big XLA buffers are made (``parse_large_results``).
+    ``estimated_cycles``: the sum of XLA's per-op cycle estimates (``hlo.estimated_cycles``; 0
+    where the backend gives none)."""
 
     total_bytes: float
     kernel_bytes: float
@@ -83,6 +86,7 @@ class XlaCost:
     loops: tuple[Loop, ...] = field(default=())
     large_results: tuple[LargeResult, ...] = field(default=())
     total_reported: bool = True
+    estimated_cycles: int = 0
 
     @property
     def loops_negligible(self) -> bool:
@@ -146,7 +150,8 @@ def analyze(compiled) -> XlaCost:
     return XlaCost(total_bytes=total, kernel_bytes=kernel_bytes, xla_bytes=total - kernel_bytes,
                    optimal_seconds=secs, has_loop=bool(loops),
                    indexed_ops=tuple(parse_indexed_ops(text)), kernels=kernels, loops=loops,
-                   large_results=tuple(parse_large_results(text)), total_reported=reported)
+                   large_results=tuple(parse_large_results(text)), total_reported=reported,
+                   estimated_cycles=estimated_cycles(text))
 
 
 # ----------------------------------------------------------------------------- verdicts

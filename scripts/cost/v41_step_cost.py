@@ -14,7 +14,10 @@ blocks, a lower bound: the body counted once), ``weights`` (the bf16 parameters 
 ``cache minimum`` (what a decode row must read of its caches: each layer's window of 128
 tokens x 528 B, ``index_topk`` pool entries x 288 B per non-SWA layer, every visible index key
 x 68 B per index layer), ``temp`` (XLA's temporary buffers), per-element gathers / scatters
-(under 128 elements per index over more than 1024 indices) and the large XLA results (> 1 MiB).
+(under 128 elements per index over more than 1024 indices) and the large XLA results (> 1 MiB);
+``estimated cycles``: XLA's per-op cycle estimates summed (``hlo.estimated_cycles``), a second
+view of the same model (session 29: the two disagreed where ``bytes`` counted a weight's
+cross-program prefetch into VMEM).
 
 Usage: ``python -m scripts.cost.v41_step_cost [--quick] [--chips v6e] [--rows 16] [--context
 8192] [--q-len 1] [--implementation xla] [--page-reader]``."""
@@ -127,7 +130,8 @@ def main(argv=None) -> None:
             print(f"{chip} {impl}: {rows} {what} x {context} tokens: bytes "
                   f"{c.total_bytes / mb:.1f} MB{loop} = weights {r['weights'] / mb:.1f} MB + "
                   f"{rest:.3f} MB/row (cache minimum {r['minimum'] / mb:.3f} MB/row); kernels "
-                  f"{c.kernel_bytes / mb:.3f} MB; temp {r['temp'] / 2**20:.1f} MiB")
+                  f"{c.kernel_bytes / mb:.3f} MB; temp {r['temp'] / 2**20:.1f} MiB; "
+                  f"XLA's estimated cycles {c.estimated_cycles / 1e6:.2f} M (its ops, summed)")
             print(f"  per-element gathers/scatters: {[op.describe() for op in r['narrow']]}")
             print(f"  large XLA results (> 1 MiB): "
                   f"{[(x.opcode, x.shape) for x in r['large']][:8]}")
