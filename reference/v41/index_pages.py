@@ -166,7 +166,10 @@ def _write_lanes(pages, layer, page_id, offset, b, page_size: int, dim: int):
 
 def _write_blocks(pages, layer, page_id, offset, b, page_size: int, dim: int):
     """``b u8[N, groups * 4]`` added as ``new - old`` into the entry's lane of its whole block
-    (u8 arithmetic wraps; the other lanes add 0, so entries sharing a block all land)."""
+    (u8 arithmetic wraps; the other lanes add 0, so entries sharing a block all land). The
+    pages seen as ``[.., blocks, groups, 4, 128]``, their own tiling, not ``_blocked``'s
+    ``[.., groups * 4, 128]``: through that view XLA relayouts the stack again (measured; the
+    copy test fails)."""
     n, g = b.shape[0], groups(dim)
     win = pages.reshape(*pages.shape[:2], blocks(page_size), g, PACK, LANES)
     blk = offset // LANES
